@@ -1,0 +1,201 @@
+"""`replay`: the command line. Thin: it parses, calls the components, and prints their answers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import traceback
+
+import click
+
+from replay.errors import ReplayError
+
+
+def _main_errors(fn):
+    """One line and a non-zero exit for errors (a traceback only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        debug = click.get_current_context().find_root().params.get("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except ReplayError as e:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except BrokenPipeError:  # `replay batch ... | head`: the reader left; not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
+        except KeyboardInterrupt:
+            click.echo("interrupted; committed checkpoints are intact (resume with --resume)", err=True)
+            sys.exit(130)
+        except Exception as e:
+            if debug:
+                raise
+            click.echo(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.version_option(package_name="replay")
+def main(debug: bool) -> None:
+    """Record, replay and bisect training instabilities of GPT-2 runs.
+
+    A run store (a Zarr directory) holds everything about one run: its config and environment, the
+    exact samples of every step on every rank, metrics, spikes and committed checkpoints.
+    """
+
+
+@main.command()
+@click.option("--store", required=True, type=click.Path(file_okay=False), help="Run store directory to create.")
+@click.option("--preset", default="tiny", show_default=True, help="tiny, spike, gpt2-small or gpt2-medium.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file with config fields.")
+@click.option("--data", help="nanoGPT-style token file (train.bin); default: the built-in byte corpus.")
+@click.option("--steps", type=int, help="Optimizer steps to train.")
+@click.option("--nproc", type=int, help="Local ranks to start (torch.distributed; gloo on CPU, nccl on GPU).")
+@click.option("--launcher", type=click.Choice(["local", "deepspeed"]), help="local ranks or a DeepSpeed engine.")
+@click.option("--zero-stage", type=click.IntRange(0, 2), help="DeepSpeed ZeRO stage (with --launcher deepspeed).")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), help="BF16 autocast or FP32.")
+@click.option("--attention", help="Attention implementation (eager, sdpa).")
+@click.option("--checkpoint-every", type=int, help="Steps between committed checkpoints.")
+@click.option("--seed", type=int, help="Seed of the initialisation and of the data order.")
+@click.option("--resume", is_flag=True, help="Continue a stopped or crashed run from its last committed checkpoint.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config field, e.g. optim.lr=3e-3.")
+@_main_errors
+def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage, precision, attention,
+           checkpoint_every, seed, resume, sets) -> None:
+    """Train the built-in GPT-2 and record the run into STORE.
+
+    Every optimizer step records the sample ids of every micro-batch of every rank, per-rank and global
+    loss, grad norm (before clipping), learning rate, tokens and step time. Every K steps each rank
+    writes its shard of a checkpoint (model, optimizer, scheduler, RNG states) off the training thread;
+    it becomes visible once committed. A spike detector flushes recent in-memory snapshots on a spike.
+    """
+    from replay.config import build_config
+    from replay.launch import ranks
+
+    if ranks.under_outer_launcher():
+        return _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision,
+                               attention, checkpoint_every, seed, sets)
+    if resume:
+        given = [n for n, v in [("--preset", preset != "tiny"), ("--config", config_file), ("--data", data),
+                                ("--steps", steps), ("--set", sets), ("--seed", seed)] if v]
+        if given:
+            raise ReplayError(f"--resume continues the recorded config; drop {', '.join(given)}")
+        store_obj, cfg = ranks.prepare_resume(store, world_size=nproc or _recorded_world(store))
+        click.echo(f"resuming {store} from step {store_obj.n_steps} of {cfg.steps}", err=True)
+        ranks.run_ranks(store, cfg, cfg.nproc, resume=True)
+    else:
+        cfg = build_config(preset, config_file, list(sets), steps=steps, nproc=nproc, launcher=launcher,
+                           zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
+                           seed=seed, data={"path": data} if data else None,
+                           model={"attention": attention} if attention else None)
+        ranks.prepare_new(store, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
+        click.echo(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) "
+                   f"({cfg.launcher}{f', ZeRO-{cfg.zero_stage}' if cfg.launcher == 'deepspeed' else ''}, "
+                   f"{cfg.precision}) into {store}", err=True)
+        ranks.run_ranks(store, cfg, cfg.nproc, resume=False)
+    _print_info(store, as_json=False)
+
+
+def _recorded_world(store: str) -> int:
+    from replay.store import RunStore
+
+    return int(RunStore.open(store).manifest["world_size"])
+
+
+def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision, attention,
+                    checkpoint_every, seed, sets) -> None:
+    """Under torchrun / deepspeed (multi-node): rank 0 prepares the store, every rank trains."""
+    from replay.config import build_config
+    from replay.launch import ranks
+    from replay.train.trainer import train
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "launch")
+    if rank == 0:
+        if resume:
+            store_obj, _ = ranks.prepare_resume(store, world_size=world)
+        else:
+            cfg = build_config(preset, config_file, list(sets), steps=steps, nproc=world, launcher=launcher,
+                               zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
+                               seed=seed, data={"path": data} if data else None,
+                               model={"attention": attention} if attention else None)
+            store_obj = ranks.prepare_new(store, cfg, world_size=world, local_world=local_world)
+        store_obj.update_manifest(launch_id=launch_id)
+    else:
+        ranks.wait_for_prepared(store, launch_id)
+    train(store, resume=resume)
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@_main_errors
+def info(store, as_json) -> None:
+    """What STORE holds: steps recorded, committed checkpoints, spikes, replays."""
+    _print_info(store, as_json)
+
+
+def _print_info(store: str, as_json: bool) -> None:
+    from replay.store.summary import summarize
+
+    summary = summarize(store)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    cfg, ck = summary["config"], summary["checkpoints"]
+    m = cfg["model"]
+    click.echo(f"run store   {summary['path']}  ({summary['status']})")
+    click.echo(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
+               f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
+    click.echo(f"ranks       {summary['world_size']} ({summary['launcher']}"
+               f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == 'deepspeed' else ''}), "
+               f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
+               f"{summary['grad_accum']} accumulation")
+    click.echo(f"data        {summary['data']}")
+    click.echo(f"steps       {summary['steps_recorded']} of {cfg['steps']} recorded"
+               + (f"; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}" if summary['steps_recorded'] else ""))
+    kinds = ", ".join(f"{c['step']}{'' if c['kind'] == 'regular' else ' (' + c['kind'] + ')'}" for c in ck)
+    click.echo(f"checkpoints {len(ck)} committed: {kinds or 'none'}")
+    if summary["uncommitted_checkpoints"]:
+        click.echo(f"            {len(summary['uncommitted_checkpoints'])} uncommitted (ignored): "
+                   f"{', '.join(map(str, summary['uncommitted_checkpoints']))}")
+    sp = summary["spikes"]
+    click.echo(f"spikes      {len(sp)}" + "".join(
+        f"\n            step {e['step']}: loss {e['loss']:.4f} vs baseline {e['baseline']:.4f} (robust z {e['score']:.1f})"
+        if isinstance(e['score'], (int, float)) else f"\n            step {e['step']}: loss {e['loss']} (non-finite)"
+        for e in sp))
+    click.echo(f"replays     {len(summary['replays'])}")
+    if summary["resumes"]:
+        click.echo(f"resumed     from step {', '.join(str(r['from_step']) for r in summary['resumes'])}")
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.option("--step", required=True, type=int, help="Optimizer step (0-based).")
+@click.option("--rank", type=int, help="Only this rank's micro-batches.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@_main_errors
+def batch(store, step, rank, as_json) -> None:
+    """The exact samples trained on at STEP: decoded text for the byte corpus, token ids otherwise."""
+    from replay.store.summary import step_batch
+
+    rows = step_batch(store, step, rank)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        click.echo(f"--- step {row['step']}  rank {row['rank']}  micro-batch {row['micro']}  sample {row['sample_id']}")
+        click.echo(row["text"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Run configuration: small dataclasses, named presets, TOML files and `--set key=value` overrides.
+
+A config is resolved once, before any rank starts, and stored whole in the run store's manifest; every
+later component (replay, bisect, analysis) rebuilds the run from that stored copy, never from defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replay.errors import UsageError
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    block_size: int = 64          # sequence length of every sample (GPT-2's n_positions)
+    vocab_size: int = 0           # 0: taken from the data (256 for the built-in byte corpus)
+    dropout: float = 0.0          # dropout breaks bitwise replay unless its RNG is recorded; off by default
+    attention: str = "eager"      # attention implementation name (transformers' registry)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""                # nanoGPT-style token file (train.bin); "" = the built-in byte corpus
+    dtype: str = "uint16"         # uint16, or uint32 for vocabularies above 65,535
+    max_samples: int = 0          # 0: every window of the file; N: only the first N (memorisation runs)
+    corpus_bytes: int = 1 << 21   # size of the built-in byte corpus
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    decay_steps: int = 0          # 0: cosine decay over the whole run
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0        # 0 disables clipping (the norm is still recorded)
+
+
+@dataclass
+class SpikeConfig:
+    window: int = 50              # recent global losses the robust baseline is computed from
+    threshold: float = 6.0        # fires when loss > median + threshold * 1.4826 * MAD ...
+    min_rise: float = 0.5         # ... and loss > median * (1 + min_rise): ignores noise on flat curves
+    warmup: int = 20              # no detection before this many steps
+
+
+@dataclass
+class RunConfig:
+    preset: str = "tiny"
+    seed: int = 1337
+    steps: int = 40
+    batch_size: int = 8           # sequences per optimizer step, over all ranks: the data order
+    micro_batch_size: int = 4     # sequences per rank per forward pass; accumulation fills the rest
+    precision: str = "fp32"       # fp32, or bf16 (autocast; DeepSpeed's bf16 mode under DeepSpeed)
+    device: str = "auto"          # auto, cpu or cuda
+    threads: int = 0              # torch intra-op threads per rank; 0 = cores // local ranks (recorded)
+    nproc: int = 1
+    launcher: str = "local"       # local (torch.distributed ranks) or deepspeed
+    zero_stage: int = 0
+    checkpoint_every: int = 20
+    snapshot_every: int = 5       # in-memory snapshot cadence (0 disables the pre-spike ring)
+    snapshot_ring: int = 3        # snapshots kept in memory, flushed to the store when a spike fires
+    log_every: int = 10
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise UsageError(f"steps must be >= 1, got {self.steps}")
+        if self.precision not in ("fp32", "bf16"):
+            raise UsageError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.launcher not in ("local", "deepspeed"):
+            raise UsageError(f"launcher must be local or deepspeed, got {self.launcher!r}")
+        if self.zero_stage not in (0, 1, 2):
+            raise UsageError(f"zero stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.zero_stage and self.launcher != "deepspeed":
+            raise UsageError("--zero-stage needs --launcher deepspeed")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.nproc < 1:
+            raise UsageError(f"nproc must be >= 1, got {self.nproc}")
+        if self.checkpoint_every < 1:
+            raise UsageError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        per_pass = self.micro_batch_size * self.nproc
+        if self.micro_batch_size < 1 or self.batch_size % per_pass:
+            raise UsageError(
+                f"batch_size {self.batch_size} is not a multiple of micro_batch_size x nproc = {per_pass}; "
+                "change --set batch_size=... or --set micro_batch_size=..."
+            )
+        if self.model.n_embd % self.model.n_head:
+            raise UsageError(f"model.n_embd {self.model.n_embd} is not divisible by model.n_head {self.model.n_head}")
+        if self.model.dropout:
+            # Allowed, but dropout masks come from the torch RNG: replay stays bitwise only because the
+            # RNG states of every rank are checkpointed. Nothing to do here beyond the record.
+            pass
+        if self.data.dtype not in ("uint16", "uint32"):
+            raise UsageError(f"data.dtype must be uint16 or uint32, got {self.data.dtype!r}")
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch_size // (self.micro_batch_size * self.nproc)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        cfg = cls()
+        _apply_mapping(cfg, d, prefix="")
+        return cfg
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds on 2 CPU cores.
+    "tiny": {},
+    # A genuine loss spike on CPU (BRIEF.md section 3, measured): a 2-layer, 64-wide GPT-2 memorising
+    # 8 fixed sequences with AdamW lr 3e-3, beta2 0.95 and no warmup spikes around step 280. A
+    # memorisation spike: an optimiser instability on a tiny problem, not the papers' BF16 mechanism.
+    "spike": {
+        "steps": 400,
+        "batch_size": 8,
+        "micro_batch_size": 4,
+        "checkpoint_every": 50,
+        "snapshot_every": 10,
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
+        "data": {"max_samples": 8},
+        "optim": {"lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 0, "beta2": 0.95, "grad_clip": 1.0},
+    },
+    # The papers' model (Qiu & Yao's recipe); needs a GPU and a tokenised corpus (--data train.bin).
+    "gpt2-small": {
+        "steps": 10000,
+        "batch_size": 32,
+        "micro_batch_size": 8,
+        "precision": "bf16",
+        "checkpoint_every": 500,
+        "snapshot_every": 50,
+        "model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304},
+        "optim": {"lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 2000, "beta2": 0.95, "grad_clip": 1.0},
+    },
+    "gpt2-medium": {
+        "steps": 10000,
+        "batch_size": 32,
+        "micro_batch_size": 4,
+        "precision": "bf16",
+        "checkpoint_every": 500,
+        "snapshot_every": 50,
+        "model": {"n_layer": 24, "n_head": 16, "n_embd": 1024, "block_size": 1024, "vocab_size": 50304},
+        "optim": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 2000, "beta2": 0.95, "grad_clip": 1.0},
+    },
+}
+
+
+def _apply_mapping(obj: Any, mapping: dict[str, Any], prefix: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            raise UsageError(f"unknown config key {name!r}; known keys: {', '.join(all_keys())}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UsageError(f"config key {name!r} is a section; set its fields as {name}.FIELD=VALUE")
+            _apply_mapping(current, value, prefix=f"{name}.")
+        else:
+            setattr(obj, key, _coerce(name, value, type(current)))
+
+
+def _coerce(name: str, value: Any, typ: type) -> Any:
+    if isinstance(value, str) and typ is not str:
+        try:
+            value = json.loads(value) if typ is not bool else value.lower() in ("1", "true", "yes", "on")
+        except json.JSONDecodeError:
+            raise UsageError(f"config key {name!r} expects a {typ.__name__}, got {value!r}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise UsageError(f"config key {name!r} expects a {typ.__name__}, got {value!r}")
+    return value
+
+
+def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
+    obj = RunConfig() if obj is None else obj
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += all_keys(value, prefix=f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """`a.b=1` pairs to a nested mapping (values stay strings; coerced against the field's type)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set expects key=value, got {pair!r}")
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def build_config(
+    preset: str = "tiny",
+    config_file: str | None = None,
+    sets: list[str] | None = None,
+    **flags: Any,
+) -> RunConfig:
+    """Preset, then the TOML file, then command-line flags, then `--set` pairs: later wins."""
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = RunConfig(preset=preset)
+    _apply_mapping(cfg, PRESETS[preset], prefix="")
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise UsageError(f"config file {config_file} does not exist")
+        try:
+            _apply_mapping(cfg, tomllib.loads(path.read_text()), prefix="")
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"config file {config_file} is not valid TOML: {e}") from None
+    _apply_mapping(cfg, {k: v for k, v in flags.items() if v is not None}, prefix="")
+    _apply_mapping(cfg, parse_sets(sets or []), prefix="")
+    cfg.validate()
+    return cfg

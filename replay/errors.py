@@ -1,0 +1,19 @@
+"""Errors a user can act on. The CLI prints them as one line and exits non-zero, without a traceback."""
+
+
+class ReplayError(Exception):
+    """A problem with the user's input or store; the message says what is wrong and what to do."""
+
+    exit_code = 2
+
+
+class UsageError(ReplayError):
+    """Bad arguments, config keys or values."""
+
+
+class StoreError(ReplayError):
+    """The run store is missing, of the wrong kind, in the wrong state, or corrupted."""
+
+
+class ChecksumError(StoreError):
+    """A stored array does not match the checksum written when it was committed."""

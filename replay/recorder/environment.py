@@ -1,0 +1,89 @@
+"""What can break bitwise replay, controlled and written down: threads, kernels, RNG states."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import socket
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+import torch
+
+_PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "zarr", "triton")
+
+
+def configure_determinism(threads: int) -> None:
+    """Fixed thread count, deterministic kernels, no TF32: the same inputs give the same bits."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA init)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def fingerprint(device: torch.device) -> dict[str, Any]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    fp = {
+        "python": platform.python_version(),
+        "packages": versions,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "hostname": socket.gethostname(),
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")},
+    }
+    if device.type == "cuda":
+        fp["cuda"] = {"version": torch.version.cuda, "gpu": torch.cuda.get_device_name(device),
+                      "capability": list(torch.cuda.get_device_capability(device))}
+    return fp
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from, as a storable tree."""
+    version, mt, gauss = random.getstate()
+    state = {
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": dict(zip(("kind", "keys", "pos", "has_gauss", "cached_gaussian"), np.random.get_state())),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state["kind"], np_state["keys"], np_state["pos"], np_state["has_gauss"],
+                         np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,187 @@
+"""The recorder: the Python API a training loop calls on every rank, once per optimizer step.
+
+    state = TorchTrainState(model, optimizer, scheduler)        # or DeepSpeedTrainState(engine)
+    rec = Recorder(store_path, state, rank=rank, world_size=world, cfg=RecorderConfig(...))
+    start = rec.start()                                         # restores the last checkpoint on resume
+    for step in range(start, total_steps):
+        ... forward / backward / optimizer step on the batch `ids` ...
+        rec.record_step(step, sample_ids=ids, loss=local_loss, grad_norm=norm, lr=lr, tokens=n)
+    rec.close()
+
+Per step it gathers every rank's loss and sample ids (one small collective), feeds the spike detector,
+and hands the step log to the coordinator (rank 0). Checkpoints: every `checkpoint_every` steps the
+state is copied in memory on the training thread and written by a background thread; every
+`snapshot_every` steps a copy goes into a ring of recent snapshots, which is written only if a spike
+fires. Each rank writes its own shard; rank 0 commits once all shards are done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from replay.config import SpikeConfig
+from replay.errors import StoreError
+from replay.recorder.environment import rng_state, set_rng_state
+from replay.recorder.spikes import SpikeDetector, SpikeEvent
+from replay.recorder.writer import BackgroundWriter, fault_point
+from replay.store import RunStore
+
+
+class TrainState(Protocol):
+    """What a checkpoint holds besides RNG states (see replay.train.state): {"replicated", "local"}."""
+
+    def state_dict(self, rank: int) -> dict[str, Any]: ...
+    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class RecorderConfig:
+    total_steps: int
+    checkpoint_every: int = 20
+    snapshot_every: int = 0
+    snapshot_ring: int = 3
+    flush_every: int = 50          # step-log rows buffered before a write (always flushed at checkpoints)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+
+
+def copy_tree(tree: Any) -> Any:
+    """A CPU copy of every tensor, so later in-place optimizer updates cannot reach the snapshot."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: copy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(copy_tree(v) for v in tree)
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    return tree
+
+
+class Recorder:
+    def __init__(self, store_path: str, state: TrainState, cfg: RecorderConfig, rank: int = 0,
+                 world_size: int = 1, resume: bool = False):
+        self.store = RunStore.open(store_path, mode="a")
+        self.state, self.cfg = state, cfg
+        self.rank, self.world = rank, world_size
+        self.coordinator = rank == 0
+        self.resume = resume
+        self.detector = SpikeDetector(cfg.spike)
+        self.ring: deque[tuple[int, Any]] = deque(maxlen=max(1, cfg.snapshot_ring))
+        self.writer = BackgroundWriter(f"replay-writer-rank{rank}")
+        self._rows: list[dict[str, Any]] = []
+        self._rows_start = 0
+        self._last_time = time.perf_counter()
+        self.spikes: list[SpikeEvent] = []
+        self.last_loss = float("nan")
+
+    # -- start and stop ----------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """The step to train next: 0 for a new run (checkpoint 0 is written), or the last committed
+        checkpoint's step on resume, with the state restored from it."""
+        if not self.resume:
+            self._checkpoint(0, "regular")
+            self._last_time = time.perf_counter()
+            return 0
+        ckpt = self.store.checkpoints()[-1] if self.store.checkpoints() else None
+        if ckpt is None:
+            raise StoreError(f"{self.store.path} has no committed checkpoint to resume from; record anew")
+        own = self.store.read_shard(ckpt.step, self.rank)
+        shared = own if self.rank == 0 else self.store.read_shard(ckpt.step, 0)
+        self.state.load_state_dict(shared["state"]["replicated"], own["state"]["local"])
+        set_rng_state(own["rng"])
+        losses = self.store.read_steps(["loss"])["loss"][: ckpt.step]
+        for i, loss in enumerate(losses):   # the detector's memory, as it was at that step
+            self.detector.update(i, float(loss))
+        self._rows_start = ckpt.step
+        self._last_time = time.perf_counter()
+        return ckpt.step
+
+    def close(self) -> None:
+        """Flush everything and wait for the disk; the last step's checkpoint is written by the cadence."""
+        if self.coordinator:
+            self._flush_rows()
+        self.writer.close()
+
+    # -- per step ----------------------------------------------------------------------------------
+
+    def record_step(self, step: int, *, sample_ids: np.ndarray, loss: float, grad_norm: float, lr: float,
+                    tokens: int) -> SpikeEvent | None:
+        """Record optimizer step `step` (its state is now the one *after* the step)."""
+        now = time.perf_counter()
+        step_time, self._last_time = now - self._last_time, now
+        sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        rank_loss, all_ids, all_tokens = self._gather(loss, sample_ids, tokens)
+        global_loss = self.last_loss = float(np.mean(rank_loss))
+        if self.coordinator:
+            self._rows.append({"loss": global_loss, "rank_loss": rank_loss, "grad_norm": float(grad_norm),
+                               "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
+                               "sample_ids": all_ids})
+        event = self.detector.update(step, global_loss)   # every rank sees the same gathered losses
+        nxt = step + 1
+        if nxt % self.cfg.checkpoint_every == 0 or nxt == self.cfg.total_steps:
+            self._checkpoint(nxt, "regular")
+            self.ring.clear()
+        elif self.cfg.snapshot_every and nxt % self.cfg.snapshot_every == 0:
+            self.ring.append((nxt, self._capture()))
+        if event is not None:
+            self.spikes.append(event)
+            self._flush_ring()
+            if self.coordinator:
+                self._flush_rows()
+                self.writer.submit(lambda e=event: self.store.add_spike(e.to_dict()))
+        if self.coordinator and len(self._rows) >= self.cfg.flush_every:
+            self._flush_rows()
+        return event
+
+    def _gather(self, loss: float, ids: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+        if self.world == 1:
+            return np.array([loss], dtype=np.float64), ids[None], tokens
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mine = torch.cat([torch.tensor([loss, float(tokens)], dtype=torch.float64),
+                          torch.from_numpy(ids.reshape(-1).astype(np.float64))]).to(device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine)   # ids < 2**53: exact in float64
+        rows = torch.stack(out).cpu().numpy()
+        return rows[:, 0].copy(), rows[:, 2:].astype(np.int64).reshape(self.world, *ids.shape), int(rows[:, 1].sum())
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def _capture(self) -> dict[str, Any]:
+        return copy_tree({"state": self.state.state_dict(self.rank), "rng": rng_state()})
+
+    def _checkpoint(self, step: int, kind: str, tree: Any = None) -> None:
+        tree = self._capture() if tree is None else tree
+        if self.coordinator:
+            self._flush_rows()
+        rank, world, store = self.rank, self.world, self.store
+
+        def write() -> None:
+            store.write_shard(step, rank, tree, after_array=lambda i, n: i == n // 2 and fault_point(
+                "shard-half", step, rank))
+            fault_point("before-commit", step, rank)
+
+        self.writer.submit(write)
+        if self.coordinator:
+            self.writer.submit(lambda: store.commit_checkpoint(step, kind, world,
+                                                               should_stop=lambda: self.writer.stopping))
+
+    def _flush_ring(self) -> None:
+        for step, tree in self.ring:
+            self._checkpoint(step, "snapshot", tree)
+        self.ring.clear()
+
+    def _flush_rows(self) -> None:
+        if not self._rows:
+            return
+        rows, start = self._rows, self._rows_start
+        self._rows, self._rows_start = [], start + len(rows)
+        records = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
+        self.writer.submit(lambda: self.store.append_steps(start, records))

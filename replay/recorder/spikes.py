@@ -1,0 +1,72 @@
+"""Online loss-spike detection: a robust rule over the recent loss history.
+
+A step's global loss is a spike when, over the last `window` steps before it,
+
+    loss > median + threshold * 1.4826 * MAD      (a robust z-score above `threshold`)
+    loss > median * (1 + min_rise)                 (and a real rise, not noise on a flat curve)
+
+once at least `warmup` steps have been seen. Consecutive spiking steps are one event (reported at the
+first); the detector re-arms when the loss falls back below the rule. Non-finite losses always fire.
+The same rule judges replays (bisect's "prevents the spike"), so it lives here, free of training code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from replay.config import SpikeConfig
+
+
+@dataclass
+class SpikeEvent:
+    step: int
+    loss: float
+    baseline: float   # median of the window
+    spread: float     # 1.4826 * MAD of the window
+    score: float      # (loss - baseline) / spread
+
+    def to_dict(self) -> dict:
+        return {k: (v if math.isfinite(v) else str(v)) if isinstance(v, float) else v
+                for k, v in asdict(self).items()}
+
+
+class SpikeDetector:
+    def __init__(self, cfg: SpikeConfig):
+        self.cfg = cfg
+        self.history: deque[float] = deque(maxlen=cfg.window)
+        self.seen = 0
+        self.in_spike = False
+
+    def is_spike(self, loss: float) -> tuple[bool, float, float, float]:
+        """(fires?, baseline, spread, score) of `loss` against the current history; no state change."""
+        if not math.isfinite(loss):
+            return True, math.nan, math.nan, math.inf
+        if self.seen < max(self.cfg.warmup, 3) or len(self.history) < 3:
+            return False, math.nan, math.nan, 0.0
+        h = np.fromiter(self.history, dtype=np.float64)
+        median = float(np.median(h))
+        spread = max(1.4826 * float(np.median(np.abs(h - median))), 1e-12)
+        score = (loss - median) / spread
+        fires = score > self.cfg.threshold and loss > median * (1 + self.cfg.min_rise)
+        return fires, median, spread, score
+
+    def update(self, step: int, loss: float) -> SpikeEvent | None:
+        fires, median, spread, score = self.is_spike(loss)
+        event = None
+        if fires and not self.in_spike:
+            event = SpikeEvent(step, float(loss), median, spread, float(score))
+        self.in_spike = fires
+        if not fires:  # a spiking loss would poison its own baseline
+            self.history.append(float(loss))
+        self.seen += 1
+        return event
+
+
+def detect_spikes(losses: np.ndarray, cfg: SpikeConfig, start_step: int = 0) -> list[SpikeEvent]:
+    """Run the online rule over a whole loss series (for replays and offline checks)."""
+    detector = SpikeDetector(cfg)
+    return [e for i, x in enumerate(losses) if (e := detector.update(start_step + i, float(x)))]

@@ -1,0 +1,301 @@
+"""The run store: one Zarr v3 group on disk that every component reads and writes.
+
+Layout (all arrays plus JSON attributes; no pickle anywhere):
+
+    zarr.json                       root attributes: the manifest (schema, config, environment, data, ...)
+    data/tokens                     the built-in corpus, embedded so the store is self-contained
+    steps/<field>                   per-step records over (step[, rank[, micro, sample]])
+    steps                .attrs     {"n_steps": N}: rows [0, N) are valid; explicit done-ness
+    spikes               .attrs     {"events": [...]}: what the online detector fired on
+    checkpoints/<step>/rank<r>/...  each rank's own arrays; .attrs {"done", "skeleton", "dtypes"} last
+    checkpoints/<step>   .attrs     {"commit": {...checksums of every array...}} written last, by one
+                                    coordinator, once every rank is done: readers ignore the rest
+
+Checkpoint <step> holds the state *before* step <step> runs (checkpoint 0 is the initial state).
+Concurrency: every rank writes only its own `rank<r>` subtree; the step log, spikes, commits and the
+manifest have a single writer (the coordinator, rank 0). Arrays are written through Zarr's local store,
+which writes each file to a temporary name and renames it into place.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import zarr
+from zarr.storage import LocalStore
+
+from replay.errors import ChecksumError, StoreError
+from replay.store.tensors import checksum, flatten, numpy_to_tensor, unflatten
+
+SCHEMA_VERSION = 1
+_CHUNK_BYTES = 32 << 20
+
+
+def _ckpt_name(step: int) -> str:
+    return f"{step:08d}"
+
+
+# Per-step record fields: name -> (dtype, dimension names). "rank" fields have one column per rank;
+# sample_ids keeps every micro-batch of every rank: (step, rank, micro, sample).
+STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "loss": ("float64", ("step",)),
+    "rank_loss": ("float64", ("step", "rank")),
+    "grad_norm": ("float64", ("step",)),
+    "lr": ("float64", ("step",)),
+    "tokens": ("int64", ("step",)),
+    "step_time": ("float64", ("step",)),
+    "sample_ids": ("int64", ("step", "rank", "micro", "sample")),
+}
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    kind: str           # "regular", "snapshot" (pre-spike ring) or "final"
+    world_size: int
+    committed_at: float
+
+
+class RunStore:
+    """A run store opened from a directory. Cheap to open; every read goes to disk."""
+
+    def __init__(self, path: str | Path, mode: str):
+        self.path = Path(path)
+        self._zstore = LocalStore(self.path, read_only=(mode == "r"))
+        self.root = zarr.open_group(self._zstore, mode="r" if mode == "r" else "r+")
+
+    # -- opening -----------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str | Path, manifest: dict[str, Any]) -> "RunStore":
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise StoreError(
+                f"store {path} is not empty: pass --resume to continue the run recorded there, "
+                "or choose a new --store directory"
+            )
+        path.mkdir(parents=True, exist_ok=True)
+        attrs = {"replay": {"schema": SCHEMA_VERSION, "kind": "run"}, **manifest}
+        zarr.open_group(LocalStore(path), mode="w-", attributes=attrs)
+        store = cls(path, mode="a")
+        steps = store.root.create_group("steps")
+        steps.attrs["n_steps"] = 0
+        store.root.create_group("spikes").attrs["events"] = []
+        store.root.create_group("checkpoints")
+        return store
+
+    @classmethod
+    def open(cls, path: str | Path, mode: str = "r") -> "RunStore":
+        path = Path(path)
+        if not (path / "zarr.json").is_file():
+            what = "does not exist" if not path.exists() else "is not a replay run store (no zarr.json)"
+            raise StoreError(f"{path} {what}; record a run first with `replay record --store {path}`")
+        try:
+            store = cls(path, mode=mode)
+        except Exception as e:  # a damaged zarr.json: name it rather than show a zarr traceback
+            raise StoreError(f"{path} cannot be opened as a Zarr store: {e}") from None
+        meta = store.root.attrs.get("replay")
+        if not isinstance(meta, dict) or meta.get("kind") != "run":
+            raise StoreError(f"{path} is a Zarr group but not a replay run store")
+        if meta.get("schema") != SCHEMA_VERSION:
+            raise StoreError(f"{path} has store schema {meta.get('schema')}; this replay reads {SCHEMA_VERSION}")
+        return store
+
+    # -- manifest ----------------------------------------------------------------------------------
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return dict(self.root.attrs)
+
+    def update_manifest(self, **fields: Any) -> None:
+        self.root.attrs.update(fields)
+
+    # -- embedded data -----------------------------------------------------------------------------
+
+    def write_tokens(self, tokens: np.ndarray) -> None:
+        arr = self.root.create_array(
+            "data/tokens", shape=tokens.shape, dtype=tokens.dtype, chunks=(min(len(tokens), 1 << 22),),
+            dimension_names=("token",), fill_value=0,
+        )
+        arr[...] = tokens
+        arr.attrs["checksum"] = checksum(tokens)
+
+    def read_tokens(self) -> np.ndarray:
+        arr = self.root["data/tokens"]
+        tokens = arr[...]
+        if checksum(tokens) != arr.attrs["checksum"]:
+            raise ChecksumError(f"{self.path}: data/tokens does not match its checksum; the store is corrupted")
+        return tokens
+
+    # -- step log ----------------------------------------------------------------------------------
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.root["steps"].attrs["n_steps"])
+
+    def append_steps(self, start: int, records: dict[str, np.ndarray]) -> None:
+        """Write rows [start, start + k) of every step field, then move the done-ness counter."""
+        n = self.n_steps
+        if start != n:
+            raise StoreError(f"step log holds {n} steps; cannot append at step {start}")
+        k = len(records["loss"])
+        steps = self.root["steps"]
+        for name, (dtype, dims) in STEP_FIELDS.items():
+            rows = np.asarray(records[name], dtype=dtype)
+            assert rows.shape[0] == k, name
+            if name not in steps:
+                chunks = (256, *rows.shape[1:])
+                steps.create_array(name, shape=(0, *rows.shape[1:]), dtype=dtype, chunks=chunks,
+                                   dimension_names=dims, fill_value=0)
+            arr = steps[name]
+            arr.resize((start + k, *arr.shape[1:]))
+            arr[start:start + k] = rows
+        steps.attrs["n_steps"] = start + k
+
+    def read_steps(self, fields: list[str] | None = None) -> dict[str, np.ndarray]:
+        n = self.n_steps
+        steps = self.root["steps"]
+        out = {"step": np.arange(n)}
+        for name in fields or list(STEP_FIELDS):
+            out[name] = steps[name][:n] if name in steps else np.zeros((0,))
+        return out
+
+    def truncate_steps(self, n: int) -> None:
+        steps = self.root["steps"]
+        steps.attrs["n_steps"] = min(n, self.n_steps)
+        for name in STEP_FIELDS:
+            if name in steps and steps[name].shape[0] > n:
+                steps[name].resize((n, *steps[name].shape[1:]))
+
+    # -- spikes ------------------------------------------------------------------------------------
+
+    @property
+    def spikes(self) -> list[dict[str, Any]]:
+        return list(self.root["spikes"].attrs["events"])
+
+    def add_spike(self, event: dict[str, Any]) -> None:
+        self.root["spikes"].attrs["events"] = [*self.spikes, event]
+
+    def truncate_spikes(self, before_step: int) -> None:
+        self.root["spikes"].attrs["events"] = [e for e in self.spikes if e["step"] < before_step]
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def _ckpt_groups(self) -> Iterator[tuple[int, Any]]:
+        for name, group in sorted(self.root["checkpoints"].groups()):
+            yield int(name), group
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first. Uncommitted ones (a crash mid-write) do not exist."""
+        out = []
+        for step, group in self._ckpt_groups():
+            commit = group.attrs.get("commit")
+            if commit:
+                out.append(CheckpointInfo(step, commit["kind"], commit["world_size"], commit["time"]))
+        return out
+
+    def checkpoint_at_or_before(self, step: int) -> CheckpointInfo | None:
+        found = [c for c in self.checkpoints() if c.step <= step]
+        return found[-1] if found else None
+
+    def write_shard(self, step: int, rank: int, tree: Any, after_array=None) -> None:
+        """Write one rank's part of checkpoint `step`: its arrays first, its done marker last.
+
+        `after_array(i, n)` is called after each of the n arrays (progress, fault-injection tests)."""
+        group = zarr.open_group(self._zstore, path=f"checkpoints/{_ckpt_name(step)}/rank{rank}", mode="w")
+        skeleton, arrays = flatten(tree)
+        sums, dtypes = {}, {}
+        for i, (key, (a, dtype_name)) in enumerate(arrays.items()):
+            sums[key], dtypes[key] = checksum(a), dtype_name
+            row_bytes = a.nbytes // a.shape[0] if a.ndim and a.shape[0] else 1
+            chunks = (max(1, min(a.shape[0], _CHUNK_BYTES // max(1, row_bytes))), *a.shape[1:]) if a.ndim else ()
+            arr = group.create_array(key.strip("/"), shape=a.shape, dtype=a.dtype, chunks=chunks,
+                                     compressors=None, fill_value=0)
+            arr[...] = a
+            if after_array:
+                after_array(i + 1, len(arrays))
+        group.attrs.update({"done": True, "skeleton": skeleton, "dtypes": dtypes, "checksums": sums})
+
+    def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
+                          should_stop=lambda: False) -> None:
+        """Wait until every rank's shard is done, then write the commit marker (checksums inside)."""
+        name = _ckpt_name(step)
+        deadline = time.monotonic() + timeout
+        sums: dict[str, dict[str, str]] = {}
+        for rank in range(world_size):
+            while True:
+                attrs = self._shard_attrs(name, rank)
+                if attrs.get("done"):
+                    sums[str(rank)] = attrs["checksums"]
+                    break
+                if should_stop() or time.monotonic() > deadline:
+                    raise StoreError(f"checkpoint {step}: rank {rank} never finished its shard")
+                time.sleep(0.01)
+        group = zarr.open_group(self._zstore, path=f"checkpoints/{name}", mode="r+")
+        group.attrs["commit"] = {"step": step, "kind": kind, "world_size": world_size,
+                                 "time": time.time(), "checksums": sums}
+
+    def _shard_attrs(self, name: str, rank: int) -> dict[str, Any]:
+        try:
+            return dict(zarr.open_group(self._zstore, path=f"checkpoints/{name}/rank{rank}", mode="r").attrs)
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+            return {}
+
+    def read_shard(self, step: int, rank: int, verify: bool = True) -> Any:
+        """One rank's state tree of a committed checkpoint, tensors restored; checksums verified."""
+        name = _ckpt_name(step)
+        try:
+            commit = self.root[f"checkpoints/{name}"].attrs.get("commit")
+        except KeyError:
+            commit = None
+        if not commit:
+            raise StoreError(f"{self.path}: no committed checkpoint at step {step}")
+        if str(rank) not in commit["checksums"]:
+            raise StoreError(f"{self.path}: checkpoint {step} has no shard for rank {rank}")
+        group = self.root[f"checkpoints/{name}/rank{rank}"]
+        attrs = group.attrs
+        expected = commit["checksums"][str(rank)]
+        tensors = {}
+        for key, dtype_name in attrs["dtypes"].items():
+            a = np.asarray(group[key.strip("/")][...])
+            if verify and checksum(a) != expected[key]:
+                raise ChecksumError(
+                    f"checkpoint {step} rank {rank} array {key.strip('/')} does not match its checksum: "
+                    f"the store at {self.path} is corrupted; restore an earlier checkpoint or re-record"
+                )
+            tensors[key] = a if dtype_name == "numpy" else numpy_to_tensor(a, dtype_name)
+        return unflatten(attrs["skeleton"], tensors)
+
+    def discard_uncommitted(self) -> list[int]:
+        """Remove checkpoints without a commit marker (left by a crash); returns their steps."""
+        removed = []
+        for step, group in self._ckpt_groups():
+            if not group.attrs.get("commit"):
+                shutil.rmtree(self.path / "checkpoints" / _ckpt_name(step))
+                removed.append(step)
+        return removed
+
+    def discard_checkpoints_after(self, step: int) -> None:
+        for s, _ in self._ckpt_groups():
+            if s > step:
+                shutil.rmtree(self.path / "checkpoints" / _ckpt_name(s))
+
+
+def tensors_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of two state trees (used by tests and verification)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b

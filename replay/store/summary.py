@@ -1,0 +1,63 @@
+"""Read-only views of a run store for people: `replay info` and `replay batch`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.config import RunConfig
+from replay.errors import UsageError
+from replay.store.run_store import RunStore
+
+
+def summarize(path: str) -> dict[str, Any]:
+    store = RunStore.open(path)
+    m = store.manifest
+    cfg = RunConfig.from_dict(m["config"])
+    steps = store.read_steps(["loss"])
+    committed = store.checkpoints()
+    committed_steps = {c.step for c in committed}
+    uncommitted = [s for s, _ in store._ckpt_groups() if s not in committed_steps]
+    data = m["data"]
+    return {
+        "path": str(Path(path).resolve()),
+        "status": m.get("status", "unknown"),
+        "config": m["config"],
+        "world_size": m["world_size"],
+        "launcher": m["launcher"],
+        "grad_accum": cfg.batch_size // (cfg.micro_batch_size * m["world_size"]),
+        "data": (f"{data.get('source', 'built-in')}, {data['bytes']} bytes embedded" if data["embedded"]
+                 else f"{data['path']} ({data['bytes']} bytes)") + f", {data['method']} {data['digest'][:12]}",
+        "data_fingerprint": data,
+        "environment": m.get("environment", {}),
+        "steps_recorded": store.n_steps,
+        "first_loss": float(steps["loss"][0]) if store.n_steps else None,
+        "last_loss": float(steps["loss"][-1]) if store.n_steps else None,
+        "checkpoints": [{"step": c.step, "kind": c.kind, "world_size": c.world_size} for c in committed],
+        "uncommitted_checkpoints": uncommitted,
+        "spikes": store.spikes,
+        "replays": [],
+        "resumes": m.get("resumes", []),
+    }
+
+
+def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, Any]]:
+    from replay.train.data import make_data, open_token_file
+
+    store = RunStore.open(path)
+    if not 0 <= step < store.n_steps:
+        raise UsageError(f"step {step} is not recorded in {path}: it holds steps 0..{store.n_steps - 1}")
+    ids = np.asarray(store.root["steps/sample_ids"][step])   # (rank, micro, sample)
+    if rank is not None and not 0 <= rank < ids.shape[0]:
+        raise UsageError(f"rank {rank} out of range: the run had {ids.shape[0]} ranks")
+    cfg = RunConfig.from_dict(store.manifest["config"])
+    data = make_data(cfg, open_token_file(cfg) if cfg.data.path else store.read_tokens())
+    rows = []
+    for r in range(ids.shape[0]) if rank is None else [rank]:
+        for m in range(ids.shape[1]):
+            for sid in ids[r, m]:
+                rows.append({"step": step, "rank": r, "micro": m, "sample_id": int(sid),
+                             "text": data.describe(int(sid))})
+    return rows

@@ -1,0 +1,46 @@
+"""The built-in model: transformers' GPT-2, built from a config (never downloaded), and its LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+from replay.config import ModelConfig, OptimConfig
+from replay.errors import UsageError
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel:
+    """A freshly initialised GPT-2; the same seed gives the same weights on every rank and replay."""
+    hf_logging.set_verbosity_error()
+    config = GPT2Config(
+        vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config)
+    try:
+        model.set_attn_implementation(cfg.attention)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"unknown attention implementation {cfg.attention!r}: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in FP32 (logits are upcast under autocast)."""
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr; a factor of the base lr (for LambdaLR)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay = cfg.decay_steps or max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay)
+    lr = cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    return lr / cfg.lr

@@ -1,0 +1,94 @@
+"""Training state as the recorder sees it: what each rank checkpoints, and how it is restored.
+
+Every checkpoint tree is {"replicated": ..., "local": ...}: the replicated part (identical on all ranks:
+model, and the optimizer when it is not partitioned) is written by rank 0 only; the local part (a
+DeepSpeed ZeRO optimizer partition) by every rank for itself. RNG states are added by the recorder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+class TorchTrainState:
+    """Model, optimizer, LR scheduler and (for FP16) grad scaler of a plain or DDP training loop."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None, scaler=None):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        if rank != 0:
+            return {"replicated": {}, "local": {}}
+        tree = {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scheduler is not None:
+            tree["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            tree["scaler"] = self.scaler.state_dict()
+        return {"replicated": tree, "local": {}}
+
+    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any]) -> None:
+        unwrap(self.model).load_state_dict(replicated["model"])
+        self.optimizer.load_state_dict(replicated["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(replicated["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(replicated["scaler"])
+
+
+class DeepSpeedTrainState:
+    """A DeepSpeed engine: the module and scheduler are replicated; the optimizer (a ZeRO partition
+    under stages 1 and 2, DeepSpeed's BF16 optimizer, or the client optimizer) is written per rank."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        replicated = {}
+        if rank == 0:
+            replicated["model"] = self.engine.module.state_dict()
+            if self.engine.lr_scheduler is not None:
+                replicated["scheduler"] = self.engine.lr_scheduler.state_dict()
+        optimizer = _storable(self.engine.optimizer.state_dict())
+        return {"replicated": replicated, "local": {"optimizer": optimizer,
+                                                     "global_steps": self.engine.global_steps,
+                                                     "global_samples": self.engine.global_samples}}
+
+    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any]) -> None:
+        self.engine.module.load_state_dict(replicated["model"])
+        if self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict(replicated["scheduler"])
+        optimizer = self.engine.optimizer
+        state = local["optimizer"]
+        if hasattr(optimizer, "single_partition_of_fp32_groups") or hasattr(optimizer, "bf16_groups"):
+            # ZeRO-1/2 and BF16 optimizers restore from a list with one state dict per saved rank,
+            # of which they take their own partition (same world size, enforced on resume).
+            optimizer.load_state_dict([state], load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            optimizer.load_state_dict(state)
+        self.engine.global_steps = int(local["global_steps"])
+        self.engine.global_samples = int(local["global_samples"])
+
+
+def _storable(tree: Any) -> Any:
+    """DeepSpeed state dicts carry a few small objects (loss scaler, fragment addresses): keep their
+    plain fields, so the store stays arrays plus JSON."""
+    if isinstance(tree, dict):
+        return {k: _storable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_storable(v) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return {f.name: _storable(getattr(tree, f.name)) for f in dataclasses.fields(tree)}
+    if tree is None or isinstance(tree, (bool, int, float, str, torch.Tensor)):
+        return tree
+    if hasattr(tree, "__dict__"):
+        return {"__object__": type(tree).__name__,
+                **{k: _storable(v) for k, v in vars(tree).items()
+                   if v is None or isinstance(v, (bool, int, float, str, torch.Tensor))}}
+    return str(tree)

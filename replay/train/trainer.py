@@ -1,0 +1,177 @@
+"""The built-in GPT-2 trainer: what `replay record` runs on every rank. Read it top to bottom.
+
+The config comes from the store's manifest (written before any rank starts), so a rank needs only the
+store path; the same code trains with one process, local torch.distributed ranks or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from replay.config import RunConfig
+from replay.recorder.environment import configure_determinism, fingerprint
+from replay.recorder.recorder import Recorder, RecorderConfig
+from replay.store import RunStore
+from replay.train.data import DataOrder, TokenData, make_data, open_token_file
+from replay.train.model import build_model, lm_loss, lr_factor
+from replay.train.state import DeepSpeedTrainState, TorchTrainState
+
+
+@dataclass
+class Rank:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @classmethod
+    def from_env(cls, cfg: RunConfig) -> "Rank":
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        return cls(rank, world, local_rank, device)
+
+
+def load_data(cfg: RunConfig, store: RunStore) -> TokenData:
+    tokens = open_token_file(cfg) if cfg.data.path else store.read_tokens()
+    return make_data(cfg, tokens)
+
+
+def init_distributed(r: Rank, cfg: RunConfig) -> None:
+    if r.device.type == "cuda":
+        torch.cuda.set_device(r.device)
+    if cfg.launcher == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if r.device.type == "cuda" else "gloo")
+    elif r.world > 1:
+        dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo", device_id=None)
+
+
+def train(store_path: str, resume: bool = False) -> None:
+    store = RunStore.open(store_path, mode="a")
+    cfg = RunConfig.from_dict(store.manifest["config"])
+    r = Rank.from_env(cfg)
+    configure_determinism(cfg.threads)
+    init_distributed(r, cfg)
+    if r.rank == 0:
+        env = fingerprint(r.device)
+        if resume:
+            resumes = store.manifest["resumes"]
+            store.update_manifest(resumes=[*resumes[:-1], {**resumes[-1], "environment": env}])
+        else:
+            store.update_manifest(environment=env)
+    try:
+        _train(store, cfg, r, resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
+    data = load_data(cfg, store)
+    model = build_model(cfg.model, data.vocab_size, cfg.seed).to(r.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
+    if cfg.launcher == "deepspeed":
+        engine = _deepspeed_engine(cfg, model, optimizer, scheduler)
+        state, step_fn = DeepSpeedTrainState(engine), functools.partial(_deepspeed_step, engine, cfg, data, r)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if r.world > 1 else model
+        state = TorchTrainState(ddp, optimizer, scheduler)
+        step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, cfg, data, r)
+
+    recorder = Recorder(str(store.path), state, rank=r.rank, world_size=r.world, resume=resume, cfg=RecorderConfig(
+        total_steps=cfg.steps, checkpoint_every=cfg.checkpoint_every, snapshot_every=cfg.snapshot_every,
+        snapshot_ring=cfg.snapshot_ring, spike=cfg.spike))
+    start = recorder.start()
+    order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        ids = order.rank_ids(step, r.rank, r.world, cfg.micro_batch_size)
+        loss, grad_norm, lr = step_fn(ids)
+        event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
+                                     tokens=ids.size * cfg.model.block_size)
+        if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+            rate = (step + 1 - start) / (time.perf_counter() - t0)
+            note = f"  SPIKE (robust z {event.score:.1f})" if event else ""
+            print(f"step {step:>6}  loss {recorder.last_loss:8.4f}  "
+                  f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}", flush=True)
+    recorder.close()
+    if r.rank == 0:
+        store.update_manifest(status="complete", steps_recorded=store.n_steps)
+
+
+def _torch_step(model, optimizer, scheduler, cfg: RunConfig, data: TokenData, r: Rank,
+                ids: np.ndarray) -> tuple[float, float, float]:
+    """One optimizer step over this rank's micro-batches: (mean loss, grad norm before clipping, lr)."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    accum = len(ids)
+    total = torch.zeros((), dtype=torch.float32, device=r.device)
+    for m, micro in enumerate(ids):
+        x, y = (t.to(r.device) for t in data.batch(micro))
+        sync = m == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        with (contextlib.nullcontext() if sync else model.no_sync()):
+            with _autocast(cfg, r):
+                loss = lm_loss(model, x, y)
+            (loss / accum).backward()
+        total += loss.detach()
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    return float(total / accum), float(grad_norm), lr
+
+
+def _autocast(cfg: RunConfig, r: Rank):
+    if cfg.precision == "bf16":
+        return torch.autocast(r.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
+    import deepspeed
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its config; keep stdout for progress
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config)
+    return engine
+
+
+def _deepspeed_step(engine, cfg: RunConfig, data: TokenData, r: Rank, ids: np.ndarray) -> tuple[float, float, float]:
+    engine.train()
+    total = torch.zeros((), dtype=torch.float32, device=r.device)
+    lr = engine.lr_scheduler.get_last_lr()[0]
+    for micro in ids:
+        x, y = (t.to(r.device) for t in data.batch(micro))
+        loss = lm_loss(engine, x, y)
+        engine.backward(loss)   # DeepSpeed divides by the accumulation steps itself
+        engine.step()           # steps the optimizer (and scheduler) at the accumulation boundary
+        total += loss.detach()
+    grad_norm = engine.get_global_grad_norm()
+    return float(total / len(ids)), float(grad_norm if grad_norm is not None else math.nan), lr
