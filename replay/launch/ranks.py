@@ -108,8 +108,9 @@ def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool) -> None
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        raise ReplayError(f"rank {rank} failed with exit code {failure.exitcode}; its own message is above "
+        failure = e.get_first_failure()[1]   # the first to fail; the launcher then stops the others
+        how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        raise ReplayError(f"rank {failure.rank} {how}; its own message is above "
                           f"(the store keeps every committed checkpoint: `replay record --store {store_path} "
                           "--resume` continues)") from None
 

@@ -19,6 +19,7 @@ which writes each file to a temporary name and renames it into place.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import zarr
+import zarr.api.asynchronous
+from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 from replay.errors import ChecksumError, StoreError
@@ -39,6 +42,11 @@ _CHUNK_BYTES = 32 << 20
 
 def _ckpt_name(step: int) -> str:
     return f"{step:08d}"
+
+
+def _array_name(key: str) -> str:
+    """A state-tree path as one array name inside its rank group (one level: cheap to create)."""
+    return key.strip("/").replace("/", ".")
 
 
 # Per-step record fields: name -> (dtype, dimension names). "rank" fields have one column per rank;
@@ -208,18 +216,31 @@ class RunStore:
         """Write one rank's part of checkpoint `step`: its arrays first, its done marker last.
 
         `after_array(i, n)` is called after each of the n arrays (progress, fault-injection tests)."""
-        group = zarr.open_group(self._zstore, path=f"checkpoints/{_ckpt_name(step)}/rank{rank}", mode="w")
+        prefix = f"checkpoints/{_ckpt_name(step)}/rank{rank}"
+        group = zarr.open_group(self._zstore, path=prefix, mode="w")
         skeleton, arrays = flatten(tree)
-        sums, dtypes = {}, {}
-        for i, (key, (a, dtype_name)) in enumerate(arrays.items()):
-            sums[key], dtypes[key] = checksum(a), dtype_name
+        if len({_array_name(k) for k in arrays}) != len(arrays):
+            raise ValueError(f"checkpoint keys collide once flattened: {sorted(arrays)}")
+        sums = {key: checksum(a) for key, (a, _) in arrays.items()}
+        dtypes = {key: dtype_name for key, (_, dtype_name) in arrays.items()}
+        done = 0
+
+        async def write_one(key: str, a: np.ndarray) -> None:
+            nonlocal done
             row_bytes = a.nbytes // a.shape[0] if a.ndim and a.shape[0] else 1
             chunks = (max(1, min(a.shape[0], _CHUNK_BYTES // max(1, row_bytes))), *a.shape[1:]) if a.ndim else ()
-            arr = group.create_array(key.strip("/"), shape=a.shape, dtype=a.dtype, chunks=chunks,
-                                     compressors=None, fill_value=0)
-            arr[...] = a
+            arr = await zarr.api.asynchronous.create_array(
+                self._zstore, name=f"{prefix}/{_array_name(key)}", shape=a.shape, dtype=a.dtype, chunks=chunks,
+                compressors=None, fill_value=0)
+            await arr.setitem(Ellipsis, a)
+            done += 1
             if after_array:
-                after_array(i + 1, len(arrays))
+                after_array(done, len(arrays))
+
+        async def write_all() -> None:  # concurrently: each array is a few small files
+            await asyncio.gather(*(write_one(k, a) for k, (a, _) in arrays.items()))
+
+        sync(write_all())
         group.attrs.update({"done": True, "skeleton": skeleton, "dtypes": dtypes, "checksums": sums})
 
     def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
@@ -263,10 +284,10 @@ class RunStore:
         expected = commit["checksums"][str(rank)]
         tensors = {}
         for key, dtype_name in attrs["dtypes"].items():
-            a = np.asarray(group[key.strip("/")][...])
+            a = np.asarray(group[_array_name(key)][...])
             if verify and checksum(a) != expected[key]:
                 raise ChecksumError(
-                    f"checkpoint {step} rank {rank} array {key.strip('/')} does not match its checksum: "
+                    f"checkpoint {step} rank {rank} array {_array_name(key)} does not match its checksum: "
                     f"the store at {self.path} is corrupted; restore an earlier checkpoint or re-record"
                 )
             tensors[key] = a if dtype_name == "numpy" else numpy_to_tensor(a, dtype_name)
