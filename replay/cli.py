@@ -50,6 +50,8 @@ def main(debug: bool) -> None:
     A run store (a Zarr directory) holds everything about one run: its config and environment, the
     exact samples of every step on every rank, metrics, spikes and committed checkpoints.
     """
+    if debug:
+        os.environ["REPLAY_DEBUG"] = "1"   # rank processes print tracebacks too
 
 
 @main.command()

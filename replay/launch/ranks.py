@@ -71,6 +71,8 @@ def prepare_resume(store_path: str, world_size: int) -> tuple[RunStore, RunConfi
     if not ckpts:
         raise StoreError(f"{path} has no committed checkpoint to resume from; delete it and record anew")
     last = ckpts[-1].step
+    for rank in range(world_size):   # a corrupted checkpoint is named before anything is changed
+        store.read_shard(last, rank, verify=True)
     store.discard_uncommitted()
     store.discard_checkpoints_after(last)
     store.truncate_steps(last)
@@ -108,11 +110,25 @@ def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool) -> None
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as e:
-        failure = e.get_first_failure()[1]   # the first to fail; the launcher then stops the others
-        how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-        raise ReplayError(f"rank {failure.rank} {how}; its own message is above "
-                          f"(the store keeps every committed checkpoint: `replay record --store {store_path} "
-                          "--resume` continues)") from None
+        raise ReplayError(f"{_describe_failures(e.failures)}; their own messages are above (committed "
+                          f"checkpoints are intact: `replay record --store {store_path} --resume` continues)") from None
+
+
+def _describe_failures(failures: dict) -> str:
+    """Every failed rank, the likely cause first: the earliest, and among equals (timestamps are whole
+    seconds) a rank killed outright or exiting with its own error before one that aborted after it."""
+    import signal
+
+    def how(f) -> str:
+        if f.exitcode < 0:
+            return f"was killed by signal {-f.exitcode} ({signal.Signals(-f.exitcode).name})"
+        return f"exited with code {f.exitcode}"
+
+    order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode in (-6, -15)))
+    first_rank, first = order[0]
+    text = f"rank {first_rank} {how(first)}"
+    others = [f"rank {r} {how(f)}" for r, f in order[1:]]
+    return text + (f", then {', '.join(others)}" if others else "")
 
 
 def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> None:

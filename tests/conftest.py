@@ -1,0 +1,54 @@
+"""Shared fixtures: real recordings made once per session through the real CLI (real processes, gloo)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def replay_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python -m replay ARGS` in a fresh process, as a user would."""
+    full_env = {k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {})
+    return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=REPO)
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The one `error:` line a failing command must print (and no traceback)."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+# The reference 2-rank recording: several tests read it, one resumes a killed copy and compares to it.
+TWO_RANK_ARGS = ["--steps", "30", "--nproc", "2", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="session")
+def two_rank_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("runs") / "two_rank"
+    result = replay_cli("record", "--store", str(store), *TWO_RANK_ARGS)
+    assert result.returncode == 0, result.stderr
+    return store
+
+
+@pytest.fixture
+def store_copy(two_rank_store, tmp_path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(two_rank_store, dst)
+    return dst
+
+
+def tree_snapshot(path: Path) -> dict[str, tuple[int, int]]:
+    """Every file under path with its size and mtime: to show a failed command changed nothing."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*")) if p.is_file()}

@@ -1,0 +1,189 @@
+"""`replay record` end to end: real rank processes (torch.distributed, gloo), a real Zarr store on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from replay.config import RunConfig
+from replay.store import RunStore
+from replay.train.data import make_data
+from replay.train.model import build_model, lm_loss
+from tests.conftest import TWO_RANK_ARGS, error_line, replay_cli, tree_snapshot
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_rank_store_array_by_array(two_rank_store):
+    store = RunStore.open(two_rank_store)
+    m = store.manifest
+    cfg = RunConfig.from_dict(m["config"])
+    assert m["world_size"] == 2 and m["launcher"] == "local" and m["status"] == "complete"
+    assert m["environment"]["torch_threads"] == cfg.threads and m["environment"]["deterministic_algorithms"]
+    tokens = store.read_tokens()
+    assert m["data"]["digest"] == hashlib.sha256(tokens.tobytes()).hexdigest()
+
+    steps = store.read_steps()
+    assert store.n_steps == 30 and steps["step"].tolist() == list(range(30))
+    ids = steps["sample_ids"]
+    assert ids.shape == (30, 2, 1, 4)                          # (step, rank, micro, sample)
+    n_samples = (len(tokens) - 1) // cfg.model.block_size
+    assert ids.min() >= 0 and ids.max() < n_samples
+    assert len(np.unique(ids)) == ids.size                     # 240 draws of one epoch: never twice
+    assert np.array_equal(steps["loss"], steps["rank_loss"].mean(axis=1))
+    assert not np.array_equal(steps["rank_loss"][:, 0], steps["rank_loss"][:, 1])  # ranks saw different data
+    assert (steps["tokens"] == 8 * cfg.model.block_size).all()
+    assert np.isfinite(steps["grad_norm"]).all() and (steps["grad_norm"] > 0).all()
+    # lr: linear warmup over 10 steps to 1e-3, then cosine to 1e-4 over the remaining 20
+    expected_lr = [1e-3 * (s + 1) / 10 if s < 10 else 1e-4 + 0.45e-3 * (1 + math.cos(math.pi * (s - 10) / 20))
+                   for s in range(30)]
+    assert np.allclose(steps["lr"], expected_lr, rtol=1e-12)
+    assert steps["loss"][-1] < steps["loss"][0] - 0.5          # it trained
+
+    assert [(c.step, c.kind, c.world_size) for c in store.checkpoints()] == [
+        (0, "regular", 2), (10, "regular", 2), (20, "regular", 2), (30, "regular", 2)]
+    model = build_model(cfg.model, 256, cfg.seed)
+    for ckpt in store.checkpoints():
+        shard0, shard1 = store.read_shard(ckpt.step, 0), store.read_shard(ckpt.step, 1)
+        assert set(shard0["state"]["replicated"]["model"]) == set(model.state_dict())
+        assert shard0["state"]["replicated"]["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
+        assert shard1["state"]["replicated"] == {}              # replicated state is written once
+        for shard in (shard0, shard1):
+            assert set(shard["rng"]) >= {"python", "numpy", "torch"}
+    # checkpoint 0 is the initial state: the seeded initialisation, bit for bit
+    init = store.read_shard(0, 0)["state"]["replicated"]["model"]
+    assert all(torch.equal(init[k], v) for k, v in model.state_dict().items())
+    assert steps["step_time"].min() > 0
+
+
+def test_checkpoint_reloaded_into_a_fresh_model_gives_the_recorded_loss_bitwise(two_rank_store):
+    store = RunStore.open(two_rank_store)
+    cfg = RunConfig.from_dict(store.manifest["config"])
+    torch.set_num_threads(cfg.threads)
+    data = make_data(cfg, store.read_tokens())
+    steps = store.read_steps()
+    for step in (10, 20):
+        model = build_model(cfg.model, data.vocab_size, seed=12345)   # different init: all comes from the store
+        model.load_state_dict(store.read_shard(step, 0)["state"]["replicated"]["model"])
+        for rank in (0, 1):
+            x, y = data.batch(steps["sample_ids"][step, rank, 0])
+            loss = lm_loss(model, x, y).item()
+            assert loss == steps["rank_loss"][step, rank], (step, rank)
+
+
+def test_info_and_batch_read_the_store(two_rank_store):
+    info = replay_cli("info", str(two_rank_store), "--json")
+    assert info.returncode == 0, info.stderr
+    import json
+
+    summary = json.loads(info.stdout)
+    assert summary["steps_recorded"] == 30 and [c["step"] for c in summary["checkpoints"]] == [0, 10, 20, 30]
+
+    out = replay_cli("batch", str(two_rank_store), "--step", "7", "--rank", "1", "--json")
+    rows = json.loads(out.stdout)
+    store = RunStore.open(two_rank_store)
+    T = store.manifest["config"]["model"]["block_size"]
+    tokens = store.read_tokens()
+    assert [r["sample_id"] for r in rows] == store.read_steps()["sample_ids"][7, 1, 0].tolist()
+    for r in rows:   # the decoded text is exactly those bytes of the corpus
+        sid = r["sample_id"]
+        assert r["text"] == bytes(tokens[sid * T: sid * T + T + 1]).decode("utf-8", "replace")
+
+
+def test_killed_mid_checkpoint_then_resumed_matches_the_uninterrupted_run(two_rank_store, tmp_path):
+    store_path = tmp_path / "killed"
+    # A real SIGKILL of rank 1 half-way through writing its shard of checkpoint 20 (REPLAY_FAULT times it).
+    killed = replay_cli("record", "--store", str(store_path), *TWO_RANK_ARGS,
+                        env={"REPLAY_FAULT": "shard-half:20:1"})
+    assert "rank 1 was killed by signal 9" in error_line(killed)
+
+    store = RunStore.open(store_path)
+    committed = [c.step for c in store.checkpoints()]
+    assert 20 not in committed and committed[0] == 0
+    assert (store_path / "checkpoints/00000020/rank1").is_dir()          # the half-written shard is there ...
+    for step in committed:                                                # ... and everything committed reads back
+        store.read_shard(step, 0), store.read_shard(step, 1)
+
+    resumed = replay_cli("record", "--store", str(store_path), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = RunStore.open(store_path), RunStore.open(two_rank_store)
+    assert a.manifest["resumes"][0]["from_step"] == committed[-1]
+    steps_a, steps_b = a.read_steps(), b.read_steps()
+    assert steps_a["step"].tolist() == list(range(30))                    # no step missing or twice
+    for field in ("loss", "rank_loss", "grad_norm", "lr", "sample_ids"):
+        assert np.array_equal(steps_a[field], steps_b[field]), field      # bitwise the uninterrupted run
+    assert [c.step for c in a.checkpoints()] == [0, 10, 20, 30]
+    final_a = a.read_shard(30, 0)["state"]["replicated"]["model"]
+    final_b = b.read_shard(30, 0)["state"]["replicated"]["model"]
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_b)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["--set", "optim.learning_rate=1"], "unknown config key 'optim.learning_rate'"),
+    (["--data", "/nonexistent/train.bin"], "data file /nonexistent/train.bin does not exist"),
+])
+def test_bad_record_input_writes_nothing(tmp_path, args, expected):
+    store = tmp_path / "new"
+    assert expected in error_line(replay_cli("record", "--store", str(store), *args))
+    assert not store.exists()
+
+
+def test_too_short_data_file(tmp_path):
+    data = tmp_path / "train.bin"
+    np.arange(300, dtype=np.uint16).tofile(data)
+    line = error_line(replay_cli("record", "--store", str(tmp_path / "s"), "--data", str(data)))
+    assert "is too short" in line and "300 tokens" in line
+    assert not (tmp_path / "s").exists()
+
+
+def test_non_empty_store_without_resume_is_left_untouched(store_copy):
+    before = tree_snapshot(store_copy)
+    assert "not empty" in error_line(replay_cli("record", "--store", str(store_copy), "--steps", "5"))
+    assert tree_snapshot(store_copy) == before
+
+
+def test_resume_on_something_that_is_not_a_run_store(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    assert "is not a replay run store" in error_line(replay_cli("record", "--store", str(tmp_path), "--resume"))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_resume_with_another_world_size(store_copy):
+    before = tree_snapshot(store_copy)
+    line = error_line(replay_cli("record", "--store", str(store_copy), "--resume", "--nproc", "1"))
+    assert "recorded with 2" in line
+    assert tree_snapshot(store_copy) == before
+
+
+def test_resume_names_a_corrupted_checkpoint_array_and_changes_nothing(store_copy):
+    target = store_copy / "checkpoints/00000030/rank0/state.replicated.model.transformer.h.1.attn.c_attn.weight"
+    chunk = next(p for p in target.rglob("*") if p.is_file() and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    before = tree_snapshot(store_copy)
+    line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
+    assert "state.replicated.model.transformer.h.1.attn.c_attn.weight does not match its checksum" in line
+    assert tree_snapshot(store_copy) == before
+
+
+def test_spike_preset_spikes_and_flushes_its_pre_spike_snapshot(tmp_path):
+    store_path = tmp_path / "spike"
+    result = replay_cli("record", "--store", str(store_path), "--preset", "spike", "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    store = RunStore.open(store_path)
+    spikes = store.spikes
+    assert len(spikes) >= 1
+    losses = store.read_steps()["loss"]
+    s = spikes[0]["step"]
+    assert losses[s] > 20 * np.median(losses[s - 50:s])          # a genuine jump, measured from the log
+    regular = [c.step for c in store.checkpoints() if c.kind == "regular" and c.step <= s]
+    snapshots = [c.step for c in store.checkpoints() if c.kind == "snapshot"]
+    # the ring held snapshots taken after the last regular checkpoint; they were written when it fired
+    assert snapshots and all(regular[-1] < step <= s + 1 for step in snapshots)
+    store.read_shard(snapshots[-1], 1)

@@ -1,0 +1,41 @@
+import numpy as np
+
+from replay.config import SpikeConfig
+from replay.recorder.spikes import detect_spikes
+
+
+def _noisy_decay(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return 2.0 * np.exp(-np.arange(n) / 80) + 0.1 + rng.normal(0, 0.01, n)
+
+
+def test_noisy_but_healthy_curve_fires_nothing():
+    assert detect_spikes(_noisy_decay(400), SpikeConfig()) == []
+
+
+def test_a_jump_fires_once_at_its_first_step():
+    losses = _noisy_decay(300)
+    losses[200:204] = [1.5, 2.5, 2.0, 1.0]   # four spiking steps: one event
+    events = detect_spikes(losses, SpikeConfig())
+    assert [e.step for e in events] == [200]
+    assert events[0].loss == 1.5
+    assert events[0].baseline == np.median(losses[150:200])   # the 50-step window before the jump
+
+
+def test_threshold_is_a_setting():
+    losses = _noisy_decay(300)
+    losses[200] *= 2.0                      # a modest bump: robust z about 6
+    assert [e.step for e in detect_spikes(losses, SpikeConfig(threshold=3, min_rise=0.2))] == [200]
+    assert detect_spikes(losses, SpikeConfig(threshold=30, min_rise=0.2)) == []
+    assert detect_spikes(losses, SpikeConfig(threshold=3, min_rise=2.0)) == []
+
+
+def test_non_finite_loss_always_fires():
+    losses = _noisy_decay(100)
+    losses[60] = np.nan
+    assert [e.step for e in detect_spikes(losses, SpikeConfig())] == [60]
+
+
+def test_nothing_fires_during_warmup():
+    losses = np.r_[np.full(10, 1.0), [50.0], np.full(10, 1.0)]
+    assert detect_spikes(losses, SpikeConfig(warmup=20)) == []

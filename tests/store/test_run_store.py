@@ -1,0 +1,75 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from replay.errors import ChecksumError, StoreError
+from replay.store import STEP_FIELDS, RunStore, tensors_equal
+
+
+def _rows(k, world=2, start=0):
+    return {"loss": np.arange(start, start + k, dtype=float), "rank_loss": np.ones((k, world)),
+            "grad_norm": np.ones(k), "lr": np.ones(k), "tokens": np.ones(k), "step_time": np.ones(k),
+            "sample_ids": np.arange(k * world * 4).reshape(k, world, 1, 4)}
+
+
+def test_create_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "x").write_text("keep me")
+    with pytest.raises(StoreError, match="not empty"):
+        RunStore.create(tmp_path, {})
+    assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_open_refuses_what_is_not_a_run_store(tmp_path):
+    with pytest.raises(StoreError, match="does not exist"):
+        RunStore.open(tmp_path / "nothing")
+    (tmp_path / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    with pytest.raises(StoreError, match="not a replay run store"):
+        RunStore.open(tmp_path)
+
+
+def test_step_log_appends_in_order_and_truncates(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    store.append_steps(0, _rows(3))
+    store.append_steps(3, _rows(2, start=3))
+    with pytest.raises(StoreError, match="holds 5 steps"):
+        store.append_steps(7, _rows(1))
+    steps = RunStore.open(tmp_path / "s").read_steps()
+    assert steps["loss"].tolist() == [0, 1, 2, 3, 4]
+    assert set(STEP_FIELDS) <= set(steps)
+    store.truncate_steps(2)
+    assert RunStore.open(tmp_path / "s").read_steps()["loss"].tolist() == [0, 1]
+
+
+def test_checkpoint_is_invisible_until_committed_and_round_trips(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    tree = {"w": torch.randn(4, 4).bfloat16(), "opt": {"state": {0: {"step": torch.tensor(1.0)}}}}
+    store.write_shard(10, 0, tree)
+    store.write_shard(10, 1, {"rng": torch.arange(5, dtype=torch.uint8)})
+    assert store.checkpoints() == []                      # both shards done, but no commit yet
+    store.commit_checkpoint(10, "regular", world_size=2)
+    assert [c.step for c in store.checkpoints()] == [10]
+    assert tensors_equal(store.read_shard(10, 0), tree)
+
+
+def test_commit_waits_for_every_rank(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    store.write_shard(5, 0, {"w": torch.ones(2)})
+    with pytest.raises(StoreError, match="rank 1 never finished"):
+        store.commit_checkpoint(5, "regular", world_size=2, timeout=0.2)
+    assert store.checkpoints() == []
+    assert store.discard_uncommitted() == [5]
+
+
+def test_corrupted_array_is_named_on_read(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    store.write_shard(0, 0, {"model": {"h.0.weight": torch.randn(8, 8)}})
+    store.commit_checkpoint(0, "regular", 1)
+    chunk = next(p for p in (tmp_path / "s/checkpoints/00000000/rank0/model.h.0.weight").rglob("*")
+                 if p.is_file() and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[17] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="array model.h.0.weight does not match its checksum"):
+        store.read_shard(0, 0)
