@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -38,7 +38,8 @@ class TrainState(Protocol):
     """What a checkpoint holds besides RNG states (see replay.train.state): {"replicated", "local"}."""
 
     def state_dict(self, rank: int) -> dict[str, Any]: ...
-    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any]) -> None: ...
+    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any],
+                        read_local: Callable[[int], dict[str, Any]]) -> None: ...
 
 
 @dataclass
@@ -95,7 +96,8 @@ class Recorder:
             raise StoreError(f"{self.store.path} has no committed checkpoint to resume from; record anew")
         own = self.store.read_shard(ckpt.step, self.rank)
         shared = own if self.rank == 0 else self.store.read_shard(ckpt.step, 0)
-        self.state.load_state_dict(shared["state"]["replicated"], own["state"]["local"])
+        self.state.load_state_dict(shared["state"]["replicated"], own["state"]["local"],
+                                   lambda r: self.store.read_shard(ckpt.step, r)["state"]["local"])
         set_rng_state(own["rng"])
         losses = self.store.read_steps(["loss"])["loss"][: ckpt.step]
         for i, loss in enumerate(losses):   # the detector's memory, as it was at that step

@@ -122,7 +122,7 @@ class RunStore:
         return dict(self.root.attrs)
 
     def update_manifest(self, **fields: Any) -> None:
-        self.root.attrs.update(fields)
+        self.root.update_attributes(fields)
 
     # -- embedded data -----------------------------------------------------------------------------
 
@@ -241,7 +241,8 @@ class RunStore:
             await asyncio.gather(*(write_one(k, a) for k, (a, _) in arrays.items()))
 
         sync(write_all())
-        group.attrs.update({"done": True, "skeleton": skeleton, "dtypes": dtypes, "checksums": sums})
+        # one write of the whole document (attrs.update() would write key by key, "done" maybe first)
+        group.update_attributes({"done": True, "skeleton": skeleton, "dtypes": dtypes, "checksums": sums})
 
     def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
                           should_stop=lambda: False) -> None:

@@ -33,7 +33,7 @@ class TorchTrainState:
             tree["scaler"] = self.scaler.state_dict()
         return {"replicated": tree, "local": {}}
 
-    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any]) -> None:
+    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any], read_local=None) -> None:
         unwrap(self.model).load_state_dict(replicated["model"])
         self.optimizer.load_state_dict(replicated["optimizer"])
         if self.scheduler is not None:
@@ -60,20 +60,35 @@ class DeepSpeedTrainState:
                                                      "global_steps": self.engine.global_steps,
                                                      "global_samples": self.engine.global_samples}}
 
-    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any]) -> None:
+    def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any], read_local=None) -> None:
+        """`read_local(rank)` gives another rank's local tree: ZeRO loads from the list of all of them."""
         self.engine.module.load_state_dict(replicated["model"])
         if self.engine.lr_scheduler is not None:
             self.engine.lr_scheduler.load_state_dict(replicated["scheduler"])
         optimizer = self.engine.optimizer
-        state = local["optimizer"]
         if hasattr(optimizer, "single_partition_of_fp32_groups") or hasattr(optimizer, "bf16_groups"):
-            # ZeRO-1/2 and BF16 optimizers restore from a list with one state dict per saved rank,
-            # of which they take their own partition (same world size, enforced on resume).
-            optimizer.load_state_dict([state], load_optimizer_states=True, load_from_fp32_weights=True)
+            # ZeRO-1/2 and BF16 optimizers restore from one state dict per saved rank, indexed by dp rank
+            # (only their own for the rigid layout; all of them for the elastic one).
+            world = self.engine.dp_world_size
+            states = [_restore_objects(read_local(r)["optimizer"], optimizer) for r in range(world)]
+            optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
         else:
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(_restore_objects(local["optimizer"], optimizer))
         self.engine.global_steps = int(local["global_steps"])
         self.engine.global_samples = int(local["global_samples"])
+
+
+def _restore_objects(state: dict[str, Any], owner: Any) -> dict[str, Any]:
+    """Put the fields `_storable` kept back onto the owner's live objects (e.g. its loss scaler)."""
+    out = dict(state)
+    for key, value in state.items():
+        if isinstance(value, dict) and "__object__" in value and hasattr(owner, key):
+            live = getattr(owner, key)
+            for field, v in value.items():
+                if field != "__object__":
+                    setattr(live, field, v)
+            out[key] = live
+    return out
 
 
 def _storable(tree: Any) -> Any:
