@@ -67,16 +67,7 @@ def prepare_resume(store_path: str, world_size: int) -> tuple[RunStore, RunConfi
         if now is None or now["digest"] != store.manifest["data"]["digest"]:
             raise UsageError(f"data file {cfg.data.path} is missing or changed since the run was recorded; "
                              "restore the original file to resume")
-    ckpts = store.checkpoints()
-    if not ckpts:
-        raise StoreError(f"{path} has no committed checkpoint to resume from; delete it and record anew")
-    last = ckpts[-1].step
-    for rank in range(world_size):   # a corrupted checkpoint is named before anything is changed
-        store.read_shard(last, rank, verify=True)
-    store.discard_uncommitted()
-    store.discard_checkpoints_after(last)
-    store.truncate_steps(last)
-    store.truncate_spikes(last)
+    last = store.rewind(verify_world_size=world_size)
     store.update_manifest(status="running", resumes=[*store.manifest["resumes"],
                                                      {"from_step": last, "time": time.time()}])
     return store, cfg

@@ -1,5 +1,6 @@
 """The recorder: the Python API a training loop calls on every rank, once per optimizer step.
 
+    create_run_store(store_path, RunConfig(...), world_size=world)   # once, before the ranks start
     state = TorchTrainState(model, optimizer, scheduler)        # or DeepSpeedTrainState(engine)
     rec = Recorder(store_path, state, rank=rank, world_size=world, cfg=RecorderConfig(...))
     start = rec.start()                                         # restores the last checkpoint on resume
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from replay.config import SpikeConfig
+from replay.config import RunConfig, SpikeConfig
 from replay.errors import StoreError
 from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
@@ -50,6 +51,17 @@ class RecorderConfig:
     snapshot_ring: int = 3
     flush_every: int = 50          # step-log rows buffered before a write (always flushed at checkpoints)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+
+
+def create_run_store(path: str, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
+    """A new run store for a training loop of your own. `config` describes the run as far as it can
+    (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
+    return RunStore.create(path, {
+        "config": config.to_dict(), "world_size": world_size, "launcher": "custom", "created": time.time(),
+        "status": "running", "resumes": [],
+        "data": {"embedded": False, "path": None, "source": description or "a custom training loop",
+                 "bytes": 0, "method": "none", "digest": ""},
+    })
 
 
 def copy_tree(tree: Any) -> Any:

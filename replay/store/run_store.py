@@ -294,19 +294,23 @@ class RunStore:
             tensors[key] = a if dtype_name == "numpy" else numpy_to_tensor(a, dtype_name)
         return unflatten(attrs["skeleton"], tensors)
 
-    def discard_uncommitted(self) -> list[int]:
-        """Remove checkpoints without a commit marker (left by a crash); returns their steps."""
-        removed = []
-        for step, group in self._ckpt_groups():
-            if not group.attrs.get("commit"):
-                shutil.rmtree(self.path / "checkpoints" / _ckpt_name(step))
-                removed.append(step)
-        return removed
+    def rewind(self, verify_world_size: int) -> int:
+        """Cut the run back to its last committed checkpoint, for a resume; returns that step.
 
-    def discard_checkpoints_after(self, step: int) -> None:
-        for s, _ in self._ckpt_groups():
-            if s > step:
-                shutil.rmtree(self.path / "checkpoints" / _ckpt_name(s))
+        Its shards are read and checksummed first, so a corrupted checkpoint is named before anything
+        changes. Then uncommitted checkpoints go, and the step log and spikes are truncated to it."""
+        ckpts = self.checkpoints()
+        if not ckpts:
+            raise StoreError(f"{self.path} has no committed checkpoint to resume from; delete it and record anew")
+        last = ckpts[-1].step
+        for rank in range(verify_world_size):
+            self.read_shard(last, rank, verify=True)
+        for step, group in self._ckpt_groups():
+            if step > last or not group.attrs.get("commit"):
+                shutil.rmtree(self.path / "checkpoints" / _ckpt_name(step))
+        self.truncate_steps(last)
+        self.truncate_spikes(last)
+        return last
 
 
 def tensors_equal(a: Any, b: Any) -> bool:

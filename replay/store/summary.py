@@ -29,7 +29,8 @@ def summarize(path: str) -> dict[str, Any]:
         "launcher": m["launcher"],
         "grad_accum": cfg.batch_size // (cfg.micro_batch_size * m["world_size"]),
         "data": (f"{data.get('source', 'built-in')}, {data['bytes']} bytes embedded" if data["embedded"]
-                 else f"{data['path']} ({data['bytes']} bytes)") + f", {data['method']} {data['digest'][:12]}",
+                 else f"{data['path'] or data.get('source')} ({data['bytes']} bytes)")
+        + (f", {data['method']} {data['digest'][:12]}" if data["digest"] else ""),
         "data_fingerprint": data,
         "environment": m.get("environment", {}),
         "steps_recorded": store.n_steps,

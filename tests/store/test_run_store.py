@@ -59,7 +59,21 @@ def test_commit_waits_for_every_rank(tmp_path):
     with pytest.raises(StoreError, match="rank 1 never finished"):
         store.commit_checkpoint(5, "regular", world_size=2, timeout=0.2)
     assert store.checkpoints() == []
-    assert store.discard_uncommitted() == [5]
+    with pytest.raises(StoreError, match="no committed checkpoint"):
+        store.rewind(verify_world_size=2)
+
+
+def test_rewind_cuts_back_to_the_last_committed_checkpoint(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    store.append_steps(0, _rows(7))
+    for step in (0, 5):
+        store.write_shard(step, 0, {"w": torch.full((2,), float(step))})
+        store.commit_checkpoint(step, "regular", 1)
+    store.write_shard(7, 0, {"w": torch.ones(2)})          # crashed before its commit
+    store.add_spike({"step": 6, "loss": 9.0})
+    assert store.rewind(verify_world_size=1) == 5
+    assert store.n_steps == 5 and store.spikes == [] and [c.step for c in store.checkpoints()] == [0, 5]
+    assert not (tmp_path / "s/checkpoints/00000007").exists()
 
 
 def test_corrupted_array_is_named_on_read(tmp_path):

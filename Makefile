@@ -1,0 +1,33 @@
+# Two entry points, each setting everything up first: `make demo` (the main job) and `make test`.
+# TORCH is installed before the package so pip never resolves an unpinned torch to the CUDA build;
+# on a GPU machine use e.g. `make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY      = $(VENV)/bin/python
+DEMO   ?= runs/demo
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# Until `replay demo` exists: record the tiny default run on 2 CPU ranks and show what was recorded.
+demo: setup
+	rm -rf $(DEMO)
+	$(VENV)/bin/replay record --store $(DEMO) --preset tiny --nproc 2
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/bench_record.py
+
+clean:
+	rm -rf $(VENV) runs
