@@ -4,17 +4,20 @@
    batch 16) train side by side with the built-in trainer's step (`_torch_step`): one plain, one followed
    by `Recorder.record_step` with a checkpoint every 50 steps and a snapshot every 10. After 10 warm-up
    steps the variants alternate step by step (A B, B A, A B, ...) so machine noise hits both alike.
-   The overhead compares mean step times (a median would skip the checkpoint and snapshot steps; medians
-   are printed too). The background writer is drained after every step, untimed, so that a checkpoint's
-   write cannot slow the next plain step; a second line adds that time (the view for a machine whose
-   cores the training already fills). The final wait in `Recorder.close()` is reported apart.
+   A step time is the median over 10-step windows of the window's mean: each window holds exactly one
+   in-memory copy of the state (a snapshot or a checkpoint), so its cost counts at the real cadence,
+   while steps slowed by other load on the machine do not. The background writer is drained after every
+   step, untimed, so that a checkpoint's write cannot slow the next plain step; a second line adds that
+   time (the view for a machine whose cores the training already fills). The final wait in
+   `Recorder.close()` is reported apart.
 2. Checkpoint throughput. The state {"model": ..., "optimizer": ...} after one AdamW step, written and read
    through the run store (write_shard + commit_checkpoint; read_shard, which verifies checksums) and
    through torch.save / torch.load(weights_only=True), in the same temporary directory, 3 times each,
    alternating; median MB/s (10^6 bytes of state tensors per second). Neither side fsyncs (zarr's local
    store does not, nor does torch.save), and reads come right after writes, so mostly from the page cache.
 
-Run (from the repository root; --quick runs in under a minute, the full run takes a few minutes):
+Run from the repository root; the full run takes a few minutes, --quick (50 steps at batch 4, no GPT-2
+small) under a minute:
 
     .venv/bin/python benchmarks/bench_record.py [--quick] [--dir DIR]
 """
@@ -55,6 +58,10 @@ def hardware() -> str:
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return f"hardware: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}"
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 # -- 1. recording overhead ---------------------------------------------------------------------------------
@@ -99,7 +106,8 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, warmup: int = 10
         return t1 - t0, time.perf_counter() - t1
 
     for s in range(warmup):
-        step(s, False), step(s, True)
+        for recorded in (False, True):
+            step(s, recorded)
     times: dict[bool, list[float]] = {False: [], True: []}
     waited = 0.0
     for s in range(warmup, warmup + timed_steps):
@@ -111,25 +119,25 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, warmup: int = 10
     recorder.close()
     close_s = time.perf_counter() - t0
 
-    plain, rec = sum(times[False]), sum(times[True])
-    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    print(f"recording overhead: {100 * (rec / plain - 1):.1f}% (mean step {1e3 * rec / timed_steps:.1f} ms recorded "
-          f"vs {1e3 * plain / timed_steps:.1f} ms plain, medians {med[True]:.1f} vs {med[False]:.1f} ms; checkpoint "
-          f"every {CHECKPOINT_EVERY}, snapshot every {SNAPSHOT_EVERY}; target <= 3%)", flush=True)
+    # Every 10 steps hold one in-memory copy (a snapshot or a checkpoint: the same copy on this thread), so
+    # medians of 10-step means keep its cost while shrugging off steps hit by other load on the machine.
+    windows = {k: [statistics.fmean(v[i:i + SNAPSHOT_EVERY]) for i in range(0, len(v), SNAPSHOT_EVERY)]
+               for k, v in times.items()}
+    plain, rec = statistics.median(windows[False]), statistics.median(windows[True])
+    writing = waited / timed_steps
+    print(f"recording overhead: {100 * (rec / plain - 1):.1f}% (median step {1e3 * rec:.1f} ms recorded vs "
+          f"{1e3 * plain:.1f} ms plain; checkpoint every {CHECKPOINT_EVERY}, snapshot every {SNAPSHOT_EVERY}; "
+          f"target <= 3%)", flush=True)
     print(f"recording overhead if the background writer's work ran on the training thread: "
-          f"{100 * ((rec + waited) / plain - 1):.1f}% ({1e3 * waited:.0f} ms of writing over "
-          f"{timed_steps // CHECKPOINT_EVERY} checkpoints; the final Recorder.close() {1e3 * close_s:.0f} ms, "
-          f"not counted)", flush=True)
+          f"{100 * ((rec + writing) / plain - 1):.1f}% (+{1e3 * writing:.1f} ms per step: "
+          f"{1e3 * waited:.0f} ms writing {timed_steps // CHECKPOINT_EVERY} checkpoints and the step log; "
+          f"the final Recorder.close() {1e3 * close_s:.0f} ms, not counted)", flush=True)
     print(f"  ({timed_steps} steps per variant, alternating step by step after {warmup} warm-up steps; "
           f"{n_params(state.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers x {cfg.model.n_embd}, "
           f"seq {cfg.model.block_size}, batch {cfg.batch_size})", flush=True)
 
 
 # -- 2. checkpoint throughput ------------------------------------------------------------------------------
-
-def n_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
 
 def trained_state(sets: list[str]) -> tuple[dict, int]:
     """{"model", "optimizer"} state after one AdamW step (random gradients), and the parameter count."""
@@ -178,7 +186,7 @@ def bench_throughput(workdir: Path, sets: list[str], label: str, repeats: int = 
         on_disk["store"] = disk_bytes(shard)
         shutil.rmtree(shard)
 
-    def torch_round(step: int) -> None:
+    def torch_round(_step: int) -> None:
         secs["torch write"].append(timed(lambda: torch.save(tree, torch_file)))
         secs["torch read"].append(timed(lambda: torch.load(torch_file, weights_only=True)))
         on_disk["torch"] = disk_bytes(torch_file)
@@ -199,7 +207,7 @@ def bench_throughput(workdir: Path, sets: list[str], label: str, repeats: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps and only the small model (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="50 steps at batch 4, only the small model (< 60 s)")
     ap.add_argument("--dir", default=None, help="where the store and torch files go (default: system temp)")
     args = ap.parse_args()
 
@@ -207,7 +215,7 @@ def main() -> None:
     print(hardware(), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-record-", dir=args.dir) as tmp:
         workdir = Path(tmp)
-        bench_overhead(workdir, timed_steps=50 if args.quick else 150, batch=4 if args.quick else 16)
+        bench_overhead(workdir, timed_steps=50 if args.quick else 300, batch=4 if args.quick else 16)
         bench_throughput(workdir, SMALL, "4 layers x 128")
         if not args.quick:
             bench_throughput(workdir, LARGE, "GPT-2 small: 12 layers x 768, seq 1024, vocab 50304")

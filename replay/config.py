@@ -23,7 +23,7 @@ class ModelConfig:
     n_embd: int = 64
     block_size: int = 64          # sequence length of every sample (GPT-2's n_positions)
     vocab_size: int = 0           # 0: taken from the data (256 for the built-in byte corpus)
-    dropout: float = 0.0          # dropout breaks bitwise replay unless its RNG is recorded; off by default
+    dropout: float = 0.0          # off by default; if on, its masks replay from the recorded RNG states
     attention: str = "eager"      # attention implementation name (transformers' registry)
 
 
@@ -103,10 +103,6 @@ class RunConfig:
             )
         if self.model.n_embd % self.model.n_head:
             raise UsageError(f"model.n_embd {self.model.n_embd} is not divisible by model.n_head {self.model.n_head}")
-        if self.model.dropout:
-            # Allowed, but dropout masks come from the torch RNG: replay stays bitwise only because the
-            # RNG states of every rank are checkpointed. Nothing to do here beyond the record.
-            pass
         if self.data.dtype not in ("uint16", "uint32"):
             raise UsageError(f"data.dtype must be uint16 or uint32, got {self.data.dtype!r}")
 

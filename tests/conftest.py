@@ -7,8 +7,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,3 +55,17 @@ def tree_snapshot(path: Path) -> dict[str, tuple[int, int]]:
     """Every file under path with its size and mtime: to show a failed command changed nothing."""
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def tensors_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of two state trees (used by tests and verification)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b

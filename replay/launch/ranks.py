@@ -17,8 +17,9 @@ from pathlib import Path
 from replay.config import RunConfig
 from replay.errors import ReplayError, StoreError, UsageError
 from replay.store import RunStore
-from replay.train.data import cpu_count, fingerprint_file, fingerprint_tokens, make_data, open_token_file, \
-    builtin_corpus
+from replay.train.model import check_attention
+from replay.train.data import (builtin_corpus, cpu_count, fingerprint_file, fingerprint_tokens, make_data,
+                               open_token_file)
 
 
 def under_outer_launcher() -> bool:
@@ -42,6 +43,7 @@ def prepare_new(store_path: str, cfg: RunConfig, world_size: int, local_world: i
         data_meta = {**fingerprint_tokens(tokens), "embedded": True, "dtype": "uint8",
                      "source": "python stdlib *.py files (built-in corpus)"}
     _check_deepspeed(cfg)
+    check_attention(cfg.model.attention)
     store = RunStore.create(path, {
         "config": cfg.to_dict(), "data": data_meta, "world_size": world_size, "launcher": cfg.launcher,
         "created": time.time(), "status": "running", "resumes": [],

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 import zarr
 import zarr.api.asynchronous
 from zarr.core.sync import sync
@@ -208,9 +207,9 @@ class RunStore:
                 out.append(CheckpointInfo(step, commit["kind"], commit["world_size"], commit["time"]))
         return out
 
-    def checkpoint_at_or_before(self, step: int) -> CheckpointInfo | None:
-        found = [c for c in self.checkpoints() if c.step <= step]
-        return found[-1] if found else None
+    def uncommitted_checkpoints(self) -> list[int]:
+        """Steps of checkpoints started but never committed (a crash mid-write); `rewind` removes them."""
+        return [step for step, group in self._ckpt_groups() if not group.attrs.get("commit")]
 
     def write_shard(self, step: int, rank: int, tree: Any, after_array=None) -> None:
         """Write one rank's part of checkpoint `step`: its arrays first, its done marker last.
@@ -311,17 +310,3 @@ class RunStore:
         self.truncate_steps(last)
         self.truncate_spikes(last)
         return last
-
-
-def tensors_equal(a: Any, b: Any) -> bool:
-    """Bitwise equality of two state trees (used by tests and verification)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
-            torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    return a == b

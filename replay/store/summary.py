@@ -18,8 +18,6 @@ def summarize(path: str) -> dict[str, Any]:
     cfg = RunConfig.from_dict(m["config"])
     steps = store.read_steps(["loss"])
     committed = store.checkpoints()
-    committed_steps = {c.step for c in committed}
-    uncommitted = [s for s, _ in store._ckpt_groups() if s not in committed_steps]
     data = m["data"]
     return {
         "path": str(Path(path).resolve()),
@@ -37,7 +35,7 @@ def summarize(path: str) -> dict[str, Any]:
         "first_loss": float(steps["loss"][0]) if store.n_steps else None,
         "last_loss": float(steps["loss"][-1]) if store.n_steps else None,
         "checkpoints": [{"step": c.step, "kind": c.kind, "world_size": c.world_size} for c in committed],
-        "uncommitted_checkpoints": uncommitted,
+        "uncommitted_checkpoints": store.uncommitted_checkpoints(),
         "spikes": store.spikes,
         "replays": [],
         "resumes": m.get("resumes", []),

@@ -13,6 +13,15 @@ from replay.config import ModelConfig, OptimConfig
 from replay.errors import UsageError
 
 
+def check_attention(name: str) -> None:
+    """Fail early, in the launching process, on an attention implementation transformers doesn't know."""
+    from transformers import AttentionInterface
+
+    known = ["eager", *AttentionInterface().valid_keys()]
+    if name not in known:
+        raise UsageError(f"unknown attention implementation {name!r}; choose one of {', '.join(known)}")
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel:
     """A freshly initialised GPT-2; the same seed gives the same weights on every rank and replay."""
     hf_logging.set_verbosity_error()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from replay.errors import ChecksumError, StoreError
-from replay.store import STEP_FIELDS, RunStore, tensors_equal
+from replay.store import STEP_FIELDS, RunStore
+from tests.conftest import tensors_equal
 
 
 def _rows(k, world=2, start=0):
