@@ -33,6 +33,7 @@ from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
 from replay.recorder.writer import BackgroundWriter, fault_point
 from replay.store import RunStore
+from replay.store.tensors import Packed, pack
 
 
 class TrainState(Protocol):
@@ -64,19 +65,6 @@ def create_run_store(path: str, config: RunConfig, world_size: int = 1, descript
     })
 
 
-def copy_tree(tree: Any) -> Any:
-    """A CPU copy of every tensor, so later in-place optimizer updates cannot reach the snapshot."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: copy_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(copy_tree(v) for v in tree)
-    if isinstance(tree, np.ndarray):
-        return tree.copy()
-    return tree
-
-
 class Recorder:
     def __init__(self, store_path: str, state: TrainState, cfg: RecorderConfig, rank: int = 0,
                  world_size: int = 1, resume: bool = False):
@@ -86,7 +74,7 @@ class Recorder:
         self.coordinator = rank == 0
         self.resume = resume
         self.detector = SpikeDetector(cfg.spike)
-        self.ring: deque[tuple[int, Any]] = deque(maxlen=max(1, cfg.snapshot_ring))
+        self.ring: deque[tuple[int, Packed]] = deque(maxlen=max(1, cfg.snapshot_ring))
         self.writer = BackgroundWriter(f"replay-writer-rank{rank}")
         self._rows: list[dict[str, Any]] = []
         self._rows_start = 0
@@ -117,6 +105,12 @@ class Recorder:
         self._rows_start = ckpt.step
         self._last_time = time.perf_counter()
         return ckpt.step
+
+    def flush(self) -> None:
+        """Wait until everything recorded so far is on disk (checkpoints committed)."""
+        if self.coordinator:
+            self._flush_rows()
+        self.writer.flush()
 
     def close(self) -> None:
         """Flush everything and wait for the disk; the last step's checkpoint is written by the cadence."""
@@ -168,17 +162,18 @@ class Recorder:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _capture(self) -> dict[str, Any]:
-        return copy_tree({"state": self.state.state_dict(self.rank), "rng": rng_state()})
+    def _capture(self) -> Packed:
+        """This rank's state, copied into one CPU buffer now, so later optimizer steps cannot reach it."""
+        return pack({"state": self.state.state_dict(self.rank), "rng": rng_state()})
 
-    def _checkpoint(self, step: int, kind: str, tree: Any = None) -> None:
-        tree = self._capture() if tree is None else tree
+    def _checkpoint(self, step: int, kind: str, packed: Packed | None = None) -> None:
+        packed = self._capture() if packed is None else packed
         if self.coordinator:
             self._flush_rows()
         rank, world, store = self.rank, self.world, self.store
 
         def write() -> None:
-            store.write_shard(step, rank, tree, after_array=lambda i, n: i == n // 2 and fault_point(
+            store.write_shard(step, rank, packed, after_chunk=lambda i, n: i == max(1, n // 2) and fault_point(
                 "shard-half", step, rank))
             fault_point("before-commit", step, rank)
 
@@ -188,8 +183,8 @@ class Recorder:
                                                                should_stop=lambda: self.writer.stopping))
 
     def _flush_ring(self) -> None:
-        for step, tree in self.ring:
-            self._checkpoint(step, "snapshot", tree)
+        for step, packed in self.ring:
+            self._checkpoint(step, "snapshot", packed)
         self.ring.clear()
 
     def _flush_rows(self) -> None:

@@ -1,72 +1,81 @@
-"""Tensors and state trees to arrays plus JSON, and back, with no pickle.
+"""State trees to one byte buffer plus JSON, and back, with no pickle.
 
 A state tree is what `state_dict()` returns: nested dicts, lists and tuples of tensors, numpy arrays
-and plain scalars. `flatten` splits it into a JSON skeleton and a flat {key: numpy array} map, with
-bfloat16 kept exactly as its raw bits (uint16); `unflatten` inverts it. Anything else (an arbitrary
-object) is refused: the store holds nothing that needs code to be read.
+and plain scalars. `pack` copies every tensor once into one contiguous CPU byte buffer (the copy a
+checkpoint needs anyway, so that later optimizer steps cannot reach it), described by an index of
+{key: dtype, shape, offset, nbytes}, and keeps everything else as a JSON skeleton. bfloat16 is stored as
+its raw bits. Tensors sharing memory (tied weights) are stored once. Anything that is not a tensor,
+an array or a plain scalar is refused: the store holds nothing that needs code to be read.
+
+One buffer becomes one Zarr array, so a checkpoint costs one array's overhead rather than one per
+tensor, and any single tensor can still be read alone by its byte range.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-# torch dtypes that have a numpy twin of the same width; bfloat16 travels as its raw bits.
-_TORCH_TO_NUMPY = {
-    torch.float64: np.float64,
-    torch.float32: np.float32,
-    torch.float16: np.float16,
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.int16: np.int16,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
-    torch.bool: np.bool_,
-}
-_NAME_TO_TORCH = {str(t).removeprefix("torch."): t for t in [*_TORCH_TO_NUMPY, torch.bfloat16]}
-
-
-def tensor_to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """A CPU numpy array holding the tensor's exact bits, and the torch dtype name to restore it."""
-    t = t.detach().cpu().contiguous()
-    name = str(t.dtype).removeprefix("torch.")
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16), name
-    if t.dtype not in _TORCH_TO_NUMPY:
-        raise TypeError(f"cannot store tensors of dtype {t.dtype}")
-    return t.numpy(), name
-
-
-def numpy_to_tensor(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    dtype = _NAME_TO_TORCH[dtype_name]
-    a = np.array(a, order="C")  # a copy; np.ascontiguousarray would turn 0-d arrays into 1-d
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+_STORABLE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+             torch.int16, torch.int8, torch.uint8, torch.bool}
+_ALIGN = 64   # byte alignment of every tensor in the buffer
 
 
 def checksum(a: np.ndarray) -> str:
     """CRC-32 of the array's bytes in C order, with dtype and shape so a reshaped array cannot pass."""
     a = np.asarray(a)
     head = f"{a.dtype.str}{a.shape}".encode()
-    a = np.ascontiguousarray(a)
-    return f"crc32:{zlib.crc32(a.reshape(-1).view(np.uint8), zlib.crc32(head)):08x}"
+    return f"crc32:{zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), zlib.crc32(head)):08x}"
 
 
-def flatten(tree: Any, prefix: str = "") -> tuple[Any, dict[str, tuple[np.ndarray, str]]]:
-    """(JSON skeleton, {key: (array, torch dtype name or "numpy")}). Keys are '/'-joined paths."""
-    arrays: dict[str, tuple[np.ndarray, str]] = {}
+@dataclass
+class Packed:
+    skeleton: Any                      # the tree with {"__tensor__": key} where tensors were
+    index: dict[str, dict[str, Any]]   # key -> {"dtype", "shape", "offset", "nbytes"}
+    buffer: np.ndarray                 # uint8, every tensor's bytes at its offset
+
+    def view(self, key: str) -> np.ndarray:
+        """One tensor's stored bits as a numpy array (a view, no copy)."""
+        return entry_view(self.buffer, self.index[key], base=0)
+
+    def checksums(self) -> dict[str, str]:
+        return {key: checksum(self.view(key)) for key in self.index}
+
+
+def pack(tree: Any) -> Packed:
+    """Copy every tensor of `tree`, from any device, into one new CPU buffer."""
+    tensors: dict[str, torch.Tensor] = {}
+    index: dict[str, dict[str, Any]] = {}
+    seen: dict[tuple, str] = {}
+    size = 0
+
+    def add(t: torch.Tensor, dtype_name: str, path: str) -> None:
+        nonlocal size
+        ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
+        if t.numel() and ident in seen:          # tied weights: one copy, two names
+            index[path] = dict(index[seen[ident]])
+            return
+        nbytes = t.numel() * t.element_size()
+        index[path] = {"dtype": dtype_name, "shape": list(t.shape), "offset": size, "nbytes": nbytes}
+        tensors[path] = t
+        seen[ident] = path
+        size += -(-nbytes // _ALIGN) * _ALIGN
 
     def walk(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
-            arrays[path] = tensor_to_numpy(node)
+            if node.dtype not in _STORABLE:
+                raise TypeError(f"cannot store tensors of dtype {node.dtype} at {path}")
+            add(node.detach(), str(node.dtype).removeprefix("torch."), path)
             return {"__tensor__": path}
         if isinstance(node, np.ndarray):
-            arrays[path] = (np.array(node, order="C"), "numpy")
+            if node.dtype.hasobject:
+                raise TypeError(f"cannot store an object array at {path}")
+            add(torch.from_numpy(np.ascontiguousarray(node)), "numpy:" + node.dtype.str, path)
             return {"__ndarray__": path}
         if isinstance(node, dict):
             return {"__dict__": [[_key(k), walk(v, f"{path}/{_segment(k)}")] for k, v in node.items()]}
@@ -81,18 +90,51 @@ def flatten(tree: Any, prefix: str = "") -> tuple[Any, dict[str, tuple[np.ndarra
             return node
         raise TypeError(f"cannot store a {type(node).__name__} at {path or '/'}: only tensors, arrays and scalars")
 
-    return walk(tree, prefix), arrays
+    skeleton = walk(tree, "")
+    buffer = np.empty(size, dtype=np.uint8)
+    for path, t in tensors.items():
+        entry = index[path]
+        if t.numel():
+            dst = torch.from_numpy(buffer[entry["offset"]: entry["offset"] + entry["nbytes"]])
+            dst.view(t.dtype).view(t.shape).copy_(t)
+    return Packed(skeleton, index, buffer)
 
 
-def unflatten(skeleton: Any, arrays: dict[str, np.ndarray | torch.Tensor]) -> Any:
-    """Rebuild the tree; `arrays` maps keys to tensors (already restored) or numpy arrays."""
+def unpack(packed: Packed) -> Any:
+    """The tree back; its tensors are views into the buffer (no copy)."""
+    arrays = {key: packed.view(key) for key in packed.index}
+    return unflatten(packed.skeleton, {key: as_tensor(a, packed.index[key]["dtype"]) for key, a in arrays.items()})
 
+
+def entry_view(buffer: np.ndarray, entry: dict[str, Any], base: int) -> np.ndarray:
+    """Bytes [offset, offset + nbytes) of `buffer`, which starts at byte `base`, as the stored array."""
+    name = entry["dtype"]
+    dtype = np.dtype(name.removeprefix("numpy:")) if name.startswith("numpy:") else _NUMPY_STORAGE[name]
+    start = entry["offset"] - base
+    return buffer[start: start + entry["nbytes"]].view(dtype).reshape(entry["shape"])
+
+
+_NUMPY_STORAGE = {"float64": np.dtype(np.float64), "float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                  "bfloat16": np.dtype(np.uint16), "int64": np.dtype(np.int64), "int32": np.dtype(np.int32),
+                  "int16": np.dtype(np.int16), "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8),
+                  "bool": np.dtype(np.bool_)}
+
+
+def as_tensor(a: np.ndarray, dtype_name: str) -> torch.Tensor | np.ndarray:
+    """A stored array as what was packed: a numpy array, or a tensor sharing its memory."""
+    if dtype_name.startswith("numpy:"):
+        return a
+    t = torch.from_numpy(a if a.flags.writeable else a.copy())
+    return t.view(torch.bfloat16) if dtype_name == "bfloat16" else t
+
+
+def unflatten(skeleton: Any, tensors: dict[str, Any]) -> Any:
     def walk(node: Any) -> Any:
         if isinstance(node, list):
             return [walk(v) for v in node]
         if isinstance(node, dict):
             if "__tensor__" in node or "__ndarray__" in node:
-                return arrays[node.get("__tensor__") or node["__ndarray__"]]
+                return tensors[node.get("__tensor__") or node["__ndarray__"]]
             if "__dict__" in node:
                 return {_unkey(k): walk(v) for k, v in node["__dict__"]}
             if "__tuple__" in node:

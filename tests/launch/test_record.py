@@ -162,15 +162,16 @@ def test_resume_with_another_world_size(store_copy):
     assert tree_snapshot(store_copy) == before
 
 
-def test_resume_names_a_corrupted_checkpoint_array_and_changes_nothing(store_copy):
-    target = store_copy / "checkpoints/00000030/rank0/state.replicated.model.transformer.h.1.attn.c_attn.weight"
-    chunk = next(p for p in target.rglob("*") if p.is_file() and p.name != "zarr.json")
+def test_resume_names_a_corrupted_checkpoint_tensor_and_changes_nothing(store_copy):
+    key = "/state/replicated/model/transformer.h.1.attn.c_attn.weight"
+    offset = RunStore.open(store_copy).shard_index(30, 0)[key]["offset"]
+    chunk = store_copy / "checkpoints/00000030/rank0/tensors/c/0"
     data = bytearray(chunk.read_bytes())
-    data[100] ^= 0x01
+    data[offset + 100] ^= 0x01
     chunk.write_bytes(bytes(data))
     before = tree_snapshot(store_copy)
     line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
-    assert "state.replicated.model.transformer.h.1.attn.c_attn.weight does not match its checksum" in line
+    assert "tensor state/replicated/model/transformer.h.1.attn.c_attn.weight does not match its checksum" in line
     assert tree_snapshot(store_copy) == before
 
 

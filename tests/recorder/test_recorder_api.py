@@ -73,7 +73,7 @@ def test_own_loop_resumes_from_the_last_committed_checkpoint(tmp_path):
     rec = Recorder(path, TorchTrainState(model, opt, sched), cfg)
     rec.start()
     _train(rec, model, opt, sched, 0, 12, data)   # "crashes" after step 11: checkpoints 0, 5, 10
-    rec.writer.flush()
+    rec.flush()
 
     model2, opt2, sched2 = _loop_parts(seed=99)   # a fresh process would build these anew
     assert RunStore.open(path, mode="a").rewind(verify_world_size=1) == 10   # once, before the ranks start

@@ -77,14 +77,31 @@ def test_rewind_cuts_back_to_the_last_committed_checkpoint(tmp_path):
     assert not (tmp_path / "s/checkpoints/00000007").exists()
 
 
-def test_corrupted_array_is_named_on_read(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
-    store.write_shard(0, 0, {"model": {"h.0.weight": torch.randn(8, 8)}})
-    store.commit_checkpoint(0, "regular", 1)
-    chunk = next(p for p in (tmp_path / "s/checkpoints/00000000/rank0/model.h.0.weight").rglob("*")
-                 if p.is_file() and p.name != "zarr.json")
+def _flip_a_byte(shard_dir, at):
+    chunk = next(p for p in (shard_dir / "tensors").rglob("*") if p.is_file() and p.name != "zarr.json")
     data = bytearray(chunk.read_bytes())
-    data[17] ^= 0xFF
+    data[at] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match="array model.h.0.weight does not match its checksum"):
+
+
+def test_corrupted_tensor_is_named_on_read(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    store.write_shard(0, 0, {"model": {"h.0.weight": torch.randn(8, 8), "h.1.weight": torch.randn(8, 8)}})
+    store.commit_checkpoint(0, "regular", 1)
+    offset = store.shard_index(0, 0)["/model/h.1.weight"]["offset"]
+    _flip_a_byte(tmp_path / "s/checkpoints/00000000/rank0", offset + 17)
+    with pytest.raises(ChecksumError, match="tensor model/h.1.weight does not match its checksum"):
         store.read_shard(0, 0)
+    # the intact tensor alone still reads, by its byte range
+    assert store.read_shard(0, 0, keys=["/model/h.0.weight"])["/model/h.0.weight"].shape == (8, 8)
+
+
+def test_single_tensors_read_by_byte_range(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    tree = {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    store.write_shard(3, 0, tree)
+    store.commit_checkpoint(3, "regular", 1)
+    got = store.read_shard(3, 0, keys=["/w4", "/w2"])
+    assert set(got) == {"/w4", "/w2"} and torch.equal(got["/w4"], tree["w4"])
+    with pytest.raises(StoreError, match="no tensor /w9"):
+        store.read_shard(3, 0, keys=["/w9"])

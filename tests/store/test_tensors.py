@@ -4,47 +4,65 @@ import numpy as np
 import pytest
 import torch
 
-from replay.store.tensors import checksum, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
+from replay.store.tensors import checksum, pack, unpack
+from tests.conftest import tensors_equal
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])
-def test_tensor_round_trip_keeps_every_bit(dtype):
+def test_round_trip_keeps_every_bit(dtype):
     src = (torch.randn(5, 7) * 100).to(dtype)
-    a, name = tensor_to_numpy(src)
-    back = numpy_to_tensor(a, name)
+    back = unpack(pack({"x": src}))["x"]
     assert back.dtype == dtype and back.shape == src.shape
     assert torch.equal(back.view(torch.uint8), src.view(torch.uint8))
 
 
 def test_bfloat16_is_stored_as_its_raw_bits():
-    x = torch.tensor([1.0, -2.5, 3.140625], dtype=torch.bfloat16)
-    a, name = tensor_to_numpy(x)
-    assert name == "bfloat16" and a.dtype == np.uint16
+    packed = pack({"x": torch.tensor([1.0, -2.5, 3.140625], dtype=torch.bfloat16)})
+    stored = packed.view("/x")
+    assert packed.index["/x"]["dtype"] == "bfloat16" and stored.dtype == np.uint16
     # 1.0 in bfloat16 is 0x3F80, -2.5 is 0xC020: the top half of the float32 bit patterns
-    assert a.tolist()[:2] == [0x3F80, 0xC020]
+    assert stored.tolist()[:2] == [0x3F80, 0xC020]
 
 
-def test_zero_dim_tensor_keeps_its_shape():
-    back = numpy_to_tensor(*tensor_to_numpy(torch.tensor(3.0)))
-    assert back.shape == () and back.item() == 3.0
+def test_the_buffer_is_a_copy_that_later_updates_cannot_reach():
+    w = torch.ones(4)
+    packed = pack({"w": w})
+    w.add_(1)                                        # what an optimizer step does in place
+    assert unpack(packed)["w"].tolist() == [1.0] * 4
 
 
-def test_state_tree_round_trip_with_int_keys_tuples_and_rng_states():
-    opt_like = {"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}},
-                "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "params": [0], "foreach": None}],
-                "inf": float("inf"), "np": np.random.get_state()[1]}
-    skeleton, arrays = flatten(opt_like)
-    restored = unflatten(skeleton, {k: (a if d == "numpy" else numpy_to_tensor(a, d)) for k, (a, d) in arrays.items()})
+def test_tied_tensors_are_stored_once_and_read_as_equal():
+    emb = torch.randn(16, 8)
+    tree = {"wte": emb, "lm_head": emb, "other": emb.clone()}
+    packed = pack(tree)
+    assert packed.index["/wte"]["offset"] == packed.index["/lm_head"]["offset"]
+    assert packed.index["/other"]["offset"] != packed.index["/wte"]["offset"]
+    assert len(packed.buffer) == 2 * emb.numel() * 4
+    assert tensors_equal(unpack(packed), tree)
+
+
+def test_zero_dim_and_empty_tensors_keep_their_shape():
+    back = unpack(pack({"a": torch.tensor(3.0), "b": torch.zeros(0, 3)}))
+    assert back["a"].shape == () and back["a"].item() == 3.0 and back["b"].shape == (0, 3)
+
+
+def test_state_tree_round_trip_with_int_keys_tuples_and_numpy_state():
+    tree = {"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}},
+            "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "params": [0], "foreach": None}],
+            "inf": float("inf"), "np": np.random.get_state()[1]}
+    restored = unpack(pack(tree))
     assert list(restored["state"]) == [0]                      # int keys stay int
     assert restored["param_groups"][0]["betas"] == (0.9, 0.95)  # tuples stay tuples
     assert restored["inf"] == float("inf")
-    assert np.array_equal(restored["np"], opt_like["np"])
-    assert torch.equal(restored["state"][0]["exp_avg"], torch.ones(3))
+    assert isinstance(restored["np"], np.ndarray) and np.array_equal(restored["np"], tree["np"])
+    assert tensors_equal(restored["state"], tree["state"])
 
 
 def test_arbitrary_objects_are_refused_rather_than_pickled():
     with pytest.raises(TypeError, match="only tensors, arrays and scalars"):
-        flatten({"fn": random.Random()})
+        pack({"fn": random.Random()})
+    with pytest.raises(TypeError, match="object array"):
+        pack({"a": np.array([object()])})
 
 
 def test_checksum_sees_a_single_flipped_bit_and_a_reshape():
