@@ -21,6 +21,7 @@ which writes each file to a temporary name and renames it into place.
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,22 +214,28 @@ class RunStore:
         packed = state if isinstance(state, Packed) else pack(state)
         prefix = f"checkpoints/{_ckpt_name(step)}/rank{rank}"
         group = zarr.open_group(self._zstore, path=prefix, mode="w")
-        sums = packed.checksums()
-        n = max(1, len(packed.buffer))
+        with ThreadPoolExecutor(1) as pool:   # checksums overlap the writes (both release the GIL)
+            sums_future = pool.submit(packed.checksums)
+            self._write_bytes(group, packed.buffer, after_chunk)
+            sums = sums_future.result()
+        # one write of the whole document (attrs.update() would write key by key, "done" maybe first)
+        group.update_attributes({"done": True, "skeleton": packed.skeleton, "index": packed.index,
+                                 "checksums": sums})
+
+    @staticmethod
+    def _write_bytes(group, buffer: np.ndarray, after_chunk) -> None:
+        n = max(1, len(buffer))
         # write_empty_chunks: Zarr otherwise compares every chunk with the fill value before writing it
         # (8-10x slower here), to skip chunks we never want skipped: done-ness is the marker below.
         arr = group.create_array("tensors", shape=(n,), dtype="uint8", chunks=(min(n, _CHUNK_BYTES),),
                                  compressors=None, fill_value=0, dimension_names=("byte",),
                                  config={"write_empty_chunks": True})
-        bounds = list(range(0, len(packed.buffer), _CHUNK_BYTES * _CHUNKS_PER_WRITE))
+        bounds = list(range(0, len(buffer), _CHUNK_BYTES * _CHUNKS_PER_WRITE))
         for i, start in enumerate(bounds):   # a few chunks per call: Zarr writes those concurrently
-            stop = min(len(packed.buffer), start + _CHUNK_BYTES * _CHUNKS_PER_WRITE)
-            arr[start:stop] = packed.buffer[start:stop]
+            stop = min(len(buffer), start + _CHUNK_BYTES * _CHUNKS_PER_WRITE)
+            arr[start:stop] = buffer[start:stop]
             if after_chunk:
                 after_chunk(i + 1, len(bounds))
-        # one write of the whole document (attrs.update() would write key by key, "done" maybe first)
-        group.update_attributes({"done": True, "skeleton": packed.skeleton, "index": packed.index,
-                                 "checksums": sums})
 
     def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
                           should_stop=lambda: False) -> None:
