@@ -1,0 +1,242 @@
+"""A tiled FlashAttention-2 in PyTorch whose rounding points are a named, documented choice.
+
+Two placements (`AttentionOptions.placement`), both round-to-nearest-even through PyTorch's own casts:
+
+`fa2`: what the CUDA FlashAttention-2 kernels do (BRIEF.md section 2), for BF16/FP16 inputs:
+  forward   S = Q K^T from low-precision operands, FP32 accumulate; row max in FP32; the softmax scale
+            folded into a base-2 exponent: Pbar = exp2(S * scale*log2(e) - m * scale*log2(e)) in FP32; the
+            row sum l accumulates the FP32 Pbar; Pbar is rounded to low precision before Pbar @ V (FP32
+            accumulate); the O accumulator stays FP32 across tiles, is divided by l in FP32 and rounded
+            once when written; the log-sum-exp is kept in FP32.
+  backward  D = rowsum(dO * O) in FP32 from the stored low-precision O; P recomputed in FP32 from the
+            LSE; a low-precision copy of P feeds dV = P^T dO; dS = P * (dP - D) in FP32, rounded to low
+            precision for the dQ and dK matmuls; dQ, dK, dV accumulate in FP32 and are rounded once.
+  Not copied: the GPU's ex2.approx and FMA (here exp2 and the subtraction round separately, which moves
+  FP32 values by an ulp or two before they are rounded to BF16; a tie with the row max still gives
+  exactly 1), and the GPU's accumulation order inside a matmul.
+
+`reference`: Qiu & Yao's released code as BRIEF.md describes it, a tiled FA2 written with PyTorch ops
+  under BF16 autocast: every intermediate is a low-precision tensor. S = Q K^T rounded, scaled and
+  rounded; Pbar = exp(S - m) rounded; the per-tile unnormalised Pbar @ V rounded; the O accumulator, l
+  and m low precision, each update rounded; O = acc / l rounded; the backward in low-precision tensors
+  (D, P, dP, dS and the running dQ, dK, dV, each rounded as produced).
+
+Options: the safe-softmax fix (per tile, forward only), `hp_delta` (D from an FP32 O: the FA2
+accumulator before rounding, or for `reference` an FP32 recomputation), `hp_pv` (Pbar @ V and the O
+accumulator in FP32, Pbar not rounded first).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from replay.kernels.baseline import baseline_attention, causal_mask
+from replay.kernels.options import DTYPES, AttentionOptions, SafeSoftmaxFix
+
+LOG2E = math.log2(math.e)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions = AttentionOptions(),
+                    causal: bool = True, scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [..., N, d], k and v: [..., M, d]; `mask` (bool, True = attend) broadcasts to [..., N, M]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _FlashEmulation.apply(q, k, v, opts, causal, scale, mask)
+
+
+class _FlashEmulation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, mask):
+        in_dtype, lead = q.dtype, q.shape[:-2]
+        lp = DTYPES[opts.dtype] if opts.dtype else in_dtype
+        q3, k3, v3 = (t.to(lp).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+        mask3 = None if mask is None else mask.expand(*lead, q.shape[-2], k.shape[-2]).reshape(-1, q.shape[-2], k.shape[-2])
+        forward = _fa2_forward if opts.placement == "fa2" else _reference_forward
+        out, lse, o_hp = forward(q3, k3, v3, opts, causal, scale, mask3)
+        if opts.hp_delta and o_hp is None:   # reference placement: recompute O in FP32
+            o_hp = baseline_attention(q3.float(), k3.float(), v3.float(), torch.float32, causal, scale, mask3)
+        ctx.save_for_backward(q3, k3, v3, out, lse, o_hp, mask3)
+        ctx.opts, ctx.causal, ctx.scale, ctx.in_dtype, ctx.shapes = opts, causal, scale, in_dtype, (q.shape, k.shape)
+        return out.reshape(q.shape).to(in_dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q3, k3, v3, out, lse, o_hp, mask3 = ctx.saved_tensors
+        do3 = dout.to(q3.dtype).reshape(out.shape)
+        backward = _fa2_backward if ctx.opts.placement == "fa2" else _reference_backward
+        dq, dk, dv = backward(q3, k3, v3, out, lse, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, mask3)
+        q_shape, k_shape = ctx.shapes
+        return (dq.reshape(q_shape).to(ctx.in_dtype), dk.reshape(k_shape).to(ctx.in_dtype),
+                dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None)
+
+
+# -- shared tile helpers ---------------------------------------------------------------------------
+
+def _tile_keep(r0, r1, c0, c1, n, m, causal, mask, device) -> torch.Tensor | None:
+    """Which scores of tile (rows r0:r1, columns c0:c1) are attended to; None when all are."""
+    keep = None
+    if causal and c1 - 1 > r0 + (m - n):   # some column lies right of the diagonal
+        keep = causal_mask(n, m, device)[r0:r1, c0:c1]
+    if mask is not None:
+        tile = mask[:, r0:r1, c0:c1]
+        keep = tile if keep is None else keep & tile
+    return keep
+
+
+def _row_blocks(n, m, block_r, c0, causal):
+    """Row tiles that can see column c0 or later (under causal, rows above the diagonal see nothing)."""
+    first = 0 if not causal else max(0, c0 - (m - n))
+    return range(first - first % block_r, n, block_r)
+
+
+def _safe_offset(s: torch.Tensor, row_max: torch.Tensor, fix: SafeSoftmaxFix, scale: float) -> torch.Tensor:
+    """The offset to subtract per row of one tile: the row max, or with ties beta * max (max > 0) or 0
+    (max < 0). Computed in the dtype of `s`, so a low-precision beta * max rounds as the kernel's would."""
+    finite = torch.isfinite(s)
+    if fix.tie_tol:
+        tied = finite & ((row_max[..., None] - s) * scale <= fix.tie_tol)
+    else:
+        tied = finite & (s == row_max[..., None])
+    several = tied.sum(-1) > 1
+    offset = torch.where(several & (row_max > 0), row_max * fix.beta, row_max)
+    return torch.where(several & (row_max < 0), torch.zeros_like(row_max), offset)
+
+
+# -- the fa2 placement -----------------------------------------------------------------------------
+
+def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
+    lp = q.dtype
+    G, N, d = q.shape
+    M = k.shape[1]
+    c = torch.tensor(scale * LOG2E, dtype=torch.float32).item()   # the kernel's FP32 scale * log2(e)
+    out = torch.empty_like(q)
+    lse2 = torch.empty(G, N, dtype=torch.float32, device=q.device)   # log2-sum-exp2, in units of S * c
+    o_hp = torch.empty(G, N, d, dtype=torch.float32, device=q.device) if opts.hp_delta else None
+    kf, vf = k.float(), v.float()
+    for r0 in range(0, N, opts.block_r):
+        r1 = min(N, r0 + opts.block_r)
+        qi = q[:, r0:r1].float()
+        m = torch.full((G, r1 - r0), float("-inf"), device=q.device)
+        l = torch.zeros(G, r1 - r0, device=q.device)
+        acc = torch.zeros(G, r1 - r0, d, device=q.device)
+        last_col = M if not causal else min(M, r1 + (M - N))
+        for c0 in range(0, last_col, opts.block_c):
+            c1 = min(M, c0 + opts.block_c)
+            s = qi @ kf[:, c0:c1].transpose(1, 2)
+            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))
+            tile_max = s.amax(-1)
+            if opts.fix:
+                tile_max = _safe_offset(s, tile_max, opts.fix, scale)
+            m_new = torch.maximum(m, tile_max)
+            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # rows with nothing yet
+            p = torch.exp2(s * c - (m_use * c)[..., None])
+            alpha = torch.exp2(m * c - m_use * c)
+            l = alpha * l + p.sum(-1)
+            pv = p if opts.hp_pv else p.to(lp).float()
+            acc = alpha[..., None] * acc + pv @ vf[:, c0:c1]
+            m = m_use
+        o = torch.where(l[..., None] > 0, acc / l[..., None], torch.zeros_like(acc))
+        out[:, r0:r1] = o.to(lp)
+        lse2[:, r0:r1] = torch.where(l > 0, m * c + torch.log2(l), torch.full_like(l, float("inf")))
+        if o_hp is not None:
+            o_hp[:, r0:r1] = o
+    return out, lse2, o_hp
+
+
+def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal, scale, mask):
+    lp = q.dtype
+    G, N, d = q.shape
+    M = k.shape[1]
+    c = torch.tensor(scale * LOG2E, dtype=torch.float32).item()
+    qf, dof = q.float(), dout.float()
+    D = (dof * (o_hp if opts.hp_delta else out.float())).sum(-1)
+    dq_acc = torch.zeros(G, N, d, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for c0 in range(0, M, opts.block_c):
+        c1 = min(M, c0 + opts.block_c)
+        kj, vj = k[:, c0:c1].float(), v[:, c0:c1].float()
+        dk_acc = torch.zeros(G, c1 - c0, d, device=q.device)
+        dv_acc = torch.zeros(G, c1 - c0, d, device=q.device)
+        for r0 in _row_blocks(N, M, opts.block_r, c0, causal):
+            r1 = min(N, r0 + opts.block_r)
+            s = qf[:, r0:r1] @ kj.transpose(1, 2)
+            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))
+            p = torch.exp2(s * c - lse2[:, r0:r1, None])
+            dv_acc += p.to(lp).float().transpose(1, 2) @ dof[:, r0:r1]
+            dp = dof[:, r0:r1] @ vj.transpose(1, 2)
+            ds = (p * (dp - D[:, r0:r1, None])).to(lp).float()
+            dq_acc[:, r0:r1] += ds @ kj
+            dk_acc += ds.transpose(1, 2) @ qf[:, r0:r1]
+        dk[:, c0:c1] = (dk_acc * scale).to(lp)
+        dv[:, c0:c1] = dv_acc.to(lp)
+    return (dq_acc * scale).to(lp), dk, dv
+
+
+# -- the reference placement -----------------------------------------------------------------------
+
+def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
+    lp = q.dtype
+    G, N, d = q.shape
+    M = k.shape[1]
+    acc_dtype = torch.float32 if opts.hp_pv else lp
+    out = torch.empty_like(q)
+    lse = torch.empty(G, N, dtype=lp, device=q.device)
+    for r0 in range(0, N, opts.block_r):
+        r1 = min(N, r0 + opts.block_r)
+        qi = q[:, r0:r1]
+        m = torch.full((G, r1 - r0), float("-inf"), dtype=lp, device=q.device)
+        l = torch.zeros(G, r1 - r0, dtype=lp, device=q.device)
+        acc = torch.zeros(G, r1 - r0, d, dtype=acc_dtype, device=q.device)
+        last_col = M if not causal else min(M, r1 + (M - N))
+        for c0 in range(0, last_col, opts.block_c):
+            c1 = min(M, c0 + opts.block_c)
+            s = (qi @ k[:, c0:c1].transpose(1, 2)) * scale
+            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))
+            tile_max = s.amax(-1)
+            if opts.fix:
+                tile_max = _safe_offset(s, tile_max, opts.fix, scale=1.0)   # s is already scaled
+            m_new = torch.maximum(m, tile_max)
+            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_use[..., None])
+            alpha = torch.exp(m - m_use)
+            l = alpha * l + p.sum(-1)
+            pv = p.float() @ v[:, c0:c1].float() if opts.hp_pv else p @ v[:, c0:c1]
+            acc = alpha[..., None].to(acc_dtype) * acc + pv
+            m = m_use
+        o = torch.where(l[..., None] > 0, acc / l[..., None].to(acc_dtype), torch.zeros_like(acc))
+        out[:, r0:r1] = o.to(lp)
+        lse[:, r0:r1] = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("inf")))
+    return out, lse, None
+
+
+def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, causal, scale, mask):
+    G, N, d = q.shape
+    M = k.shape[1]
+    D = (dout.float() * o_hp).sum(-1) if opts.hp_delta else (dout * out).sum(-1)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for c0 in range(0, M, opts.block_c):
+        c1 = min(M, c0 + opts.block_c)
+        kj, vj = k[:, c0:c1], v[:, c0:c1]
+        dk_j, dv_j = torch.zeros_like(kj), torch.zeros_like(vj)
+        for r0 in _row_blocks(N, M, opts.block_r, c0, causal):
+            r1 = min(N, r0 + opts.block_r)
+            s = (q[:, r0:r1] @ kj.transpose(1, 2)) * scale
+            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))
+            p = torch.exp(s - lse[:, r0:r1, None])
+            dv_j = dv_j + p.transpose(1, 2) @ dout[:, r0:r1]
+            dp = dout[:, r0:r1] @ vj.transpose(1, 2)
+            ds = (p * (dp - D[:, r0:r1, None])).to(q.dtype)
+            dq[:, r0:r1] = dq[:, r0:r1] + (ds @ kj) * scale
+            dk_j = dk_j + (ds.transpose(1, 2) @ q[:, r0:r1]) * scale
+        dk[:, c0:c1], dv[:, c0:c1] = dk_j, dv_j
+    return dq, dk, dv
