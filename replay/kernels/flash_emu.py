@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from replay.errors import UsageError
 from replay.kernels.baseline import baseline_attention, causal_mask
 from replay.kernels.options import DTYPES, AttentionOptions, SafeSoftmaxFix
 
@@ -90,6 +91,13 @@ def _row_blocks(n, m, block_r, c0, causal):
     return range(first - first % block_r, n, block_r)
 
 
+def _check_underflow(l: torch.Tensor, attended: torch.Tensor, fix: SafeSoftmaxFix | None) -> None:
+    """A row that attends to something but whose probabilities all underflowed: a beta too large."""
+    if fix is not None and bool(((l == 0) & attended).any()):
+        raise UsageError(f"safe-softmax beta={fix.beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some "
+                         "rows, which would silently zero their output; use a smaller beta (the paper uses 2-8)")
+
+
 def _safe_offset(s: torch.Tensor, row_max: torch.Tensor, fix: SafeSoftmaxFix, scale: float) -> torch.Tensor:
     """The offset to subtract per row of one tile: the row max, or with ties beta * max (max > 0) or 0
     (max < 0). Computed in the dtype of `s`, so a low-precision beta * max rounds as the kernel's would."""
@@ -120,6 +128,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         m = torch.full((G, r1 - r0), float("-inf"), device=q.device)
         l = torch.zeros(G, r1 - r0, device=q.device)
         acc = torch.zeros(G, r1 - r0, d, device=q.device)
+        attended = torch.zeros(G, r1 - r0, dtype=torch.bool, device=q.device)
         last_col = M if not causal else min(M, r1 + (M - N))
         for c0 in range(0, last_col, opts.block_c):
             c1 = min(M, c0 + opts.block_c)
@@ -128,6 +137,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
             tile_max = s.amax(-1)
+            attended |= torch.isfinite(tile_max)
             if opts.fix:
                 tile_max = _safe_offset(s, tile_max, opts.fix, scale)
             m_new = torch.maximum(m, tile_max)
@@ -138,6 +148,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             pv = p if opts.hp_pv else p.to(lp).float()
             acc = alpha[..., None] * acc + pv @ vf[:, c0:c1]
             m = m_use
+        _check_underflow(l, attended, opts.fix)
         o = torch.where(l[..., None] > 0, acc / l[..., None], torch.zeros_like(acc))
         out[:, r0:r1] = o.to(lp)
         lse2[:, r0:r1] = torch.where(l > 0, m * c + torch.log2(l), torch.full_like(l, float("inf")))
@@ -192,6 +203,7 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         m = torch.full((G, r1 - r0), float("-inf"), dtype=lp, device=q.device)
         l = torch.zeros(G, r1 - r0, dtype=lp, device=q.device)
         acc = torch.zeros(G, r1 - r0, d, dtype=acc_dtype, device=q.device)
+        attended = torch.zeros(G, r1 - r0, dtype=torch.bool, device=q.device)
         last_col = M if not causal else min(M, r1 + (M - N))
         for c0 in range(0, last_col, opts.block_c):
             c1 = min(M, c0 + opts.block_c)
@@ -200,6 +212,7 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
             tile_max = s.amax(-1)
+            attended |= torch.isfinite(tile_max)
             if opts.fix:
                 tile_max = _safe_offset(s, tile_max, opts.fix, scale=1.0)   # s is already scaled
             m_new = torch.maximum(m, tile_max)
@@ -210,6 +223,7 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             pv = p.float() @ v[:, c0:c1].float() if opts.hp_pv else p @ v[:, c0:c1]
             acc = alpha[..., None].to(acc_dtype) * acc + pv
             m = m_use
+        _check_underflow(l, attended, opts.fix)
         o = torch.where(l[..., None] > 0, acc / l[..., None].to(acc_dtype), torch.zeros_like(acc))
         out[:, r0:r1] = o.to(lp)
         lse[:, r0:r1] = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("inf")))

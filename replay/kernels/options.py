@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,10 +28,15 @@ class SafeSoftmaxFix:
             raise UsageError(f"safe-softmax beta must be > 1 (the paper uses 2-8), got {self.beta}")
         if self.tie_tol < 0:
             raise UsageError(f"safe-softmax tie tolerance must be >= 0, got {self.tie_tol}")
+        if self.beta < 1 + 2 ** -7:   # beta * r rounds back to r in BF16 (8 significant bits)
+            warnings.warn(f"safe-softmax beta={self.beta:g} rounds back to 1 in BF16: ties still give exactly 1 "
+                          "there, so the fix does nothing at BF16 (the paper uses 2-8)", stacklevel=2)
 
 
 @dataclass(frozen=True)
 class AttentionOptions:
+    """How one backend computes attention: rounding placement, tiles, and the Qiu & Yao options."""
+
     placement: str = "fa2"          # fa2: CUDA FA2's rounding points; reference: Qiu & Yao's PyTorch code
     block_r: int = 128              # B_r: query rows per tile (FA2 forward, head dim 64)
     block_c: int = 128              # B_c: key columns per tile

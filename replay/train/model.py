@@ -10,16 +10,12 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 from replay.config import ModelConfig, OptimConfig
-from replay.errors import UsageError
+from replay.kernels.registry import AttentionPlan, apply_plan
 
 
-def check_attention(name: str) -> None:
-    """Fail early, in the launching process, on an attention implementation transformers doesn't know."""
-    from transformers import AttentionInterface
-
-    known = ["eager", *AttentionInterface().valid_keys()]
-    if name not in known:
-        raise UsageError(f"unknown attention implementation {name!r}; choose one of {', '.join(known)}")
+def check_attention(cfg: ModelConfig) -> None:
+    """Fail early, in the launching process, on an attention plan that cannot run on this model."""
+    AttentionPlan.parse(cfg.attention).validate(cfg.n_layer, cfg.n_head)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel:
@@ -32,10 +28,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel
     )
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
-    try:
-        model.set_attn_implementation(cfg.attention)
-    except (ValueError, KeyError) as e:
-        raise UsageError(f"unknown attention implementation {cfg.attention!r}: {str(e).splitlines()[0]}") from None
+    apply_plan(model, AttentionPlan.parse(cfg.attention))
     return model
 
 

@@ -126,7 +126,8 @@ def test_killed_mid_checkpoint_then_resumed_matches_the_uninterrupted_run(two_ra
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["--set", "optim.learning_rate=1"], "unknown config key 'optim.learning_rate'"),
     (["--data", "/nonexistent/train.bin"], "data file /nonexistent/train.bin does not exist"),
-    (["--attention", "flashy"], "unknown attention implementation 'flashy'"),
+    (["--attention", "flashy"], "unknown attention backend 'flashy'"),
+    (["--attention", "eager;5=fa2-emu"], "targets layer 5, but the model has layers 0..1"),
     (["--nproc", "3"], "batch_size 8 is not a multiple of micro_batch_size x nproc = 12"),
 ])
 def test_bad_record_input_writes_nothing(tmp_path, args, expected):

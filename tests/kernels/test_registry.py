@@ -1,0 +1,108 @@
+"""Backend specs, per-layer / per-head plans, and GPT-2 running on them through transformers."""
+
+import pytest
+import torch
+
+from replay.config import ModelConfig
+from replay.errors import UsageError
+from replay.kernels.flash_emu import flash_attention
+from replay.kernels.registry import AttentionPlan, BackendSpec, LayerAttention
+from replay.train.model import build_model, lm_loss
+
+
+def test_specs_parse_to_options_and_back():
+    spec = BackendSpec.parse("reference-emu:fix=safe-softmax,beta=2,tie=1e-3,br=32,bc=64,hp-delta")
+    o = spec.options
+    assert (o.placement, o.fix.beta, o.fix.tie_tol, o.block_r, o.block_c, o.hp_delta, o.hp_pv) == \
+        ("reference", 2.0, 1e-3, 32, 64, True, False)
+    assert BackendSpec.parse(spec.canonical()) == spec
+    assert BackendSpec.parse("fa2-emu:fix=safe-softmax").options.fix.beta == 7.0   # the paper's stabilising beta
+
+
+@pytest.mark.parametrize("text, match", [
+    ("flash", "unknown attention backend 'flash'"),
+    ("eager:fix=safe-softmax", "takes no options"),
+    ("fa2-emu:beta=3", "beta and tie go with fix=safe-softmax"),
+    ("fa2-emu:speed=11", "unknown option 'speed'"),
+    ("fa2-emu:fix=magic", "unknown fix 'magic'"),
+    ("fa2-emu:br=many", "bad option value"),
+    ("baseline:dtype=fp8", "unknown precision 'fp8'"),
+    ("fa2-emu;sdpa", "two defaults"),
+])
+def test_bad_specs_are_named(text, match):
+    with pytest.raises(UsageError, match=match):
+        AttentionPlan.parse(text)
+
+
+def test_plan_resolves_most_specific_entry():
+    plan = AttentionPlan.parse("eager;1=fa2-emu;1.7-8=reference-emu:fix=safe-softmax;0.3=sdpa")
+    assert plan.backend_for(0, 0).name == "eager" and plan.backend_for(0, 3).name == "sdpa"
+    assert plan.backend_for(1, 6).name == "fa2-emu"
+    assert [plan.backend_for(1, h).name for h in (7, 8)] == ["reference-emu"] * 2
+    assert AttentionPlan.parse(plan.canonical()) == plan
+    with pytest.raises(UsageError, match="layer 1 head 7, but the model has layers 0..1 with heads 0..3"):
+        plan.validate(n_layer=2, n_head=4)
+
+
+def test_each_head_group_gets_exactly_its_backend():
+    plan = AttentionPlan.parse("baseline:dtype=fp32;0.1-2=reference-emu:br=16,bc=16")
+    layer = LayerAttention(plan, layer=0, n_head=4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 24, 8, generator=g).bfloat16() for _ in range(3))
+    out = layer(None, q, k, v, None, 8 ** -0.5)
+    alone = flash_attention(q[:, 1:3], k[:, 1:3], v[:, 1:3], plan.backend_for(0, 1).options, causal=True)
+    assert torch.equal(out[:, 1:3], alone)
+    from replay.kernels.baseline import baseline_attention
+
+    rest = baseline_attention(q[:, [0, 3]], k[:, [0, 3]], v[:, [0, 3]], torch.float32).bfloat16()
+    assert torch.equal(out[:, [0, 3]], rest)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_eager_through_the_dispatcher_is_bitwise_transformers_eager(autocast):
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    builtin = build_model(ModelConfig(n_head=4), 256, seed=0)
+    routed = build_model(ModelConfig(n_head=4, attention="eager;1.2=eager"), 256, seed=0)
+    assert routed.config._attn_implementation == "replay" and builtin.config._attn_implementation == "eager"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        assert torch.equal(builtin(input_ids=x).logits, routed(input_ids=x).logits)
+
+
+def test_gpt2_trains_with_backends_on_layers_and_heads():
+    plan = "sdpa;0=fa2-emu:br=16,bc=16;1.0=reference-emu:fix=safe-softmax,beta=7;1.3=baseline:dtype=bf16"
+    model = build_model(ModelConfig(n_head=4, attention=plan), 256, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g)
+    losses = []
+    for _ in range(5):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        for block in model.transformer.h:   # gradients reach every layer's attention through its backends
+            grad = block.attn.c_attn.weight.grad
+            assert grad is not None and grad.abs().sum() > 0 and torch.isfinite(grad).all()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_padding_masks_reach_the_backends():
+    """Left padding: with the mask, valid positions match eager; the backends really see the mask."""
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :6] = 0
+    eager = build_model(ModelConfig(n_head=4), 256, seed=0)
+    emu = build_model(ModelConfig(n_head=4, attention="fa2-emu:br=8,bc=8"), 256, seed=0)
+    a = eager(input_ids=ids, attention_mask=mask).logits
+    b = emu(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(a[0, 6:], b[0, 6:], atol=1e-4) and torch.allclose(a[1], b[1], atol=1e-4)
+    unmasked = emu(input_ids=ids).logits
+    assert not torch.allclose(unmasked[0, 6:], b[0, 6:], atol=1e-2)   # the padding made a difference
+
+
+def test_attention_dropout_is_refused_rather_than_ignored():
+    model = build_model(ModelConfig(n_head=4, dropout=0.1, attention="fa2-emu"), 256, seed=0)
+    with pytest.raises(UsageError, match="attention dropout"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
