@@ -6,14 +6,15 @@ Two placements (`AttentionOptions.placement`), both round-to-nearest-even throug
   forward   S = Q K^T from low-precision operands, FP32 accumulate; row max in FP32; the softmax scale
             folded into a base-2 exponent: Pbar = exp2(S * scale*log2(e) - m * scale*log2(e)) in FP32; the
             row sum l accumulates the FP32 Pbar; Pbar is rounded to low precision before Pbar @ V (FP32
-            accumulate); the O accumulator stays FP32 across tiles, is divided by l in FP32 and rounded
-            once when written; the log-sum-exp is kept in FP32.
+            accumulate); the O accumulator stays FP32 across tiles, is multiplied by the FP32 reciprocal
+            1 / l (as CUDA FA2 does) and rounded once when written; the log-sum-exp is kept in FP32.
   backward  D = rowsum(dO * O) in FP32 from the stored low-precision O; P recomputed in FP32 from the
             LSE; a low-precision copy of P feeds dV = P^T dO; dS = P * (dP - D) in FP32, rounded to low
             precision for the dQ and dK matmuls; dQ, dK, dV accumulate in FP32 and are rounded once.
   Not copied: the GPU's ex2.approx and FMA (here exp2 and the subtraction round separately, which moves
   FP32 values by an ulp or two before they are rounded to BF16; a tie with the row max still gives
-  exactly 1), and the GPU's accumulation order inside a matmul.
+  exactly 1), the GPU's accumulation order inside a matmul, and the LSE's units (log2 here, natural log
+  in CUDA FA2, converted back in its backward: the same P up to an FP32 ulp).
 
 `reference`: Qiu & Yao's released code as BRIEF.md describes it, a tiled FA2 written with PyTorch ops
   under BF16 autocast: every intermediate is a low-precision tensor. S = Q K^T rounded, scaled and
@@ -149,7 +150,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             acc = alpha[..., None] * acc + pv @ vf[:, c0:c1]
             m = m_use
         _check_underflow(l, attended, opts.fix)
-        o = torch.where(l[..., None] > 0, acc / l[..., None], torch.zeros_like(acc))
+        o = torch.where(l[..., None] > 0, acc * (1.0 / l)[..., None], torch.zeros_like(acc))   # as CUDA FA2
         out[:, r0:r1] = o.to(lp)
         lse2[:, r0:r1] = torch.where(l > 0, m * c + torch.log2(l), torch.full_like(l, float("inf")))
         if o_hp is not None:

@@ -72,12 +72,12 @@ def test_fa2_placement_rounds_exactly_where_it_says_in_one_tile():
     p = torch.exp2(s * c - m * c)                                     # FP32 Pbar, scale folded into exp2
     l = p.sum(-1, keepdim=True)                                       # row sum from the FP32 Pbar
     acc = p.bfloat16().float() @ v.float()                            # Pbar rounded to BF16 before Pbar V
-    expected = (acc / l).bfloat16()                                   # divided in FP32, rounded once
+    expected = (acc * (1 / l)).bfloat16()                             # times the FP32 1/l, rounded once
     got = flash_attention(q, k, v, AttentionOptions(block_r=64, block_c=64))
     assert torch.equal(got, expected)
     # and the rounding of Pbar matters: without it (hp-pv) the output differs somewhere
     unrounded = flash_attention(q, k, v, AttentionOptions(block_r=64, block_c=64, hp_pv=True))
-    assert torch.equal(unrounded, (p @ v.float() / l).bfloat16()) and not torch.equal(unrounded, expected)
+    assert torch.equal(unrounded, (p @ v.float() * (1 / l)).bfloat16()) and not torch.equal(unrounded, expected)
 
     # backward: D from the stored BF16 O; P from the LSE in FP32; dS rounded before dQ and dK
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
