@@ -13,9 +13,12 @@ from replay.config import ModelConfig, OptimConfig
 from replay.kernels.registry import AttentionPlan, apply_plan
 
 
-def check_attention(cfg: ModelConfig) -> None:
-    """Fail early, in the launching process, on an attention plan that cannot run on this model."""
-    AttentionPlan.parse(cfg.attention).validate(cfg.n_layer, cfg.n_head)
+def check_attention(cfg: ModelConfig) -> str:
+    """Fail early, in the launching process, on an attention plan that cannot run on this model;
+    returns the plan in canonical form (what the manifest records)."""
+    plan = AttentionPlan.parse(cfg.attention)
+    plan.validate(cfg.n_layer, cfg.n_head)
+    return plan.canonical()
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel:

@@ -209,3 +209,18 @@ def test_under_torchrun_each_process_is_a_rank_and_rank0_prepares_the_store(tmp_
     assert store.n_steps == 6 and [c.step for c in store.checkpoints()] == [0, 3, 6]
     ids = store.read_steps()["sample_ids"]
     assert ids.shape == (6, 2, 1, 4) and len(np.unique(ids)) == ids.size
+
+
+def test_record_with_an_attention_plan_trains_on_those_backends(tmp_path):
+    plan = "eager;1=fa2-emu:br=16,bc=16;1.1=reference-emu:fix=safe-softmax,beta=7"
+    runs = {}
+    for name, attention in [("plan", plan), ("eager", "eager")]:
+        store_path = tmp_path / name
+        result = replay_cli("record", "--store", str(store_path), "--steps", "6", "--precision", "bf16",
+                            "--attention", attention)
+        assert result.returncode == 0, result.stderr
+        runs[name] = RunStore.open(store_path)
+    assert runs["plan"].manifest["config"]["model"]["attention"] == \
+        "eager;1=fa2-emu:br=16,bc=16;1.1=reference-emu:fix=safe-softmax,beta=7"
+    a, b = runs["plan"].read_steps()["loss"], runs["eager"].read_steps()["loss"]
+    assert a[0] != b[0] and np.allclose(a, b, atol=0.05)   # other rounding, same model: close, not equal
