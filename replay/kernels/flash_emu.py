@@ -93,8 +93,9 @@ def _row_blocks(n, m, block_r, c0, causal):
 
 
 def _check_underflow(l: torch.Tensor, attended: torch.Tensor, fix: SafeSoftmaxFix | None) -> None:
-    """A row that attends to something but whose probabilities all underflowed: a beta too large."""
-    if fix is not None and bool(((l == 0) & attended).any()):
+    """A row that attends to something but whose probabilities all underflowed (to 0, or to subnormals
+    whose reciprocal overflows to inf and makes the output NaN): a beta too large."""
+    if fix is not None and bool(((l.float() < torch.finfo(torch.float32).tiny) & attended).any()):
         raise UsageError(f"safe-softmax beta={fix.beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some "
                          "rows, which would silently zero their output; use a smaller beta (the paper uses 2-8)")
 

@@ -84,6 +84,17 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _TritonFlash.apply(q, k, v, opts, causal, scale)
 
 
+def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix) -> None:
+    """As the emulation: a row that attends to keys but whose probabilities all underflowed (row sum 0
+    on the GPU, where exp2 flushes subnormals; NaN from 1/l in the interpreter) is an error, not zeros."""
+    attends = torch.arange(n, device=lse2.device) + (m - n) >= 0 if causal else torch.ones(n, dtype=torch.bool,
+                                                                                             device=lse2.device)
+    bad = ~torch.isfinite(lse2[:, attends]) | ~torch.isfinite(out[:, attends]).all(-1)
+    if bool(bad.any()):
+        raise UsageError(f"safe-softmax beta={fix.beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some "
+                         "rows, which would silently zero their output; use a smaller beta (the paper uses 2-8)")
+
+
 class _TritonFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float):
@@ -91,6 +102,8 @@ class _TritonFlash(torch.autograd.Function):
         in_dtype, q_shape, k_shape = q.dtype, q.shape, k.shape
         q3, k3, v3 = (_kernel_layout(t, lp) for t in (q, k, v))
         out, lse2, o_hp = _forward(q3, k3, v3, opts, causal, scale, _is_bf16(lp))
+        if opts.fix is not None:
+            _check_underflow(out, lse2, causal, q3.shape[1], k3.shape[1], opts.fix)
         ctx.save_for_backward(q3, k3, v3, out, lse2, o_hp)
         ctx.opts, ctx.causal, ctx.scale, ctx.lp, ctx.in_dtype = opts, causal, scale, lp, in_dtype
         ctx.shapes = q_shape, k_shape

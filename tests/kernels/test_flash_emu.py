@@ -165,6 +165,13 @@ def test_huge_beta_is_a_clear_error_not_silent_zeros():
     k[..., 0] = 30.0                                     # every score ties at 900 / sqrt(8)
     with pytest.raises(UsageError, match="underflows"):
         flash_attention(q, k, torch.randn(1, 1, 4, 8), AttentionOptions(fix=SafeSoftmaxFix(beta=1e6)), causal=False)
+    # a beta that leaves only subnormal probabilities: 1 / l would be inf and the output NaN
+    q2 = torch.zeros(1, 1, 2, 8)
+    q2[..., 0] = 1.0
+    k2 = torch.zeros(1, 1, 2, 8)
+    k2[..., 0] = 20.0 * 8 ** 0.5                         # scores tie at 20 (scaled): exp2(-(beta-1)*20*log2 e)
+    with pytest.raises(UsageError, match="underflows"):  # beta 5.5: p = e^-90, a subnormal row sum
+        flash_attention(q2, k2, torch.randn(1, 1, 2, 8), AttentionOptions(fix=SafeSoftmaxFix(beta=5.5)), causal=False)
 
 
 @pytest.mark.parametrize("bad", [{"placement": "cuda"}, {"block_r": 0}, {"dtype": "fp8"}])

@@ -463,3 +463,26 @@ def test_gpu_rounding_matches_torch(dtype, emulate):
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+def test_interpreter_refuses_a_beta_whose_probabilities_underflow():
+    """As the emulation: subnormal or zero row sums are an error, not NaN or silent zeros."""
+    script = (
+        "import torch\n"
+        "from replay.errors import UsageError\n"
+        "from replay.kernels.options import AttentionOptions, SafeSoftmaxFix\n"
+        "from replay.kernels.triton_fa2 import triton_flash_attention\n"
+        "q = torch.zeros(1, 1, 16, 16); q[..., 0] = 1.0\n"
+        "k = torch.zeros(1, 1, 16, 16); k[..., 0] = 80.0\n"   # 16 keys tie at score 20
+        "v = torch.randn(1, 1, 16, 16)\n"
+        "for beta, refused in ((2.0, False), (6.0, True), (1e6, True)):\n"
+        "    opts = AttentionOptions(block_r=16, block_c=16, fix=SafeSoftmaxFix(beta=beta))\n"
+        "    try:\n"
+        "        out = triton_flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), opts, causal=False)\n"
+        "        assert not refused and torch.isfinite(out).all(), beta\n"
+        "    except UsageError as e:\n"
+        "        assert refused and 'underflows' in str(e), beta\n"
+        "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
