@@ -86,6 +86,21 @@ def _tile_keep(r0, r1, c0, c1, n, m, causal, mask, device) -> torch.Tensor | Non
     return keep
 
 
+def _mask_tile(s, r0, r1, c0, c1, n, m, causal, mask) -> torch.Tensor:
+    keep = _tile_keep(r0, r1, c0, c1, n, m, causal, mask, s.device)
+    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def _running_offset(s: torch.Tensor, m: torch.Tensor, fix: SafeSoftmaxFix | None, scale: float) -> torch.Tensor:
+    """The offset the tile's scores are exponentiated against: the running max (or, with the fix, the
+    running safe offset), 0 for rows that have attended to nothing yet."""
+    tile_max = s.amax(-1)
+    if fix:
+        tile_max = _safe_offset(s, tile_max, fix, scale)
+    m_new = torch.maximum(m, tile_max)
+    return torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+
+
 def _row_blocks(n, m, block_r, c0, causal):
     """Row tiles that can see column c0 or later (under causal, rows above the diagonal see nothing)."""
     first = 0 if not causal else max(0, c0 - (m - n))
@@ -135,15 +150,9 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         for c0 in range(0, last_col, opts.block_c):
             c1 = min(M, c0 + opts.block_c)
             s = qi @ kf[:, c0:c1].transpose(1, 2)
-            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
-            if keep is not None:
-                s = s.masked_fill(~keep, float("-inf"))
-            tile_max = s.amax(-1)
-            attended |= torch.isfinite(tile_max)
-            if opts.fix:
-                tile_max = _safe_offset(s, tile_max, opts.fix, scale)
-            m_new = torch.maximum(m, tile_max)
-            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # rows with nothing yet
+            s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
+            attended |= torch.isfinite(s.amax(-1))
+            m_use = _running_offset(s, m, opts.fix, scale)
             p = torch.exp2(s * c - (m_use * c)[..., None])
             alpha = torch.exp2(m * c - m_use * c)
             l = alpha * l + p.sum(-1)
@@ -176,9 +185,7 @@ def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal
         for r0 in _row_blocks(N, M, opts.block_r, c0, causal):
             r1 = min(N, r0 + opts.block_r)
             s = qf[:, r0:r1] @ kj.transpose(1, 2)
-            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
-            if keep is not None:
-                s = s.masked_fill(~keep, float("-inf"))
+            s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
             p = torch.exp2(s * c - lse2[:, r0:r1, None])
             dv_acc += p.to(lp).float().transpose(1, 2) @ dof[:, r0:r1]
             dp = dof[:, r0:r1] @ vj.transpose(1, 2)
@@ -210,15 +217,9 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         for c0 in range(0, last_col, opts.block_c):
             c1 = min(M, c0 + opts.block_c)
             s = (qi @ k[:, c0:c1].transpose(1, 2)) * scale
-            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
-            if keep is not None:
-                s = s.masked_fill(~keep, float("-inf"))
-            tile_max = s.amax(-1)
-            attended |= torch.isfinite(tile_max)
-            if opts.fix:
-                tile_max = _safe_offset(s, tile_max, opts.fix, scale=1.0)   # s is already scaled
-            m_new = torch.maximum(m, tile_max)
-            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
+            attended |= torch.isfinite(s.amax(-1))
+            m_use = _running_offset(s, m, opts.fix, scale=1.0)   # s is already scaled
             p = torch.exp(s - m_use[..., None])
             alpha = torch.exp(m - m_use)
             l = alpha * l + p.sum(-1)
@@ -245,9 +246,7 @@ def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, c
         for r0 in _row_blocks(N, M, opts.block_r, c0, causal):
             r1 = min(N, r0 + opts.block_r)
             s = (q[:, r0:r1] @ kj.transpose(1, 2)) * scale
-            keep = _tile_keep(r0, r1, c0, c1, N, M, causal, mask, q.device)
-            if keep is not None:
-                s = s.masked_fill(~keep, float("-inf"))
+            s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
             p = torch.exp(s - lse[:, r0:r1, None])
             dv_j = dv_j + p.transpose(1, 2) @ dout[:, r0:r1]
             dp = dout[:, r0:r1] @ vj.transpose(1, 2)
