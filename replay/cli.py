@@ -175,7 +175,13 @@ def _print_info(store: str, as_json: bool) -> None:
         f"\n            step {e['step']}: loss {e['loss']:.4f} vs baseline {e['baseline']:.4f} (robust z {e['score']:.1f})"
         if isinstance(e['score'], (int, float)) else f"\n            step {e['step']}: loss {e['loss']} (non-finite)"
         for e in sp))
-    click.echo(f"replays     {len(summary['replays'])}")
+    click.echo(f"replays     {len(summary['replays'])}" + "".join(
+        f"\n            {r['id']}: steps {r['window']['from']}..{r['window']['to']} from checkpoint "
+        f"{r['start_checkpoint']}, {r['status']}"
+        + (", spikes at " + ", ".join(map(str, r['spikes'])) if r['spikes'] else ", no spike")
+        + ("" if not r['verification'] else ", bitwise" if r['verification']['bitwise']
+           else f", diverges at step {r['verification']['divergence']['step']}")
+        for r in summary["replays"]))
     if summary["resumes"]:
         click.echo(f"resumed     from step {', '.join(str(r['from_step']) for r in summary['resumes'])}")
 
@@ -197,6 +203,41 @@ def batch(store, step, rank, as_json) -> None:
     for row in rows:
         click.echo(f"--- step {row['step']}  rank {row['rank']}  micro-batch {row['micro']}  sample {row['sample_id']}")
         click.echo(row["text"])
+
+
+@main.command("run")
+@click.argument("store", type=click.Path())
+@click.option("--from", "start", required=True, type=int, help="First step of the window (0-based).")
+@click.option("--to", "stop", required=True, type=int, help="Last step of the window (inclusive).")
+@click.option("--verify", is_flag=True, help="Compare each replayed step with the record, bit for bit.")
+@click.option("--name", help="Replay id inside the store (default steps-A-B).")
+@click.option("--checkpoint-every", type=int, default=0, show_default=True,
+              help="Also checkpoint every K steps (0: only at the end).")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@_main_errors
+def run_cmd(store, start, stop, verify, name, checkpoint_every, as_json) -> None:
+    """Re-execute steps A..B of the run in STORE from its checkpoints, and store the replay inside it.
+
+    Restores the latest committed checkpoint (or pre-spike snapshot) at or before A on every rank, with
+    the recorded world size and launcher, and trains on exactly the recorded sample ids.
+    """
+    from replay.replayer.replays import ReplayRequest, run
+
+    req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every)
+    result = run(store, req)
+    v = result.verification
+    if as_json:
+        click.echo(json.dumps({"replay": str(result.path), "ran": result.created,
+                               "environment_differences": result.environment_notes, "verification": v.to_dict()},
+                              indent=2))
+        return
+    for note in result.environment_notes:
+        click.echo(f"environment differs from the recording: {note} (bitwise equality is not guaranteed)", err=True)
+    click.echo(f"replay {result.path} ({'ran' if result.created else 'already complete; not re-run'}): "
+               f"steps {v.steps[0]}..{v.steps[-1]}")
+    if verify:
+        click.echo("verify: every replayed step equals the record bit for bit (loss per rank, global loss, "
+                   "grad norm)" if v.bitwise else f"verify: {v.divergence.describe()}")
 
 
 def _csv(kind, parse):

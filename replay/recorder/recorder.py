@@ -67,12 +67,13 @@ def create_run_store(path: str, config: RunConfig, world_size: int = 1, descript
 
 class Recorder:
     def __init__(self, store_path: str, state: TrainState, cfg: RecorderConfig, rank: int = 0,
-                 world_size: int = 1, resume: bool = False):
+                 world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None):
         self.store = RunStore.open(store_path, mode="a")
         self.state, self.cfg = state, cfg
         self.rank, self.world = rank, world_size
         self.coordinator = rank == 0
         self.resume = resume
+        self.start_from = start_from
         self.detector = SpikeDetector(cfg.spike)
         self.ring: deque[tuple[int, Packed]] = deque(maxlen=max(1, cfg.snapshot_ring))
         self.writer = BackgroundWriter(f"replay-writer-rank{rank}")
@@ -85,8 +86,13 @@ class Recorder:
     # -- start and stop ----------------------------------------------------------------------------
 
     def start(self) -> int:
-        """The step to train next: 0 for a new run (checkpoint 0 is written), or the last committed
-        checkpoint's step on resume, with the state restored from it."""
+        """The step to train next: 0 for a new run (checkpoint 0 is written); on resume, the last committed
+        checkpoint's step, with the state restored from it; for a replay, the step of the parent
+        checkpoint it starts from (`start_from`), with the state restored from the parent."""
+        if self.start_from is not None:
+            parent, step = self.start_from
+            self._restore(parent, step)
+            return step
         if not self.resume:
             self._checkpoint(0, "regular")
             self._last_time = time.perf_counter()
@@ -94,17 +100,20 @@ class Recorder:
         ckpt = self.store.checkpoints()[-1] if self.store.checkpoints() else None
         if ckpt is None:
             raise StoreError(f"{self.store.path} has no committed checkpoint to resume from; record anew")
-        own = self.store.read_shard(ckpt.step, self.rank)
-        shared = own if self.rank == 0 else self.store.read_shard(ckpt.step, 0)
-        self.state.load_state_dict(shared["state"]["replicated"], own["state"]["local"],
-                                   lambda r: self.store.read_shard(ckpt.step, r)["state"]["local"])
-        set_rng_state(own["rng"])
-        losses = self.store.read_steps(["loss"])["loss"][: ckpt.step]
-        for i, loss in enumerate(losses):   # the detector's memory, as it was at that step
-            self.detector.update(i, float(loss))
-        self._rows_start = ckpt.step
-        self._last_time = time.perf_counter()
+        self._restore(self.store, ckpt.step)
         return ckpt.step
+
+    def _restore(self, store: RunStore, step: int) -> None:
+        own = store.read_shard(step, self.rank)
+        shared = own if self.rank == 0 else store.read_shard(step, 0)
+        self.state.load_state_dict(shared["state"]["replicated"], own["state"]["local"],
+                                   lambda r: store.read_shard(step, r)["state"]["local"])
+        set_rng_state(own["rng"])
+        losses = store.read_steps(["loss"])["loss"][: step - store.first_step]
+        for i, loss in enumerate(losses):   # the detector's memory, as it was at that step
+            self.detector.update(store.first_step + i, float(loss))
+        self._rows_start = step
+        self._last_time = time.perf_counter()
 
     def flush(self) -> None:
         """Wait until everything recorded so far is on disk (checkpoints committed)."""

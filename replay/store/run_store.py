@@ -75,7 +75,8 @@ class RunStore:
     # -- opening -----------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | Path, manifest: dict[str, Any]) -> "RunStore":
+    def create(cls, path: str | Path, manifest: dict[str, Any], kind: str = "run", first_step: int = 0) -> "RunStore":
+        """A new store: a recorded run, or a replay (whose step log starts at `first_step`)."""
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise StoreError(
@@ -83,11 +84,10 @@ class RunStore:
                 "or choose a new --store directory"
             )
         path.mkdir(parents=True, exist_ok=True)
-        attrs = {"replay": {"schema": SCHEMA_VERSION, "kind": "run"}, **manifest}
+        attrs = {"replay": {"schema": SCHEMA_VERSION, "kind": kind}, **manifest}
         zarr.open_group(LocalStore(path), mode="w-", attributes=attrs)
         store = cls(path, mode="a")
-        steps = store.root.create_group("steps")
-        steps.attrs["n_steps"] = 0
+        store.root.create_group("steps").update_attributes({"n_steps": 0, "first_step": first_step})
         store.root.create_group("spikes").attrs["events"] = []
         store.root.create_group("checkpoints")
         return store
@@ -103,7 +103,7 @@ class RunStore:
         except Exception as e:  # a damaged zarr.json: name it rather than show a zarr traceback
             raise StoreError(f"{path} cannot be opened as a Zarr store: {e}") from None
         meta = store.root.attrs.get("replay")
-        if not isinstance(meta, dict) or meta.get("kind") != "run":
+        if not isinstance(meta, dict) or meta.get("kind") not in ("run", "replay"):
             raise StoreError(f"{path} is a Zarr group but not a replay run store")
         if meta.get("schema") != SCHEMA_VERSION:
             raise StoreError(f"{path} has store schema {meta.get('schema')}; this replay reads {SCHEMA_VERSION}")
@@ -138,14 +138,28 @@ class RunStore:
     # -- step log ----------------------------------------------------------------------------------
 
     @property
+    def kind(self) -> str:
+        return self.root.attrs["replay"]["kind"]
+
+    @property
     def n_steps(self) -> int:
+        """Rows in the step log: steps [first_step, first_step + n_steps)."""
         return int(self.root["steps"].attrs["n_steps"])
 
+    @property
+    def first_step(self) -> int:
+        return int(self.root["steps"].attrs.get("first_step", 0))
+
+    @property
+    def end_step(self) -> int:
+        """One past the last step logged."""
+        return self.first_step + self.n_steps
+
     def append_steps(self, start: int, records: dict[str, np.ndarray]) -> None:
-        """Write rows [start, start + k) of every step field, then move the done-ness counter."""
-        n = self.n_steps
-        if start != n:
-            raise StoreError(f"step log holds {n} steps; cannot append at step {start}")
+        """Write steps [start, start + k) of every step field, then move the done-ness counter."""
+        if start != self.end_step:
+            raise StoreError(f"step log ends at step {self.end_step}; cannot append at step {start}")
+        row = start - self.first_step
         k = len(records["loss"])
         steps = self.root["steps"]
         for name, (dtype, dims) in STEP_FIELDS.items():
@@ -156,19 +170,21 @@ class RunStore:
                 steps.create_array(name, shape=(0, *rows.shape[1:]), dtype=dtype, chunks=chunks,
                                    dimension_names=dims, fill_value=0)
             arr = steps[name]
-            arr.resize((start + k, *arr.shape[1:]))
-            arr[start:start + k] = rows
-        steps.attrs["n_steps"] = start + k
+            arr.resize((row + k, *arr.shape[1:]))
+            arr[row:row + k] = rows
+        steps.attrs["n_steps"] = row + k
 
     def read_steps(self, fields: list[str] | None = None) -> dict[str, np.ndarray]:
         n = self.n_steps
         steps = self.root["steps"]
-        out = {"step": np.arange(n)}
+        out = {"step": np.arange(self.first_step, self.first_step + n)}
         for name in fields or list(STEP_FIELDS):
             out[name] = steps[name][:n] if name in steps else np.zeros((0,))
         return out
 
-    def truncate_steps(self, n: int) -> None:
+    def truncate_steps(self, end_step: int) -> None:
+        """Keep steps before `end_step`."""
+        n = max(0, end_step - self.first_step)
         steps = self.root["steps"]
         steps.attrs["n_steps"] = min(n, self.n_steps)
         for name in STEP_FIELDS:

@@ -13,6 +13,8 @@ from replay.store.run_store import RunStore
 
 
 def summarize(path: str) -> dict[str, Any]:
+    from replay.replayer.replays import list_replays
+
     store = RunStore.open(path)
     m = store.manifest
     cfg = RunConfig.from_dict(m["config"])
@@ -37,7 +39,7 @@ def summarize(path: str) -> dict[str, Any]:
         "checkpoints": [{"step": c.step, "kind": c.kind, "world_size": c.world_size} for c in committed],
         "uncommitted_checkpoints": store.uncommitted_checkpoints(),
         "spikes": store.spikes,
-        "replays": [],
+        "replays": list_replays(path),
         "resumes": m.get("resumes", []),
     }
 

@@ -79,8 +79,38 @@ def train(store_path: str, resume: bool = False) -> None:
             dist.destroy_process_group()
 
 
+@dataclass
+class Schedule:
+    """Which steps to train and on which samples: the seeded data order of a new recording, or, for a
+    replay, exactly the sample ids its parent run recorded, from the parent's checkpoint."""
+
+    stop: int
+    checkpoint_every: int
+    snapshot_every: int
+    parent: RunStore | None = None       # replays only
+    start_checkpoint: int = 0
+    recorded_ids: np.ndarray | None = None
+
+    @classmethod
+    def for_store(cls, store: RunStore, cfg: RunConfig) -> "Schedule":
+        if store.kind != "replay":
+            return cls(cfg.steps, cfg.checkpoint_every, cfg.snapshot_every)
+        m = store.manifest
+        parent = RunStore.open(store.path / m["parent"])
+        stop = m["window"]["to"] + 1
+        every = m.get("checkpoint_every") or stop + 1   # 0: only the checkpoint at the end
+        ids = parent.read_steps(["sample_ids"])["sample_ids"]
+        return cls(stop, every, 0, parent, m["start_checkpoint"], ids)
+
+    def ids(self, order: DataOrder, step: int, r: Rank, micro_batch_size: int) -> np.ndarray:
+        if self.recorded_ids is None:
+            return order.rank_ids(step, r.rank, r.world, micro_batch_size)
+        return self.recorded_ids[step, r.rank]
+
+
 def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
-    data = load_data(cfg, store)
+    schedule = Schedule.for_store(store, cfg)
+    data = load_data(cfg, schedule.parent or store)
     model = build_model(cfg.model, data.vocab_size, cfg.seed).to(r.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
@@ -94,22 +124,24 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
         state = TorchTrainState(ddp, optimizer, scheduler)
         step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, cfg, data, r)
 
-    recorder = Recorder(str(store.path), state, rank=r.rank, world_size=r.world, resume=resume, cfg=RecorderConfig(
-        total_steps=cfg.steps, checkpoint_every=cfg.checkpoint_every, snapshot_every=cfg.snapshot_every,
-        snapshot_ring=cfg.snapshot_ring, spike=cfg.spike))
+    start_from = (schedule.parent, schedule.start_checkpoint) if schedule.parent else None
+    recorder = Recorder(str(store.path), state, rank=r.rank, world_size=r.world, resume=resume, start_from=start_from,
+                        cfg=RecorderConfig(total_steps=schedule.stop, checkpoint_every=schedule.checkpoint_every,
+                                           snapshot_every=schedule.snapshot_every, snapshot_ring=cfg.snapshot_ring,
+                                           spike=cfg.spike))
     start = recorder.start()
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
     t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        ids = order.rank_ids(step, r.rank, r.world, cfg.micro_batch_size)
+    for step in range(start, schedule.stop):
+        ids = schedule.ids(order, step, r, cfg.micro_batch_size)
         loss, grad_norm, lr = step_fn(ids)
         event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
                                      tokens=ids.size * cfg.model.block_size)
-        if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+        if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == schedule.stop):
             rate = (step + 1 - start) / (time.perf_counter() - t0)
             note = f"  SPIKE (robust z {event.score:.1f})" if event else ""
             print(f"step {step:>6}  loss {recorder.last_loss:8.4f}  "
-                  f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}", flush=True)
+                  f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}", file=sys.stderr, flush=True)
     recorder.close()
     if r.rank == 0:
         store.update_manifest(status="complete", steps_recorded=store.n_steps)

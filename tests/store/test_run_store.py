@@ -34,7 +34,7 @@ def test_step_log_appends_in_order_and_truncates(tmp_path):
     store = RunStore.create(tmp_path / "s", {})
     store.append_steps(0, _rows(3))
     store.append_steps(3, _rows(2, start=3))
-    with pytest.raises(StoreError, match="holds 5 steps"):
+    with pytest.raises(StoreError, match="ends at step 5"):
         store.append_steps(7, _rows(1))
     steps = RunStore.open(tmp_path / "s").read_steps()
     assert steps["loss"].tolist() == [0, 1, 2, 3, 4]

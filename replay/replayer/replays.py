@@ -1,0 +1,174 @@
+"""Replays: re-execute a window of a recorded run from its checkpoints, and compare with the record.
+
+A replay is itself a run store, nested in its parent at `replays/<id>/` (kind "replay"): its manifest
+names the parent, the window [from, to], the checkpoint it starts from and the overrides; its step log
+holds every step it executed (from that checkpoint on, so the steps before `from` are the fast-forward)
+and it ends with a committed checkpoint at `to + 1`. Every tool that reads runs reads replays alike.
+The ranks are started exactly as for the recording (same world size, same launcher); each rank
+restores its own shard and RNG states from the parent and trains on the parent's recorded sample ids.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.config import RunConfig
+from replay.errors import StoreError, UsageError
+from replay.store import RunStore
+
+COMPARED = ("loss", "rank_loss", "grad_norm")
+
+
+@dataclass
+class ReplayRequest:
+    start: int                      # A: the first step of the window
+    stop: int                       # B: the last step of the window (inclusive)
+    name: str | None = None
+    checkpoint_every: int = 0       # 0: one checkpoint, at the end
+
+
+@dataclass
+class Divergence:
+    step: int
+    quantity: str                   # loss, rank_loss[r] or grad_norm
+    recorded: float
+    replayed: float
+
+    def describe(self) -> str:
+        diff = self.replayed - self.recorded
+        rel = abs(diff) / abs(self.recorded) if self.recorded else float("inf")
+        return (f"first divergence at step {self.step}: {self.quantity} {self.replayed!r} replayed vs "
+                f"{self.recorded!r} recorded (difference {diff:+.3e}, relative {rel:.2e})")
+
+
+@dataclass
+class Verification:
+    steps: list[int]
+    bitwise: bool
+    divergence: Divergence | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": [self.steps[0], self.steps[-1]] if self.steps else [], "bitwise": self.bitwise,
+                "divergence": None if self.divergence is None else vars(self.divergence)}
+
+
+@dataclass
+class Replay:
+    path: Path
+    created: bool                   # False: an identical, complete replay already existed
+    verification: Verification | None = None
+    environment_notes: list[str] = field(default_factory=list)
+
+
+def replay_id(req: ReplayRequest) -> str:
+    return req.name or f"steps-{req.start}-{req.stop}"
+
+
+def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig, bool]:
+    """Check the request against the record and create the replay's store; nothing is written on error.
+    Returns (replay path, config, whether it still has to run)."""
+    parent = RunStore.open(store_path, mode="a")
+    if parent.kind != "run":
+        raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
+    if req.stop < req.start:
+        raise UsageError(f"--to {req.stop} is before --from {req.start}")
+    if req.start < 0 or req.stop >= parent.end_step:
+        raise UsageError(f"window {req.start}..{req.stop} is outside the record: {store_path} holds steps "
+                         f"0..{parent.end_step - 1}")
+    if req.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be >= 0, got {req.checkpoint_every}")
+    before = [c for c in parent.checkpoints() if c.step <= req.start]
+    if not before:
+        raise UsageError(f"no committed checkpoint at or before step {req.start} in {store_path}")
+    ckpt = before[-1]
+    cfg = RunConfig.from_dict(parent.manifest["config"])
+    for rank in range(parent.manifest["world_size"]):   # a corrupted checkpoint is named before anything is written
+        parent.read_shard(ckpt.step, rank)
+
+    path = Path(store_path) / "replays" / replay_id(req)
+    window = {"from": req.start, "to": req.stop}
+    if (path / "zarr.json").exists():
+        existing = RunStore.open(path)
+        same = existing.manifest.get("window") == window and existing.manifest.get("start_checkpoint") == ckpt.step
+        if not same:
+            raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; choose another --name")
+        if existing.manifest.get("status") == "complete":
+            return path, cfg, False
+        shutil.rmtree(path)   # interrupted: discard and run again (it has no state worth keeping)
+    RunStore.create(path, {
+        "config": cfg.to_dict(), "parent": "../..", "window": window, "start_checkpoint": ckpt.step,
+        "start_checkpoint_kind": ckpt.kind, "checkpoint_every": req.checkpoint_every, "overrides": {},
+        "world_size": parent.manifest["world_size"], "launcher": parent.manifest["launcher"],
+        "data": parent.manifest["data"], "created": time.time(), "status": "running", "resumes": [],
+    }, kind="replay", first_step=ckpt.step)
+    return path, cfg, True
+
+
+def run(store_path: str | Path, req: ReplayRequest) -> Replay:
+    """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record."""
+    from replay.launch.ranks import run_ranks
+
+    path, cfg, pending = prepare(store_path, req)
+    notes = environment_notes(RunStore.open(store_path).manifest.get("environment", {}))
+    if pending:
+        run_ranks(str(path), cfg, cfg.nproc, resume=False)
+    result = Replay(path, created=pending, environment_notes=notes)
+    result.verification = verify(RunStore.open(store_path), RunStore.open(path))
+    RunStore.open(path, mode="a").update_manifest(verification=result.verification.to_dict())
+    return result
+
+
+def verify(parent: RunStore, replay: RunStore) -> Verification:
+    """Compare every replayed step with the record: bit for bit, or the first divergence."""
+    rec, rep = parent.read_steps(list(COMPARED)), replay.read_steps(list(COMPARED))
+    steps = rep["step"].tolist()
+    rows = np.asarray(steps)
+    for i, step in enumerate(steps):
+        for name in COMPARED:
+            a, b = rec[name][rows[i]], rep[name][i]
+            if not np.array_equal(np.asarray(a).view(np.uint64), np.asarray(b).view(np.uint64)):
+                if np.ndim(a):
+                    r = int(np.flatnonzero(np.asarray(a).view(np.uint64) != np.asarray(b).view(np.uint64))[0])
+                    return Verification(steps, False, Divergence(step, f"{name}[{r}]", float(a[r]), float(b[r])))
+                return Verification(steps, False, Divergence(step, name, float(a), float(b)))
+    return Verification(steps, True)
+
+
+def environment_notes(recorded: dict[str, Any]) -> list[str]:
+    """What differs from the recording's environment, and so may break bitwise equality."""
+    import torch
+
+    from replay.recorder.environment import fingerprint
+
+    if not recorded:
+        return ["the record has no environment fingerprint; bitwise equality is not guaranteed"]
+    now = fingerprint(torch.device(recorded.get("device", "cpu")))
+    notes = []
+    for key in ("python", "machine", "processor", "device"):
+        if recorded.get(key) != now.get(key):
+            notes.append(f"{key}: recorded {recorded.get(key)}, now {now.get(key)}")
+    for pkg, version in recorded.get("packages", {}).items():
+        if now["packages"].get(pkg) != version:
+            notes.append(f"{pkg}: recorded {version}, now {now['packages'].get(pkg)}")
+    return notes
+
+
+def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
+    root = Path(store_path) / "replays"
+    out = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            store = RunStore.open(path)
+        except StoreError:
+            continue
+        m = store.manifest
+        out.append({"id": path.name, "window": m.get("window"), "start_checkpoint": m.get("start_checkpoint"),
+                    "overrides": m.get("overrides", {}), "status": m.get("status"),
+                    "spikes": [e["step"] for e in store.spikes], "verification": m.get("verification")})
+    return out
