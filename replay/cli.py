@@ -213,17 +213,33 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--name", help="Replay id inside the store (default steps-A-B).")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Also checkpoint every K steps (0: only at the end).")
+@click.option("--attention", help="Attention backend for the whole model, or for --layers / --heads.")
+@click.option("--layers", help="Layers the attention override applies to, e.g. 1 or 0,2-3.")
+@click.option("--heads", help="Heads (within --layers) the override applies to, e.g. 7,8.")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), help="Train the window at this precision.")
+@click.option("--fix", help="safe-softmax[:BETA]: Qiu & Yao's fix on the flash backends in scope (BETA 7).")
+@click.option("--hp-delta", is_flag=True, help="Backward delta from an FP32 O on the flash backends in scope.")
+@click.option("--skip", help="Steps whose batches are not trained on, e.g. 260-262,265.")
+@click.option("--lr-scale", type=float, help="Multiply every learning rate by X.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
-def run_cmd(store, start, stop, verify, name, checkpoint_every, as_json) -> None:
+def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layers, heads, precision, fix, hp_delta,
+            skip, lr_scale, as_json) -> None:
     """Re-execute steps A..B of the run in STORE from its checkpoints, and store the replay inside it.
 
     Restores the latest committed checkpoint (or pre-spike snapshot) at or before A on every rank, with
-    the recorded world size and launcher, and trains on exactly the recorded sample ids.
+    the recorded world size and launcher, and trains on exactly the recorded sample ids: bit for bit, or
+    with the overrides (each recorded in the replay's manifest; several may be combined).
     """
+    from replay.replayer.overrides import Overrides, parse_fix, parse_steps
     from replay.replayer.replays import ReplayRequest, run
 
-    req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every)
+    overrides = Overrides(
+        attention=attention, precision=precision, hp_delta=hp_delta, lr_scale=lr_scale,
+        layers=parse_steps(layers, "--layers") if layers else None,
+        heads=parse_steps(heads, "--heads") if heads else None,
+        fix=parse_fix(fix) if fix else None, skip=parse_steps(skip) if skip else [])
+    req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides)
     result = run(store, req)
     v = result.verification
     if as_json:
@@ -234,7 +250,7 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, as_json) -> None
     for note in result.environment_notes:
         click.echo(f"environment differs from the recording: {note} (bitwise equality is not guaranteed)", err=True)
     click.echo(f"replay {result.path} ({'ran' if result.created else 'already complete; not re-run'}): "
-               f"steps {v.steps[0]}..{v.steps[-1]}")
+               f"steps {v.steps[0]}..{v.steps[-1]}" + (f", overrides {overrides.to_dict()}" if overrides.to_dict() else ""))
     if verify:
         click.echo("verify: every replayed step equals the record bit for bit (loss per rank, global loss, "
                    "grad norm)" if v.bitwise else f"verify: {v.divergence.describe()}")

@@ -18,6 +18,10 @@ def main(argv: list[str]) -> int:
 
     store, resume = argv[0], "--resume" in argv[1:]
     rank = os.environ.get("RANK", "?")
+    # A rank prints progress and libraries' chatter, never answers: all of it goes to stderr (at the file
+    # descriptor, so C++ extensions too), keeping the launching command's stdout for its answer (--json).
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
         train(store, resume=resume)
     except ReplayError as e:

@@ -142,12 +142,7 @@ class Recorder:
                                "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
                                "sample_ids": all_ids})
         event = self.detector.update(step, global_loss)   # every rank sees the same gathered losses
-        nxt = step + 1
-        if nxt % self.cfg.checkpoint_every == 0 or nxt == self.cfg.total_steps:
-            self._checkpoint(nxt, "regular")
-            self.ring.clear()
-        elif self.cfg.snapshot_every and nxt % self.cfg.snapshot_every == 0:
-            self.ring.append((nxt, self._capture()))
+        self._after_step(step)
         if event is not None:
             self.spikes.append(event)
             self._flush_ring()
@@ -157,6 +152,25 @@ class Recorder:
         if self.coordinator and len(self._rows) >= self.cfg.flush_every:
             self._flush_rows()
         return event
+
+    def record_skipped(self, step: int, *, sample_ids: np.ndarray, lr: float) -> None:
+        """A step whose batch was deliberately not trained on (a replay's --skip): a row of NaN metrics
+        with sample ids -1, unseen by the spike detector; checkpoint cadence as usual."""
+        if self.coordinator:
+            self._last_time = time.perf_counter()
+            self._rows.append({"loss": np.nan, "rank_loss": np.full(self.world, np.nan), "grad_norm": np.nan,
+                               "lr": float(lr), "tokens": 0, "step_time": 0.0,
+                               "sample_ids": np.full((self.world, *np.shape(sample_ids)), -1)})
+        self._after_step(step)
+
+    def _after_step(self, step: int) -> None:
+        """Checkpoint cadence: the state after `step` is checkpoint `step + 1`."""
+        nxt = step + 1
+        if nxt % self.cfg.checkpoint_every == 0 or nxt == self.cfg.total_steps:
+            self._checkpoint(nxt, "regular")
+            self.ring.clear()
+        elif self.cfg.snapshot_every and nxt % self.cfg.snapshot_every == 0:
+            self.ring.append((nxt, self._capture()))
 
     def _gather(self, loss: float, ids: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         if self.world == 1:

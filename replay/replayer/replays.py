@@ -20,6 +20,8 @@ import numpy as np
 
 from replay.config import RunConfig
 from replay.errors import StoreError, UsageError
+from replay.replayer.overrides import Overrides
+from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
 
 COMPARED = ("loss", "rank_loss", "grad_norm")
@@ -31,6 +33,7 @@ class ReplayRequest:
     stop: int                       # B: the last step of the window (inclusive)
     name: str | None = None
     checkpoint_every: int = 0       # 0: one checkpoint, at the end
+    overrides: Overrides = field(default_factory=Overrides)
 
 
 @dataclass
@@ -67,7 +70,8 @@ class Replay:
 
 
 def replay_id(req: ReplayRequest) -> str:
-    return req.name or f"steps-{req.start}-{req.stop}"
+    tag = f"-{req.overrides.tag()}" if req.overrides.to_dict() else ""
+    return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
 
 def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig, bool]:
@@ -87,7 +91,8 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     if not before:
         raise UsageError(f"no committed checkpoint at or before step {req.start} in {store_path}")
     ckpt = before[-1]
-    cfg = RunConfig.from_dict(parent.manifest["config"])
+    cfg = apply_overrides(RunConfig.from_dict(parent.manifest["config"]), req.overrides, (req.start, req.stop),
+                          parent.manifest["launcher"])
     for rank in range(parent.manifest["world_size"]):   # a corrupted checkpoint is named before anything is written
         parent.read_shard(ckpt.step, rank)
 
@@ -95,7 +100,8 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     window = {"from": req.start, "to": req.stop}
     if (path / "zarr.json").exists():
         existing = RunStore.open(path)
-        same = existing.manifest.get("window") == window and existing.manifest.get("start_checkpoint") == ckpt.step
+        same = (existing.manifest.get("window") == window and existing.manifest.get("start_checkpoint") == ckpt.step
+                and existing.manifest.get("overrides") == req.overrides.to_dict())
         if not same:
             raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; choose another --name")
         if existing.manifest.get("status") == "complete":
@@ -103,7 +109,8 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         shutil.rmtree(path)   # interrupted: discard and run again (it has no state worth keeping)
     RunStore.create(path, {
         "config": cfg.to_dict(), "parent": "../..", "window": window, "start_checkpoint": ckpt.step,
-        "start_checkpoint_kind": ckpt.kind, "checkpoint_every": req.checkpoint_every, "overrides": {},
+        "start_checkpoint_kind": ckpt.kind, "checkpoint_every": req.checkpoint_every,
+        "overrides": req.overrides.to_dict(), "skip": req.overrides.skip, "lr_scale": req.overrides.lr_scale or 1.0,
         "world_size": parent.manifest["world_size"], "launcher": parent.manifest["launcher"],
         "data": parent.manifest["data"], "created": time.time(), "status": "running", "resumes": [],
     }, kind="replay", first_step=ckpt.step)
@@ -125,11 +132,15 @@ def run(store_path: str | Path, req: ReplayRequest) -> Replay:
 
 
 def verify(parent: RunStore, replay: RunStore) -> Verification:
-    """Compare every replayed step with the record: bit for bit, or the first divergence."""
+    """Compare every replayed step with the record: bit for bit, or the first divergence. Skipped steps
+    (not trained on) are left out."""
     rec, rep = parent.read_steps(list(COMPARED)), replay.read_steps(list(COMPARED))
     steps = rep["step"].tolist()
     rows = np.asarray(steps)
+    skipped = set(replay.manifest.get("skip", []))
     for i, step in enumerate(steps):
+        if step in skipped:
+            continue
         for name in COMPARED:
             a, b = rec[name][rows[i]], rep[name][i]
             if not np.array_equal(np.asarray(a).view(np.uint64), np.asarray(b).view(np.uint64)):

@@ -23,6 +23,7 @@ from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
 from replay.train.data import DataOrder, TokenData, make_data, open_token_file
+from replay.kernels.registry import AttentionPlan, apply_plan
 from replay.train.model import build_model, lm_loss, lr_factor
 from replay.train.state import DeepSpeedTrainState, TorchTrainState
 
@@ -90,6 +91,10 @@ class Schedule:
     parent: RunStore | None = None       # replays only
     start_checkpoint: int = 0
     recorded_ids: np.ndarray | None = None
+    skip: frozenset[int] = frozenset()   # steps whose batches are not trained on
+    lr_scale: float = 1.0
+    override_from: int = 0               # replays: the recorded config until this step (the fast-forward)
+    recorded_cfg: RunConfig | None = None
 
     @classmethod
     def for_store(cls, store: RunStore, cfg: RunConfig) -> "Schedule":
@@ -100,7 +105,8 @@ class Schedule:
         stop = m["window"]["to"] + 1
         every = m.get("checkpoint_every") or stop + 1   # 0: only the checkpoint at the end
         ids = parent.read_steps(["sample_ids"])["sample_ids"]
-        return cls(stop, every, 0, parent, m["start_checkpoint"], ids)
+        return cls(stop, every, 0, parent, m["start_checkpoint"], ids, frozenset(m.get("skip", [])),
+                   float(m.get("lr_scale", 1.0)), m["window"]["from"], RunConfig.from_dict(parent.manifest["config"]))
 
     def ids(self, order: DataOrder, step: int, r: Rank, micro_batch_size: int) -> np.ndarray:
         if self.recorded_ids is None:
@@ -111,18 +117,20 @@ class Schedule:
 def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
     schedule = Schedule.for_store(store, cfg)
     data = load_data(cfg, schedule.parent or store)
-    model = build_model(cfg.model, data.vocab_size, cfg.seed).to(r.device)
+    active = schedule.recorded_cfg or cfg   # a replay fast-forwards as recorded, then switches at `from`
+    model = build_model(active.model, data.vocab_size, cfg.seed).to(r.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
     if cfg.launcher == "deepspeed":
         engine = _deepspeed_engine(cfg, model, optimizer, scheduler)
-        state, step_fn = DeepSpeedTrainState(engine), functools.partial(_deepspeed_step, engine, cfg, data, r)
+        state, step_fn = DeepSpeedTrainState(engine), functools.partial(_deepspeed_step, engine, data, r)
+        optimizer, scheduler = engine.optimizer, engine.lr_scheduler
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model) if r.world > 1 else model
         state = TorchTrainState(ddp, optimizer, scheduler)
-        step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, cfg, data, r)
+        step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, data, r)
 
     start_from = (schedule.parent, schedule.start_checkpoint) if schedule.parent else None
     recorder = Recorder(str(store.path), state, rank=r.rank, world_size=r.world, resume=resume, start_from=start_from,
@@ -133,8 +141,14 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
     t0 = time.perf_counter()
     for step in range(start, schedule.stop):
+        if active is not cfg and step == schedule.override_from:
+            active = _switch_to_overrides(model, optimizer, scheduler, cfg, schedule.lr_scale)
         ids = schedule.ids(order, step, r, cfg.micro_batch_size)
-        loss, grad_norm, lr = step_fn(ids)
+        if step in schedule.skip:   # not trained on; the schedule moves on as if the batch had been seen
+            recorder.record_skipped(step, sample_ids=ids, lr=scheduler.get_last_lr()[0])
+            scheduler.step()
+            continue
+        loss, grad_norm, lr = step_fn(active, ids)
         event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
                                      tokens=ids.size * cfg.model.block_size)
         if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == schedule.stop):
@@ -147,7 +161,17 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
         store.update_manifest(status="complete", steps_recorded=store.n_steps)
 
 
-def _torch_step(model, optimizer, scheduler, cfg: RunConfig, data: TokenData, r: Rank,
+def _switch_to_overrides(model, optimizer, scheduler, cfg: RunConfig, lr_scale: float) -> RunConfig:
+    """A replay reaching its window: from here on, the overridden attention plan, precision and LRs."""
+    apply_plan(model, AttentionPlan.parse(cfg.model.attention))
+    if lr_scale != 1.0:
+        scheduler.base_lrs = [lr * lr_scale for lr in scheduler.base_lrs]
+        for group in optimizer.param_groups:
+            group["lr"] *= lr_scale
+    return cfg
+
+
+def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunConfig,
                 ids: np.ndarray) -> tuple[float, float, float]:
     """One optimizer step over this rank's micro-batches: (mean loss, grad norm before clipping, lr)."""
     model.train()
@@ -199,7 +223,7 @@ def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
     return engine
 
 
-def _deepspeed_step(engine, cfg: RunConfig, data: TokenData, r: Rank, ids: np.ndarray) -> tuple[float, float, float]:
+def _deepspeed_step(engine, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray) -> tuple[float, float, float]:
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=r.device)
     lr = engine.lr_scheduler.get_last_lr()[0]

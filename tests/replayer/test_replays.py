@@ -90,3 +90,63 @@ def test_recorded_spike_is_reproduced_by_a_plain_replay(tmp_path):
     # it started from the pre-spike snapshot the ring flushed, the closest committed state
     snapshot = max(c.step for c in parent.checkpoints() if c.step <= spike - 3)
     assert replay.manifest["start_checkpoint"] == snapshot
+
+
+def test_another_backend_on_one_layer_diverges_exactly_at_the_window(store_copy):
+    result = replay_cli("run", str(store_copy), "--from", "13", "--to", "15", "--verify", "--json",
+                        "--attention", "reference-emu:dtype=bf16", "--layers", "1")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    v = answer["verification"]
+    assert not v["bitwise"] and v["divergence"]["step"] == 13       # the fast-forward 10..12 was exact
+    replay = RunStore.open(answer["replay"])
+    assert replay.manifest["config"]["model"]["attention"] == "eager;1=reference-emu:dtype=bf16"
+    assert replay.manifest["overrides"] == {"attention": "reference-emu:dtype=bf16", "layers": [1]}
+    info = replay_cli("info", str(store_copy))
+    assert "diverges at step 13" in info.stdout
+
+
+def test_skipped_steps_are_not_trained_on_and_the_rest_keep_their_order(store_copy):
+    result = replay_cli("run", str(store_copy), "--from", "12", "--to", "17", "--skip", "14-15", "--json")
+    assert result.returncode == 0, result.stderr
+    replay = RunStore.open(json.loads(result.stdout)["replay"])
+    rec, rep = RunStore.open(store_copy).read_steps(), replay.read_steps()
+    rows = {s: i for i, s in enumerate(rep["step"])}
+    for s in (14, 15):
+        assert np.isnan(rep["loss"][rows[s]]) and (rep["sample_ids"][rows[s]] == -1).all()
+    for s in (10, 11, 12, 13, 16, 17):   # trained on exactly the recorded samples, in the recorded order
+        assert np.array_equal(rep["sample_ids"][rows[s]], rec["sample_ids"][s])
+    assert np.array_equal(rep["loss"][: rows[14]], rec["loss"][10:14])      # untouched before the skip
+    assert rep["loss"][rows[16]] != rec["loss"][16]                        # two fewer updates show after it
+    assert np.array_equal(rep["lr"][rows[16]:], rec["lr"][16:18])           # the schedule moved on as recorded
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--attention", "flashy"], "unknown attention backend 'flashy'"),
+    (["--attention", "sdpa", "--layers", "5"], "layer 5 head 0 is out of range"),
+    (["--attention", "sdpa", "--heads", "1"], "--heads needs --layers"),
+    (["--fix", "safe-softmax"], "these heads use 'eager'; add --attention fa2-emu"),
+    (["--fix", "magic"], "unknown fix 'magic'"),
+    (["--skip", "3"], "--skip step 3 is outside the window 12..14"),
+    (["--lr-scale", "0"], "--lr-scale must be > 0"),
+])
+def test_bad_overrides_write_nothing(store_copy, args, expected):
+    before = tree_snapshot(store_copy)
+    assert expected in error_line(replay_cli("run", str(store_copy), "--from", "12", "--to", "14", *args))
+    assert tree_snapshot(store_copy) == before
+
+
+def test_deepspeed_zero1_window_replays_bit_for_bit(tmp_path):
+    store_path = tmp_path / "ds"
+    recorded = replay_cli("record", "--store", str(store_path), "--steps", "10", "--nproc", "2", "--launcher",
+                          "deepspeed", "--zero-stage", "1", "--checkpoint-every", "4")
+    assert recorded.returncode == 0, recorded.stderr
+    result = replay_cli("run", str(store_path), "--from", "5", "--to", "7", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["verification"]["bitwise"] and answer["verification"]["steps"] == [4, 7]
+    replay, parent = RunStore.open(answer["replay"]), RunStore.open(store_path)
+    for rank in (0, 1):   # the ZeRO partitions at step 8 equal the recording's, bit for bit
+        a = replay.read_shard(8, rank)["state"]["local"]["optimizer"]["single_partition_of_fp32_groups"][0]
+        b = parent.read_shard(8, rank)["state"]["local"]["optimizer"]["single_partition_of_fp32_groups"][0]
+        assert torch.equal(a, b)

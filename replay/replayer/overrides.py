@@ -1,0 +1,135 @@
+"""Counterfactual overrides of a replay: what changes, checked against the recorded run, folded into its config.
+
+Attention overrides rewrite the recorded attention plan (replay.kernels.registry): `attention` for the
+whole model, or for `layers`, or for `heads` of those layers; `fix` (the safe-softmax fix, with beta) and
+`hp_delta` switch options on the flash backends in that scope (they need an emulated or Triton flash
+backend there: `eager` and `sdpa` have no such knobs). `precision` replaces the run's precision; `skip`
+lists steps whose batches are not trained on (their optimizer step does not happen; the LR schedule
+moves on, so later steps keep their recorded learning rates); `lr_scale` multiplies every learning rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from replay.config import RunConfig
+from replay.errors import UsageError
+from replay.kernels.options import SafeSoftmaxFix
+from replay.kernels.registry import AttentionPlan, BackendSpec
+
+
+@dataclass
+class Overrides:
+    attention: str | None = None
+    layers: list[int] | None = None
+    heads: list[int] | None = None
+    precision: str | None = None
+    fix: float | None = None          # safe-softmax beta
+    hp_delta: bool = False
+    skip: list[int] = field(default_factory=list)
+    lr_scale: float | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False, [])}
+
+    def tag(self) -> str:
+        """A short stable id of these overrides, for replay names."""
+        return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+
+
+def parse_fix(text: str) -> float:
+    """`safe-softmax` or `safe-softmax:BETA` -> beta (7 by default: the paper's stabilising value)."""
+    name, _, beta = text.partition(":")
+    if name != "safe-softmax":
+        raise UsageError(f"unknown fix {text!r}; the fix is safe-softmax[:BETA]")
+    try:
+        return float(beta) if beta else 7.0
+    except ValueError:
+        raise UsageError(f"--fix beta must be a number, got {beta!r}") from None
+
+
+def parse_steps(text: str, what: str = "--skip") -> list[int]:
+    """`5,8-10` -> [5, 8, 9, 10]."""
+    steps: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise UsageError(f"{what} expects numbers and ranges like 5,8-10, got {text!r}") from None
+        if last < first:
+            raise UsageError(f"{what} range {part} runs backwards")
+        steps.update(range(first, last + 1))
+    return sorted(steps)
+
+
+def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) -> RunConfig:
+    """The replay's config: the recorded one with the overrides folded in (validated against the model)."""
+    cfg = RunConfig.from_dict(cfg.to_dict())
+    if o.heads is not None and o.layers is None:
+        raise UsageError("--heads needs --layers: heads are numbered within a layer")
+    if (o.layers is not None or o.heads is not None) and not (o.attention or o.fix is not None or o.hp_delta):
+        raise UsageError("--layers/--heads select where an attention override applies; add --attention, --fix or --hp-delta")
+    plan = AttentionPlan.parse(cfg.model.attention)
+    scope = [(layer, head) for layer in (o.layers if o.layers is not None else range(cfg.model.n_layer))
+             for head in (o.heads if o.heads is not None else range(cfg.model.n_head))]
+    for layer, head in scope:
+        if not (0 <= layer < cfg.model.n_layer and 0 <= head < cfg.model.n_head):
+            raise UsageError(f"layer {layer} head {head} is out of range: the model has layers 0..{cfg.model.n_layer - 1} "
+                             f"with heads 0..{cfg.model.n_head - 1}")
+    if o.attention or o.fix is not None or o.hp_delta:
+        new = BackendSpec.parse(o.attention) if o.attention else None
+        heads = dict(plan.heads)
+        for layer, head in scope:
+            spec = new or plan.backend_for(layer, head)
+            if o.fix is not None or o.hp_delta:
+                spec = _with_options(spec, o)
+            heads[(layer, head)] = spec
+        plan = _simplify(AttentionPlan(plan.default, dict(plan.layers), heads), cfg.model.n_layer, cfg.model.n_head)
+        plan.validate(cfg.model.n_layer, cfg.model.n_head)
+        cfg.model.attention = plan.canonical()
+    if o.precision is not None:
+        if o.precision not in ("bf16", "fp32"):
+            raise UsageError(f"--precision must be bf16 or fp32, got {o.precision!r}")
+        if launcher == "deepspeed" and o.precision != cfg.precision:
+            raise UsageError("--precision cannot change under DeepSpeed: its optimizer state layout depends on it")
+        cfg.precision = o.precision
+    outside = [s for s in o.skip if not window[0] <= s <= window[1]]
+    if outside:
+        raise UsageError(f"--skip step {outside[0]} is outside the window {window[0]}..{window[1]}")
+    if o.lr_scale is not None and not o.lr_scale > 0:
+        raise UsageError(f"--lr-scale must be > 0, got {o.lr_scale}")
+    return cfg
+
+
+def _with_options(spec: BackendSpec, o: Overrides) -> BackendSpec:
+    if spec.options is None:
+        raise UsageError(f"--fix and --hp-delta change a flash backend, but these heads use {spec.name!r}; "
+                         "add --attention fa2-emu (or reference-emu, triton-fa2)")
+    opts = spec.options
+    if o.fix is not None:
+        opts = opts.with_(fix=SafeSoftmaxFix(beta=o.fix, tie_tol=opts.fix.tie_tol if opts.fix else 0.0))
+    if o.hp_delta:
+        opts = opts.with_(hp_delta=True)
+    return dataclasses.replace(spec, options=opts)
+
+
+def _simplify(plan: AttentionPlan, n_layer: int, n_head: int) -> AttentionPlan:
+    """Per-head entries that cover a whole layer become a layer entry, and layer entries that cover the
+    whole model the default, so a whole-model override reads as one backend."""
+    layers, heads = dict(plan.layers), dict(plan.heads)
+    for layer in range(n_layer):
+        specs = {heads.get((layer, h)) for h in range(n_head)}
+        if len(specs) == 1 and None not in specs:
+            layers[layer] = specs.pop()
+            for h in range(n_head):
+                heads.pop((layer, h))
+    default = plan.default
+    specs = {layers.get(layer) for layer in range(n_layer)}
+    if len(specs) == 1 and None not in specs and not heads:
+        default, layers = specs.pop(), {}
+    layers = {k: v for k, v in layers.items() if v != default}
+    return AttentionPlan(default, layers, {k: v for k, v in heads.items() if v != layers.get(k[0], default)})
