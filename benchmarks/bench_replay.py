@@ -1,0 +1,75 @@
+"""Benchmark replays: replay step rate against the recording's, and the time to the first replayed step.
+
+A 2-rank recording of the built-in trainer (4 layers x 128, seq 128, batch 16, FP32, a checkpoint every 20
+steps), then a replay of steps 20..79 of it, both through the command line as a user runs them.
+Step rates come from the step logs (`step_time` on rank 0, so process start-up is not in them): the
+median over the same steps 21..79 (target: replay >= 0.95x the recording). Time to the first replayed
+step: a one-step replay (`--from 20 --to 20`) timed whole, split into the command's imports (a fresh
+`python -c "import replay.cli"`), the restore (reading and checksumming a rank's shard, measured here on
+the same store; ranks restore in parallel), the step itself (its `step_time`), and the rest (rank
+processes starting, imports in the ranks, model build, the final checkpoint's write and commit).
+
+    .venv/bin/python benchmarks/bench_replay.py
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from replay.store import RunStore
+
+ARGS = ["--nproc", "2", "--steps", "80", "--checkpoint-every", "20", "--set", "model.n_layer=4", "--set",
+        "model.n_head=4", "--set", "model.n_embd=128", "--set", "model.block_size=128", "--set", "batch_size=16",
+        "--set", "micro_batch_size=8"]
+
+
+def hardware() -> str:
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+    return f"hardware: {cpu}, {os.cpu_count()} cores"
+
+
+def timed(*cmd: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, *cmd], check=True, capture_output=True, text=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    print(hardware())
+    work = Path(tempfile.mkdtemp(prefix="bench_replay_"))
+    try:
+        store = work / "run"
+        timed("-m", "replay", "record", "--store", str(store), *ARGS)
+        timed("-m", "replay", "run", str(store), "--from", "20", "--to", "79", "--name", "window")
+        run = RunStore(store, "r")
+        rec = run.read_steps(["step_time"])["step_time"][21:80]
+        rep = RunStore(store / "replays" / "window", "r").read_steps(["step_time"])["step_time"][1:60]
+        ratio = statistics.median(rec) / statistics.median(rep)
+        print(f"step rate: recording {1 / statistics.median(rec):.1f} steps/s, replay {1 / statistics.median(rep):.1f} "
+              f"steps/s over the same steps 21..79: {ratio:.2f}x (target >= 0.95x)")
+
+        total = timed("-m", "replay", "run", str(store), "--from", "20", "--to", "20", "--name", "one")
+        imports = timed("-c", "import replay.cli, replay.replayer.replays")
+        start = time.perf_counter()
+        run.read_shard(20, 0)
+        restore = time.perf_counter() - start
+        first = float(RunStore(store / "replays" / "one", "r").read_steps(["step_time"])["step_time"][0])
+        rest = total - imports - restore - first
+        print(f"time to the first replayed step (a one-step replay, {total:.1f} s whole): imports {imports:.1f} s, "
+              f"restore {restore:.2f} s, the step {first:.2f} s, rank start-up + model build + final checkpoint "
+              f"{rest:.1f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
