@@ -51,6 +51,17 @@ def store_copy(two_rank_store, tmp_path) -> Path:
     return dst
 
 
+def corrupt_tensor(store_path: Path, step: int, rank: int, key: str, byte: int = 100) -> None:
+    """Flip one bit of one stored tensor in place, behind the store's back (as a bad disk would)."""
+    from replay.store import RunStore
+
+    offset = RunStore.open(store_path).shard_index(step, rank)[key]["offset"]
+    chunk = store_path / f"checkpoints/{step:08d}/rank{rank}/tensors/c/0"
+    data = bytearray(chunk.read_bytes())
+    data[offset + byte] ^= 0x01
+    chunk.write_bytes(bytes(data))
+
+
 def tree_snapshot(path: Path) -> dict[str, tuple[int, int]]:
     """Every file under path with its size and mtime: to show a failed command changed nothing."""
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)

@@ -13,7 +13,7 @@ from replay.config import RunConfig
 from replay.store import RunStore
 from replay.train.data import make_data
 from replay.train.model import build_model, lm_loss
-from tests.conftest import TWO_RANK_ARGS, error_line, replay_cli, tree_snapshot
+from tests.conftest import TWO_RANK_ARGS, corrupt_tensor, error_line, replay_cli, tree_snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -164,12 +164,7 @@ def test_resume_with_another_world_size(store_copy):
 
 
 def test_resume_names_a_corrupted_checkpoint_tensor_and_changes_nothing(store_copy):
-    key = "/state/replicated/model/transformer.h.1.attn.c_attn.weight"
-    offset = RunStore.open(store_copy).shard_index(30, 0)[key]["offset"]
-    chunk = store_copy / "checkpoints/00000030/rank0/tensors/c/0"
-    data = bytearray(chunk.read_bytes())
-    data[offset + 100] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    corrupt_tensor(store_copy, 30, 0, "/state/replicated/model/transformer.h.1.attn.c_attn.weight")
     before = tree_snapshot(store_copy)
     line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
     assert "tensor state/replicated/model/transformer.h.1.attn.c_attn.weight does not match its checksum" in line

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replay.store import RunStore
-from tests.conftest import error_line, replay_cli, tree_snapshot
+from tests.conftest import corrupt_tensor, error_line, replay_cli, tree_snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +63,7 @@ def test_bad_windows_write_nothing(store_copy, args, expected):
 
 
 def test_corrupted_start_checkpoint_is_named_and_nothing_written(store_copy):
-    key = "/state/replicated/model/transformer.h.0.mlp.c_fc.weight"
-    offset = RunStore.open(store_copy).shard_index(10, 0)[key]["offset"]
-    chunk = store_copy / "checkpoints/00000010/rank0/tensors/c/0"
-    data = bytearray(chunk.read_bytes())
-    data[offset + 8] ^= 0x10
-    chunk.write_bytes(bytes(data))
+    corrupt_tensor(store_copy, 10, 0, "/state/replicated/model/transformer.h.0.mlp.c_fc.weight")
     before = tree_snapshot(store_copy)
     line = error_line(replay_cli("run", str(store_copy), "--from", "12", "--to", "14"))
     assert "tensor state/replicated/model/transformer.h.0.mlp.c_fc.weight does not match its checksum" in line
