@@ -221,10 +221,12 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--hp-delta", is_flag=True, help="Backward delta from an FP32 O on the flash backends in scope.")
 @click.option("--skip", help="Steps whose batches are not trained on, e.g. 260-262,265.")
 @click.option("--lr-scale", type=float, help="Multiply every learning rate by X.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted replay from its last committed checkpoint.")
+@click.option("--discard", is_flag=True, help="Remove an interrupted replay and run it anew.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
 def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layers, heads, precision, fix, hp_delta,
-            skip, lr_scale, as_json) -> None:
+            skip, lr_scale, resume, discard, as_json) -> None:
     """Re-execute steps A..B of the run in STORE from its checkpoints, and store the replay inside it.
 
     Restores the latest committed checkpoint (or pre-spike snapshot) at or before A on every rank, with
@@ -239,7 +241,10 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         layers=parse_steps(layers, "--layers") if layers else None,
         heads=parse_steps(heads, "--heads") if heads else None,
         fix=parse_fix(fix) if fix else None, skip=parse_steps(skip) if skip else [])
-    req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides)
+    if resume and discard:
+        raise ReplayError("--resume and --discard exclude each other")
+    req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
+                        resume=resume, discard=discard)
     result = run(store, req)
     v = result.verification
     if as_json:

@@ -34,6 +34,8 @@ class ReplayRequest:
     name: str | None = None
     checkpoint_every: int = 0       # 0: one checkpoint, at the end
     overrides: Overrides = field(default_factory=Overrides)
+    resume: bool = False            # continue an interrupted replay from its last committed checkpoint
+    discard: bool = False           # remove an interrupted replay and run it anew
 
 
 @dataclass
@@ -74,9 +76,9 @@ def replay_id(req: ReplayRequest) -> str:
     return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
 
-def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig, bool]:
-    """Check the request against the record and create the replay's store; nothing is written on error.
-    Returns (replay path, config, whether it still has to run)."""
+def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig, bool, bool]:
+    """Check the request against the record and create (or rewind) the replay's store; nothing is written
+    on error. Returns (replay path, config, whether it still has to run, whether it resumes)."""
     parent = RunStore.open(store_path, mode="a")
     if parent.kind != "run":
         raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
@@ -105,8 +107,16 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         if not same:
             raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; choose another --name")
         if existing.manifest.get("status") == "complete":
-            return path, cfg, False
-        shutil.rmtree(path)   # interrupted: discard and run again (it has no state worth keeping)
+            return path, cfg, False, False
+        if req.resume and existing.checkpoints():
+            existing = RunStore.open(path, mode="a")
+            last = existing.rewind(verify_world_size=parent.manifest["world_size"])
+            existing.update_manifest(resumes=[*existing.manifest["resumes"], {"from_step": last, "time": time.time()}])
+            return path, cfg, True, True
+        if not (req.resume or req.discard):
+            raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted (it reached step "
+                             f"{existing.end_step - 1}): pass --resume to continue it or --discard to start it anew")
+        shutil.rmtree(path)   # discarded, or nothing committed to resume from: run it anew
     RunStore.create(path, {
         "config": cfg.to_dict(), "parent": "../..", "window": window, "start_checkpoint": ckpt.step,
         "start_checkpoint_kind": ckpt.kind, "checkpoint_every": req.checkpoint_every,
@@ -114,17 +124,17 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         "world_size": parent.manifest["world_size"], "launcher": parent.manifest["launcher"],
         "data": parent.manifest["data"], "created": time.time(), "status": "running", "resumes": [],
     }, kind="replay", first_step=ckpt.step)
-    return path, cfg, True
+    return path, cfg, True, False
 
 
 def run(store_path: str | Path, req: ReplayRequest) -> Replay:
     """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record."""
     from replay.launch.ranks import run_ranks
 
-    path, cfg, pending = prepare(store_path, req)
+    path, cfg, pending, resume = prepare(store_path, req)
     notes = environment_notes(RunStore.open(store_path).manifest.get("environment", {}))
     if pending:
-        run_ranks(str(path), cfg, cfg.nproc, resume=False)
+        run_ranks(str(path), cfg, cfg.nproc, resume=resume)
     result = Replay(path, created=pending, environment_notes=notes)
     result.verification = verify(RunStore.open(store_path), RunStore.open(path))
     RunStore.open(path, mode="a").update_manifest(verification=result.verification.to_dict())

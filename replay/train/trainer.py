@@ -132,7 +132,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
         state = TorchTrainState(ddp, optimizer, scheduler)
         step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, data, r)
 
-    start_from = (schedule.parent, schedule.start_checkpoint) if schedule.parent else None
+    start_from = (schedule.parent, schedule.start_checkpoint) if schedule.parent and not resume else None
     recorder = Recorder(str(store.path), state, rank=r.rank, world_size=r.world, resume=resume, start_from=start_from,
                         cfg=RecorderConfig(total_steps=schedule.stop, checkpoint_every=schedule.checkpoint_every,
                                            snapshot_every=schedule.snapshot_every, snapshot_ring=cfg.snapshot_ring,
@@ -141,8 +141,10 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
     t0 = time.perf_counter()
     for step in range(start, schedule.stop):
-        if active is not cfg and step == schedule.override_from:
-            active = _switch_to_overrides(model, optimizer, scheduler, cfg, schedule.lr_scale)
+        if active is not cfg and step >= schedule.override_from:
+            # a resumed replay past `from` restored already-scaled learning rates with its state
+            lr_scale = schedule.lr_scale if step == schedule.override_from else 1.0
+            active = _switch_to_overrides(model, optimizer, scheduler, cfg, lr_scale)
         ids = schedule.ids(order, step, r, cfg.micro_batch_size)
         if step in schedule.skip:   # not trained on; the schedule moves on as if the batch had been seen
             recorder.record_skipped(step, sample_ids=ids, lr=scheduler.get_last_lr()[0])

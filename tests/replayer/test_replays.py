@@ -145,3 +145,29 @@ def test_deepspeed_zero1_window_replays_bit_for_bit(tmp_path):
         a = replay.read_shard(8, rank)["state"]["local"]["optimizer"]["single_partition_of_fp32_groups"][0]
         b = parent.read_shard(8, rank)["state"]["local"]["optimizer"]["single_partition_of_fp32_groups"][0]
         assert torch.equal(a, b)
+
+
+def test_interrupted_replay_is_resumed_or_discarded_never_silently_redone(store_copy):
+    window = ["--from", "12", "--to", "19", "--checkpoint-every", "2", "--verify", "--json"]
+    # a real SIGKILL of rank 0 once its shard of the replay's checkpoint 16 is written, before the commit:
+    # rank 0 commits in order, so 12 and 14 are committed and 16 is not
+    killed = replay_cli("run", str(store_copy), *window, env={"REPLAY_FAULT": "before-commit:16:0"})
+    assert "rank 0 was killed by signal 9" in error_line(killed)
+    before = tree_snapshot(store_copy)
+    refused = error_line(replay_cli("run", str(store_copy), *window))
+    assert "was interrupted" in refused and "--resume" in refused and "--discard" in refused
+    assert tree_snapshot(store_copy) == before
+
+    resumed = replay_cli("run", str(store_copy), *window, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    answer = json.loads(resumed.stdout)
+    replay = RunStore.open(answer["replay"])
+    assert replay.manifest["resumes"][0]["from_step"] == 14              # its own last committed checkpoint
+    assert answer["verification"]["bitwise"] and replay.read_steps()["step"].tolist() == list(range(10, 20))
+
+    killed = replay_cli("run", str(store_copy), *window, "--name", "again", env={"REPLAY_FAULT": "shard-half:14:0"})
+    assert killed.returncode != 0
+    redone = replay_cli("run", str(store_copy), *window, "--name", "again", "--discard")
+    assert redone.returncode == 0, redone.stderr
+    again = json.loads(redone.stdout)
+    assert again["verification"]["bitwise"] and RunStore.open(again["replay"]).manifest["resumes"] == []
