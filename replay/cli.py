@@ -177,8 +177,8 @@ def _print_info(store: str, as_json: bool) -> None:
         for e in sp))
     click.echo(f"replays     {len(summary['replays'])}" + "".join(
         f"\n            {r['id']}: steps {r['window']['from']}..{r['window']['to']} from checkpoint "
-        f"{r['start_checkpoint']}, {r['status']}"
-        + (", spikes at " + ", ".join(map(str, r['spikes'])) if r['spikes'] else ", no spike")
+        f"{r['start_checkpoint']}, {r['status']}, {r['outcome']}"
+        + (f", overrides {r['overrides']}" if r['overrides'] else "")
         + ("" if not r['verification'] else ", bitwise" if r['verification']['bitwise']
            else f", diverges at step {r['verification']['divergence']['step']}")
         for r in summary["replays"]))

@@ -180,8 +180,21 @@ def environment_notes(recorded: dict[str, Any]) -> list[str]:
     return notes
 
 
+def spike_outcome(recorded: list[int], replayed: list[int], window: dict[str, int]) -> str:
+    """In words: did the replay reproduce, prevent or add spikes, against the record's in the window?"""
+    in_window = [s for s in recorded if window["from"] <= s <= window["to"]]
+    if not in_window:
+        return "no spike recorded in the window" + (f"; the replay spiked at {replayed}" if replayed else "")
+    if replayed == in_window:
+        return f"spike reproduced at {in_window}"
+    if not replayed:
+        return f"spike prevented (recorded at {in_window})"
+    return f"spikes at {replayed} (recorded at {in_window})"
+
+
 def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
     root = Path(store_path) / "replays"
+    recorded = [e["step"] for e in RunStore.open(store_path).spikes]
     out = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         try:
@@ -191,5 +204,6 @@ def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
         m = store.manifest
         out.append({"id": path.name, "window": m.get("window"), "start_checkpoint": m.get("start_checkpoint"),
                     "overrides": m.get("overrides", {}), "status": m.get("status"),
-                    "spikes": [e["step"] for e in store.spikes], "verification": m.get("verification")})
+                    "spikes": [e["step"] for e in store.spikes], "verification": m.get("verification"),
+                    "outcome": spike_outcome(recorded, [e["step"] for e in store.spikes], m.get("window"))})
     return out

@@ -62,6 +62,16 @@ def test_bad_windows_write_nothing(store_copy, args, expected):
     assert tree_snapshot(store_copy) == before
 
 
+def test_no_checkpoint_at_or_before_the_window(store_copy):
+    import shutil
+
+    shutil.rmtree(store_copy / "checkpoints/00000000")   # e.g. early checkpoints pruned to save disk
+    before = tree_snapshot(store_copy)
+    assert "no committed checkpoint at or before step 5" in error_line(
+        replay_cli("run", str(store_copy), "--from", "5", "--to", "7"))
+    assert tree_snapshot(store_copy) == before
+
+
 def test_corrupted_start_checkpoint_is_named_and_nothing_written(store_copy):
     corrupt_tensor(store_copy, 10, 0, "/state/replicated/model/transformer.h.0.mlp.c_fc.weight")
     before = tree_snapshot(store_copy)
@@ -82,6 +92,7 @@ def test_recorded_spike_is_reproduced_by_a_plain_replay(tmp_path):
     assert answer["verification"]["bitwise"]
     replay = RunStore.open(answer["replay"])
     assert [e["step"] for e in replay.spikes] == [spike]           # the replay's own detector saw it too
+    assert f"spike reproduced at [{spike}]" in replay_cli("info", str(store_path)).stdout
     # it started from the pre-spike snapshot the ring flushed, the closest committed state
     snapshot = max(c.step for c in parent.checkpoints() if c.step <= spike - 3)
     assert replay.manifest["start_checkpoint"] == snapshot
