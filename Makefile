@@ -28,6 +28,7 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/bench_record.py
+	$(PY) benchmarks/bench_analysis.py
 
 clean:
 	rm -rf $(VENV) runs

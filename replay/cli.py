@@ -317,5 +317,95 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     click.echo(f"wrote {out}/", err=True)
 
 
+def _ray_options(fn):
+    fn = click.option("--workers", type=int, help="Most work items at once (default: every CPU of the cluster).")(fn)
+    return click.option("--ray-address", envvar="RAY_ADDRESS", default=None,
+                        help="host:port of a Ray cluster's head (default: RAY_ADDRESS, else a local cluster). "
+                        "Its workers must see the store at the same path.")(fn)
+
+
+@main.command()
+@click.argument("store", type=click.Path(file_okay=False))
+@_ray_options
+@click.option("--top", default=5, show_default=True, help="Rows of the localisation ranking to print.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary and rankings as JSON.")
+@_main_errors
+def analyze(store, ray_address, workers, top, as_json) -> None:
+    """Per-layer and per-head metrics of every checkpoint, and replay weight distances, on Ray.
+
+    Spectral norms (W_Q, W_K, W_V, W_O per head and whole, W_Q,h W_K,h^T per head, MLP), update
+    statistics between checkpoints, probe-batch attention logits and BF16 tied maxima, and each
+    replay's weight distances against the run, into STORE/analysis. Only what is not done yet is
+    computed. Then, for every recorded spike, ranks the layers and heads whose metrics moved most
+    against their own history before it.
+    """
+    from replay.analysis.jobs import analyze as run_analysis
+    from replay.analysis.localise import localise_store
+
+    summary = run_analysis(store, ray_address, workers, progress=lambda m: click.echo(m, err=True))
+    found = localise_store(store)
+    if as_json:
+        click.echo(json.dumps({"computed": summary.computed, "already_done": summary.skipped,
+                               "nodes": len(summary.nodes), "seconds": summary.seconds,
+                               "spikes": [f.to_dict() if not isinstance(f, int) else {"spike": f, "heads": [],
+                                          "layers": []} for f in found]}, indent=2))
+        return
+    click.echo(f"analysed {store}: {summary.computed} work items computed on {len(summary.nodes)} node(s) in "
+               f"{summary.seconds:.1f} s, {summary.skipped} already done")
+    if not found:
+        click.echo("no spike recorded: nothing to localise")
+    for f in found:
+        if isinstance(f, int):
+            click.echo(f"spike at step {f}: too few analysed checkpoints before it to localise")
+            continue
+        where = "" if f.trajectory == "run" else f" of replay {f.trajectory} (bit for bit the record)"
+        click.echo(f"spike at step {f.spike}: checkpoint {f.checkpoint} against {len(f.history)} earlier ones "
+                   f"({f.history[0]}..{f.history[-1]}){where}; robust z of each metric, largest first")
+        for title, ranking in (("heads", f.heads), ("layers", f.layers)):
+            click.echo(f"  {title}:")
+            for a in ranking[:top]:
+                click.echo(f"    {a.unit:<16} z={a.score:8.1f}  {a.signal}: {a.value:.4g} (median {a.baseline:.4g})")
+
+
+@main.command()
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), help="HTML file to write (default STORE/report.html).")
+@_main_errors
+def report(store, out) -> None:
+    """One self-contained HTML page: loss and grad norm with spikes and replays, the localisation
+    ranking, per-head spectral-norm heatmaps and weight distances (PNGs embedded; no server needed)."""
+    from replay.analysis.report import write_report
+
+    click.echo(f"wrote {write_report(store, out)}")
+
+
+@main.command()
+@click.argument("store_a", type=click.Path(file_okay=False))
+@click.argument("store_b", type=click.Path(file_okay=False))
+@_ray_options
+@click.option("--json", "as_json", is_flag=True, help="Print every distance as JSON.")
+@_main_errors
+def compare(store_a, store_b, ray_address, workers, as_json) -> None:
+    """Weight distances of STORE_B against STORE_A at their common checkpoints.
+
+    Per tensor: max |difference|, Frobenius, relative Frobenius and Wasserstein-1 of the value
+    distributions (scipy); the table prints each step's largest over tensors, and all of it is stored in
+    STORE_A/analysis/distances/.
+    """
+    from replay.analysis.jobs import compare as run_compare
+
+    result = run_compare(store_a, store_b, ray_address, workers, progress=lambda m: click.echo(m, err=True))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{result['other']} against {result['reference']} ({len(result['tensors'])} tensors; "
+               f"stored in {result['table']})")
+    click.echo(f"{'step':>8} {'max |diff|':>12} {'frobenius':>12} {'relative':>12} {'wasserstein':>12}")
+    for i, step in enumerate(result["steps"]):
+        row = [max(result[m][i]) for m in ("max_abs", "frobenius", "relative", "wasserstein")]
+        click.echo(f"{step:>8} " + " ".join(f"{v:>12.4e}" for v in row))
+    click.echo("(each column: the largest over tensors)")
+
+
 if __name__ == "__main__":
     main()

@@ -44,6 +44,15 @@ def two_rank_store(tmp_path_factory) -> Path:
     return store
 
 
+@pytest.fixture(scope="session")
+def spike_store(tmp_path_factory) -> Path:
+    """The `spike` preset on 2 ranks (400 steps, about 25 s): a real recorded loss spike."""
+    store = tmp_path_factory.mktemp("runs") / "spike"
+    result = replay_cli("record", "--store", str(store), "--preset", "spike", "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    return store
+
+
 @pytest.fixture
 def store_copy(two_rank_store, tmp_path) -> Path:
     dst = tmp_path / "copy"

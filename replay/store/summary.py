@@ -45,7 +45,7 @@ def summarize(path: str) -> dict[str, Any]:
 
 
 def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, Any]]:
-    from replay.train.data import make_data, open_token_file
+    from replay.train.data import load_data
 
     store = RunStore.open(path)
     if not 0 <= step < store.n_steps:
@@ -54,7 +54,7 @@ def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, 
     if rank is not None and not 0 <= rank < ids.shape[0]:
         raise UsageError(f"rank {rank} out of range: the run had {ids.shape[0]} ranks")
     cfg = RunConfig.from_dict(store.manifest["config"])
-    data = make_data(cfg, open_token_file(cfg) if cfg.data.path else store.read_tokens())
+    data = load_data(cfg, store)
     rows = []
     for r in range(ids.shape[0]) if rank is None else [rank]:
         for m in range(ids.shape[1]):

@@ -117,6 +117,11 @@ def make_data(cfg: RunConfig, tokens: np.ndarray) -> TokenData:
     return TokenData(tokens=tokens, block_size=T, n_samples=n, vocab_size=vocab, is_bytes=is_bytes)
 
 
+def load_data(cfg: RunConfig, store) -> TokenData:
+    """The run's samples: its token file, or the corpus embedded in its store (a RunStore)."""
+    return make_data(cfg, open_token_file(cfg) if cfg.data.path else store.read_tokens())
+
+
 class DataOrder:
     """The global sample order: one seeded permutation per epoch, consumed batch_size at a time."""
 

@@ -21,14 +21,19 @@ def check_attention(cfg: ModelConfig) -> str:
     return plan.canonical()
 
 
+def gpt2_config(cfg: ModelConfig, vocab_size: int, n_layer: int | None = None) -> GPT2Config:
+    """transformers' config for this model (optionally only its first `n_layer` blocks)."""
+    hf_logging.set_verbosity_error()
+    return GPT2Config(
+        vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer if n_layer is None else n_layer, n_head=cfg.n_head, resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, use_cache=False,
+    )
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel:
     """A freshly initialised GPT-2; the same seed gives the same weights on every rank and replay."""
-    hf_logging.set_verbosity_error()
-    config = GPT2Config(
-        vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-        use_cache=False,
-    )
+    config = gpt2_config(cfg, vocab_size)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
     apply_plan(model, AttentionPlan.parse(cfg.attention))

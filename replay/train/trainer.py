@@ -22,7 +22,7 @@ from replay.config import RunConfig
 from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
-from replay.train.data import DataOrder, TokenData, make_data, open_token_file
+from replay.train.data import DataOrder, TokenData, load_data
 from replay.kernels.registry import AttentionPlan, apply_plan
 from replay.train.model import build_model, lm_loss, lr_factor
 from replay.train.state import DeepSpeedTrainState, TorchTrainState
@@ -43,10 +43,6 @@ class Rank:
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         return cls(rank, world, local_rank, device)
 
-
-def load_data(cfg: RunConfig, store: RunStore) -> TokenData:
-    tokens = open_token_file(cfg) if cfg.data.path else store.read_tokens()
-    return make_data(cfg, tokens)
 
 
 def init_distributed(r: Rank, cfg: RunConfig) -> None:

@@ -1,0 +1,102 @@
+"""Benchmark the analysis: one GPT-2-small-sized checkpoint on one core, and 2 Ray workers against 1.
+
+The store is a real recording with GPT-2 small's transformer (12 layers, 12 heads, d=768, vocab 50304;
+sequence length 128 instead of 1024, which changes only the position embedding) trained 3 steps on the
+built-in corpus with a checkpoint before every step, through `replay record`.
+
+1. The spectral part of one checkpoint, every layer and head (what `weight_metrics` computes: whole
+   W_Q, W_K, W_V, W_O, MLP matrices, per-head W_Q/W_K/W_V/W_O, per-head W_Q,h W_K,h^T), in this process
+   with one BLAS/torch thread (target <= 2 s); and, for context, the rest of a work item (reading the
+   tensors, update statistics, the probe forward).
+2. `replay analyze --workers 1` then `--workers 2` on the same store (analysis removed in between): the
+   speed-up of the work itself (the `seconds` each reports, Ray start-up excluded; target >= 1.7x).
+
+    .venv/bin/python benchmarks/bench_analysis.py
+"""
+
+from __future__ import annotations
+
+import os
+
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = "1"          # one core, before numpy loads its BLAS
+
+import json  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+RECORD = ["--preset", "gpt2-small", "--precision", "fp32", "--steps", "3", "--checkpoint-every", "1",
+          "--set", "model.block_size=128", "--set", "batch_size=1", "--set", "micro_batch_size=1",
+          "--set", "snapshot_every=0"]
+
+
+def hardware() -> str:
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+    return f"hardware: {cpu}, {os.cpu_count()} cores"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"replay {' '.join(args)} failed:\n{result.stderr}")
+    return result
+
+
+def best_of(n: int, fn) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    import torch
+
+    from replay.analysis import jobs
+    from replay.analysis import metrics as M
+    from replay.store import RunStore
+
+    torch.set_num_threads(1)
+    print(hardware())
+    work = Path(tempfile.mkdtemp(prefix="bench-analysis-"))
+    try:
+        store = work / "gpt2-small"
+        start = time.perf_counter()
+        cli("record", "--store", str(store), *RECORD)
+        print(f"recorded {store.name}: 4 checkpoints in {time.perf_counter() - start:.0f} s")
+
+        run = RunStore.open(store)
+        items, _ = jobs.plan_metrics(RunStore.open(store, mode="a"))
+        last = [i for i in items if i.ckpt.step == 2]          # a checkpoint with two before it
+        mats = [m for item in last for m in jobs._read_layers(item.ckpt, range(*item.block), item.n_embd)]
+        assert len(mats) == 12
+        spectral = best_of(3, lambda: [M.weight_metrics(m, 12) for m in mats])
+        read = best_of(3, lambda: [jobs._read_layers(i.ckpt, range(*i.block), i.n_embd) for i in last])
+        full = best_of(1, lambda: [jobs.compute_metrics(i) for i in last])
+        print(f"one checkpoint, 12 layers x 12 heads, one core: spectral part {spectral:.2f} s (target <= 2 s); "
+              f"whole work items {full:.2f} s (reading the layers {read:.2f} s; the rest is update statistics "
+              f"and the probe forward)")
+        shutil.rmtree(store / "analysis")
+        del run
+
+        seconds = {}
+        for workers in (1, 2):
+            out = json.loads(cli("analyze", str(store), "--workers", str(workers), "--json").stdout)
+            seconds[workers] = out["seconds"]
+            print(f"--workers {workers}: {out['computed']} work items in {out['seconds']:.1f} s")
+            shutil.rmtree(store / "analysis")
+        print(f"speed-up with 2 workers: {seconds[1] / seconds[2]:.2f}x (target >= 1.7x)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

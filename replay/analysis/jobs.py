@@ -1,0 +1,413 @@
+"""`replay analyze` and `replay compare`: plan work items, run them as Ray tasks, keep what is done.
+
+A work item is one checkpoint and one block of layers (metrics), or one checkpoint of a replay or of a
+compared run (weight distances). Items carry store paths, never tensors: each task reads the
+checkpoint from the store itself (byte ranges of the tensors it needs), computes, writes its own
+chunks and then its done marker. Planning skips items already done, so re-running computes only what
+is new, and an interrupted analysis resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from replay.analysis import metrics as M
+from replay.analysis import results as R
+from replay.config import RunConfig
+from replay.errors import StoreError, UsageError
+from replay.store import RunStore
+
+MODEL = "/state/replicated/model/"     # where every checkpoint keeps the model (rank 0's shard)
+LAYER_BLOCK = 4                         # layers per work item
+PROBE_SAMPLES = 4                       # samples of the probe batch ...
+PROBE_TOKENS = 256                      # ... and at most this many of their tokens
+
+
+@dataclass
+class Source:
+    path: str                           # absolute path of the store holding the checkpoint
+    step: int
+    committed_at: float = 0.0           # identifies this checkpoint (a rewound run writes a new one)
+
+
+@dataclass
+class MetricItem:
+    store: str                          # where the results go
+    row: int
+    block_index: int
+    block: tuple[int, int]
+    n_embd: int
+    n_head: int
+    ckpt: Source
+    prev: Source | None
+    before: Source | None
+    probe: list[list[int]]              # token rows of the probe batch (block_size + 1 tokens each)
+    fault: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"checkpoint {self.ckpt.step} layers {self.block[0]}-{self.block[1] - 1}"
+
+
+@dataclass
+class DistanceItem:
+    store: str
+    table: str
+    row: int
+    reference: Source
+    other: Source
+    tensors: list[str]
+    fault: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"distances {self.table} at step {self.other.step}"
+
+
+@dataclass
+class Summary:
+    computed: int = 0
+    skipped: int = 0                    # already done
+    nodes: set[str] = field(default_factory=set)
+    seconds: float = 0.0
+
+
+# -- tasks (run on Ray workers) -------------------------------------------------------------------
+
+def run_item(item: MetricItem | DistanceItem) -> str:
+    """One work item, start to finish, on a Ray worker. Returns the node it ran on."""
+    import ray
+
+    torch.set_num_threads(1)
+    _inject_fault(item)
+    if isinstance(item, MetricItem):
+        R.write_metrics(item.store, item.row, item.block, item.block_index, compute_metrics(item))
+    else:
+        R.write_distances(item.store, item.table, item.row, compute_distances(item))
+    return ray.get_runtime_context().get_node_id()
+
+
+def _layer_keys(layer: int) -> dict[str, str]:
+    p = f"{MODEL}transformer.h.{layer}."
+    return {"c_attn": p + "attn.c_attn.weight", "c_proj": p + "attn.c_proj.weight",
+            "c_fc": p + "mlp.c_fc.weight", "mlp_proj": p + "mlp.c_proj.weight"}
+
+
+def _read_layers(src: Source, layers: range, n_embd: int) -> list[dict[str, np.ndarray]]:
+    keys = [k for layer in layers for k in _layer_keys(layer).values()]
+    tensors = RunStore.open(src.path).read_shard(src.step, 0, keys=keys)
+    return [M.layer_matrices({name: tensors[key].float().numpy() for name, key in _layer_keys(layer).items()},
+                             n_embd) for layer in layers]
+
+
+def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
+    layers = range(*item.block)
+    cur = _read_layers(item.ckpt, layers, item.n_embd)
+    prev = _read_layers(item.prev, layers, item.n_embd) if item.prev else [None] * len(layers)
+    before = _read_layers(item.before, layers, item.n_embd) if item.before else [None] * len(layers)
+    per_layer = []
+    for i in range(len(layers)):
+        values = M.weight_metrics(cur[i], item.n_head)
+        values.update(M.update_metrics(cur[i], prev[i], before[i], item.n_head))
+        if item.prev:   # per step, so checkpoints at uneven spacing (snapshots, dense replays) compare
+            values["update_rel"] /= item.ckpt.step - item.prev.step
+            values["update_rel_head"] /= item.ckpt.step - item.prev.step
+        per_layer.append(values)
+    out = {name: np.stack([v[name] for v in per_layer]) for name in per_layer[0]}
+    out["max_logit"], out["tie_rate"] = probe_metrics(item)
+    return out
+
+
+def probe_metrics(item: MetricItem) -> tuple[np.ndarray, np.ndarray]:
+    """Run the model's first blocks (FP32, eager attention) on the probe batch and measure each layer
+    of the item's block: max attention logit and BF16 tied-maxima rate per head."""
+    from transformers import GPT2Model
+
+    from replay.train.model import gpt2_config
+
+    lo, hi = item.block
+    store = RunStore.open(item.ckpt.path)
+    index = store.shard_index(item.ckpt.step, 0)
+    wanted = [k for k in index if k.startswith(MODEL + "transformer.") and
+              (".h." not in k or int(k.split(".h.")[1].split(".")[0]) < hi)]
+    tensors = store.read_shard(item.ckpt.step, 0, keys=wanted)
+    state = {k[len(MODEL + "transformer."):]: t.float() for k, t in tensors.items()}
+    wte = state["wte.weight"]
+    cfg = RunConfig.from_dict(store.manifest["config"]).model
+    model = GPT2Model(gpt2_config(cfg, vocab_size=wte.shape[0], n_layer=hi)).eval()
+    model.set_attn_implementation("eager")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("ln_f") for k in missing), (missing, unexpected)
+    x = torch.tensor(item.probe, dtype=torch.long)[:, :-1]
+    with torch.no_grad():
+        hidden = model(input_ids=x, output_hidden_states=True).hidden_states
+        logits, ties = [], []
+        for layer in range(lo, hi):
+            block = model.h[layer]
+            qkv = block.attn.c_attn(block.ln_1(hidden[layer]))
+            b, t, _ = qkv.shape
+            q, k, _v = (z.view(b, t, item.n_head, -1).transpose(1, 2) for z in qkv.split(item.n_embd, dim=2))
+            m, r = M.attention_probe(q, k)
+            logits.append(m)
+            ties.append(r)
+    return np.stack(logits), np.stack(ties)
+
+
+def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
+    a = RunStore.open(item.reference.path).read_shard(item.reference.step, 0, keys=item.tensors)
+    b = RunStore.open(item.other.path).read_shard(item.other.step, 0, keys=item.tensors)
+    rows = [M.tensor_distances(a[k].float().numpy(), b[k].float().numpy()) for k in item.tensors]
+    return {metric: np.array([r[metric] for r in rows]) for metric in M.DISTANCES}
+
+
+def _inject_fault(item: MetricItem | DistanceItem) -> None:
+    """Test hook (REPLAY_FAULT, read by the driver and carried by the item): on the first attempt of the
+    item at a given step, `analysis-io:STEP:DIR` raises an OSError (a transient I/O error) and
+    `analysis-kill:STEP:DIR` kills this worker process with SIGKILL. DIR keeps the attempt markers."""
+    if not item.fault:
+        return
+    name, step, marker_dir = item.fault.split(":", 2)
+    src = item.ckpt if isinstance(item, MetricItem) else item.other
+    if int(step) != src.step:
+        return
+    marker = Path(marker_dir) / f"{name}-{item.label.replace(' ', '_')}"
+    try:
+        marker.touch(exist_ok=False)        # only the first attempt gets the fault
+    except FileExistsError:
+        return
+    if name == "analysis-io":
+        raise OSError(f"injected transient I/O error reading checkpoint {step}")
+    if name == "analysis-kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- planning (driver) ----------------------------------------------------------------------------
+
+def checkpoint_sources(store: RunStore) -> list[Source]:
+    """Every checkpoint a store's trajectory passes through, by step: a replay's own checkpoints
+    preceded by the parent's checkpoint it started from."""
+    own = [Source(str(store.path.resolve()), c.step, c.committed_at) for c in store.checkpoints()]
+    if store.kind == "replay":
+        parent = (store.path / store.manifest["parent"]).resolve()
+        step = int(store.manifest["start_checkpoint"])
+        start = Source(str(parent), step, _committed_at(Source(str(parent), step)))
+        own = [start] + [s for s in own if s.step != start.step]
+    return sorted(own, key=lambda s: s.step)
+
+
+def _root_run(store: RunStore) -> RunStore:
+    return RunStore.open((store.path / store.manifest["parent"]).resolve()) if store.kind == "replay" else store
+
+
+def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
+    """The fixed probe batch: the first tokens of the first n samples the run trained on (step 0)."""
+    from replay.train.data import load_data
+
+    run = _root_run(store)
+    if run.n_steps == 0:
+        raise StoreError(f"{run.path} has no recorded steps to take a probe batch from")
+    cfg = RunConfig.from_dict(run.manifest["config"])
+    ids = np.asarray(run.root["steps/sample_ids"][0]).reshape(-1)[:n]
+    data = load_data(cfg, run)
+    T, n_tokens = data.block_size, min(data.block_size, PROBE_TOKENS)
+    tokens = [data.tokens[int(i) * T: int(i) * T + n_tokens + 1].astype(np.int64).tolist() for i in ids]
+    return {"sample_ids": [int(i) for i in ids], "tokens": tokens}
+
+
+def plan_metrics(store: RunStore, fault: str = "") -> tuple[list[MetricItem], int]:
+    """The metric items of one store still to compute, and how many are already done."""
+    cfg = RunConfig.from_dict(store.manifest["config"]).model
+    sources = checkpoint_sources(store)
+    if not sources:
+        return [], 0
+    probe = probe_batch(store)
+    table = R.MetricsTable.open_or_create(store.path, cfg.n_layer, cfg.n_head, min(LAYER_BLOCK, cfg.n_layer),
+                                          {"sample_ids": probe["sample_ids"],
+                                           "rows": len(probe["tokens"]) * (len(probe["tokens"][0]) - 2)})
+    rows = []
+    for i, src in enumerate(sources):
+        prev = sources[i - 1] if i >= 1 else None
+        before = sources[i - 2] if i >= 2 else None
+        rows.append({"step": src.step, "source": os.path.relpath(src.path, store.path),
+                     "prev": prev and prev.step, "before": before and before.step, "committed_at": src.committed_at})
+    index = table.plan(rows)
+    done = table.done()
+    items, skipped = [], 0
+    for i, src in enumerate(sources):
+        for b, block in enumerate(table.blocks()):
+            if done[index[i], b]:
+                skipped += 1
+                continue
+            items.append(MetricItem(
+                str(store.path.resolve()), index[i], b, block, cfg.n_embd, cfg.n_head, src,
+                sources[i - 1] if i >= 1 else None, sources[i - 2] if i >= 2 else None, probe["tokens"], fault))
+    return items, skipped
+
+
+def _committed_at(src: Source) -> float:
+    return next(c.committed_at for c in RunStore.open(src.path).checkpoints() if c.step == src.step)
+
+
+def model_tensors(store: RunStore, step: int) -> list[str]:
+    """The model's tensors in a checkpoint, each stored tensor once (tied weights share an offset)."""
+    index = store.shard_index(step, 0)
+    seen, out = set(), []
+    for key, entry in index.items():
+        if key.startswith(MODEL) and entry["offset"] not in seen:
+            seen.add(entry["offset"])
+            out.append(key)
+    return out
+
+
+def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunStore,
+                   fault: str = "") -> tuple[list[DistanceItem], int, list[int]]:
+    """Distance items of `other` against `reference` at the steps both have a checkpoint, stored in
+    `store`'s table; returns (items to compute, how many already done, the matching steps)."""
+    ref_steps = {c.step: c.committed_at for c in reference.checkpoints()}
+    own = {c.step: c.committed_at for c in other.checkpoints()}
+    steps = [s for s in own if s in ref_steps]
+    if not steps:
+        return [], 0, []
+    tensors = model_tensors(reference, steps[0])
+    other_tensors = model_tensors(other, steps[0])
+    if {t: reference.shard_index(steps[0], 0)[t]["shape"] for t in tensors} != \
+            {t: other.shard_index(steps[0], 0)[t]["shape"] for t in other_tensors if t in tensors} \
+            or len(other_tensors) != len(tensors):
+        raise UsageError(f"{reference.path} and {other.path} hold different models (tensor names or shapes "
+                         "differ); weight distances need the same architecture")
+    ref_path, other_path = str(reference.path.resolve()), str(other.path.resolve())
+    dist = R.DistanceTable.open_or_create(store.path, table, os.path.relpath(ref_path, store.path),
+                                          os.path.relpath(other_path, store.path), tensors)
+    rows = [{"step": s, "committed_at": [ref_steps[s], own[s]]} for s in steps]
+    index = dist.plan(rows)
+    done = dist.done()
+    items = [DistanceItem(str(store.path.resolve()), table, index[i], Source(ref_path, s), Source(other_path, s),
+                          tensors, fault)
+             for i, s in enumerate(steps) if not done[index[i]]]
+    return items, len(steps) - len(items), steps
+
+
+def replay_stores(store: RunStore) -> list[RunStore]:
+    root = store.path / "replays"
+    out = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            out.append(RunStore.open(path))
+        except StoreError:
+            continue
+    return out
+
+
+# -- running (driver) -----------------------------------------------------------------------------
+
+def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lambda s: None,
+            summary: Summary | None = None) -> Summary:
+    """Run work items on the connected Ray cluster, `slots` at a time (see `ray_session`). Driver-side
+    fault hook `analysis-driver-kill:N` SIGKILLs this process after N items (an interrupted analysis)."""
+    from replay.launch.ray_cluster import run_tasks
+
+    summary = summary or Summary()
+    kill_after = _driver_fault()
+    start = time.monotonic()
+    progress(f"{len(items)} work items on {slots} Ray worker slot(s)")
+
+    def on_result(item, node):
+        summary.computed += 1
+        summary.nodes.add(node)
+        progress(f"[{summary.computed}/{len(items)}] {item.label}")
+        if kill_after is not None and summary.computed >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if items:
+        _check_reachable(items[0].store)
+        run_tasks(run_item, items, max_in_flight=slots * 2, on_result=on_result)
+    summary.seconds += time.monotonic() - start
+    return summary
+
+
+def _check_reachable(store_path: str) -> None:
+    """Fail with one line when the workers cannot see the store (no shared filesystem)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def visible(path: str) -> bool:
+        return (Path(path) / "zarr.json").is_file()
+
+    if not ray.get(visible.remote(store_path)):
+        raise UsageError(f"the Ray workers cannot see {store_path}: put the store on a filesystem every node "
+                         "mounts at the same path")
+
+
+def _driver_fault() -> int | None:
+    spec = os.environ.get("REPLAY_FAULT", "")
+    return int(spec.split(":")[1]) if spec.startswith("analysis-driver-kill:") else None
+
+
+def _task_fault() -> str:
+    spec = os.environ.get("REPLAY_FAULT", "")
+    if spec.startswith(("analysis-io:", "analysis-kill:")):
+        name, step = spec.split(":")[:2]
+        return f"{name}:{step}:{tempfile.mkdtemp(prefix='replay-fault-')}"
+    return ""
+
+
+def analyze(store_path: str | Path, address: str | None = None, workers: int | None = None,
+            progress: Callable[[str], None] = lambda s: None) -> Summary:
+    """Metrics for every checkpoint of a run and of its replays, and each replay's weight distances
+    against its parent; only what is not done yet."""
+    from replay.launch.ray_cluster import ray_session
+
+    run = RunStore.open(store_path)
+    if run.kind != "run":
+        raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
+    if not run.checkpoints():
+        raise UsageError(f"{store_path} has no committed checkpoint to analyse")
+    fault = _task_fault()
+    with ray_session(address, workers) as slots:    # connect first: a bad address changes nothing
+        items: list[Any] = []
+        skipped = 0
+        for store in [run, *replay_stores(run)]:
+            new, done = plan_metrics(RunStore.open(store.path, mode="a"), fault)
+            items += new
+            skipped += done
+            if store.kind == "replay":
+                new, done, _ = plan_distances(store, "parent", run, store, fault)
+                items += new
+                skipped += done
+        progress(f"{skipped} work items already done")
+        return execute(items, slots, progress, Summary(skipped=skipped))
+
+
+def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, workers: int | None = None,
+            progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Weight distances of B against A at their matching checkpoints, stored in A's analysis group."""
+    from replay.launch.ray_cluster import ray_session
+
+    a, b = RunStore.open(a_path), RunStore.open(b_path)
+    if a.path.resolve() == b.path.resolve():
+        raise UsageError("compare needs two different stores")
+    if not {c.step for c in a.checkpoints()} & {c.step for c in b.checkpoints()}:
+        raise UsageError(f"{a_path} and {b_path} have no checkpoint at a common step; record both with the "
+                         "same --checkpoint-every")
+    table = compare_table_name(a, b)
+    with ray_session(address, workers) as slots:
+        items, skipped, steps = plan_distances(a, table, a, b, _task_fault())
+        execute(items, slots, progress)
+    entry = R.read_distances(a.path)[table]
+    return {"reference": str(a.path), "other": str(b.path), "table": f"analysis/distances/{table}",
+            "steps": entry["step"].tolist(), "tensors": entry["tensor"],
+            **{m: entry[m].tolist() for m in M.DISTANCES}, "computed": len(items), "reused": skipped}
+
+
+def compare_table_name(a: RunStore, b: RunStore) -> str:
+    rel = os.path.relpath(b.path.resolve(), a.path.resolve())
+    return "vs-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in rel).strip("_")

@@ -1,0 +1,148 @@
+"""Localisation: which layers and heads moved before a spike, ranked.
+
+The rule. For a spike at step s, take the analysed checkpoints at or before s (each holds the state
+*before* its step). The last of them is the state the spike grew from; the earlier ones are each
+unit's own history. For every signal of a unit (a head, or a layer's whole matrices) the anomaly is
+the robust z-score of its last value against that history, the detector's MAD rule:
+
+    z = (x_last - median(history)) / max(1.4826 * MAD(history), 0.01 * |median(history)|)
+
+(the floor keeps a flat history from turning a 1% wobble into a large score; for the tied-maxima rate
+the floor is also one probe row, its resolution). A unit's score is its largest |z|; a layer's is the
+largest over its own signals and its heads'. At least two earlier checkpoints with a value are needed.
+
+The trajectory: the run's own checkpoints, or, when a plain replay (no overrides) that verified bit
+for bit against the record covers the spike with more checkpoints before it, that replay's: the same
+trajectory, sampled more densely (`replay run STORE --from A --to B --checkpoint-every 1`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.analysis.metrics import HEAD_MATRICES, MATRICES
+
+# (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
+HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],
+                *[("update_rel_head", m) for m in HEAD_MATRICES], *[("update_cos_head", m) for m in ("q", "k")],
+                ("max_logit", None), ("tie_rate", None)]
+# ... and of a layer's whole matrices [checkpoint, layer, matrix]
+LAYER_SIGNALS = [*[("spectral", m) for m in MATRICES], *[("update_rel", m) for m in MATRICES]]
+MIN_HISTORY = 2
+
+
+@dataclass
+class Anomaly:
+    layer: int
+    head: int | None                    # None: the layer as a whole
+    score: float                        # largest |z| of the unit's signals
+    signal: str                         # the signal that gave it, e.g. "spectral_head[q]"
+    value: float                        # its value at the last checkpoint before the spike
+    baseline: float                     # its median over the history
+
+    @property
+    def unit(self) -> str:
+        return f"layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit, "layer": self.layer, "head": self.head, "score": self.score,
+                "signal": self.signal, "value": self.value, "baseline": self.baseline}
+
+
+@dataclass
+class Localisation:
+    spike: int
+    trajectory: str                     # "run", or the id of the bitwise plain replay it was read from
+    checkpoint: int                     # the last analysed checkpoint at or before the spike
+    history: list[int]                  # the checkpoints it is compared with
+    heads: list[Anomaly]                # ranked, most anomalous first
+    layers: list[Anomaly]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spike": self.spike, "trajectory": self.trajectory, "checkpoint": self.checkpoint, "history": self.history,
+                "heads": [a.to_dict() for a in self.heads], "layers": [a.to_dict() for a in self.layers]}
+
+
+def robust_z(history: np.ndarray, x: float, floor: float = 0.0) -> tuple[float, float]:
+    """(z, median) of x against a history, by the rule above."""
+    med = float(np.median(history))
+    mad = float(np.median(np.abs(history - med)))
+    scale = max(1.4826 * mad, 0.01 * abs(med), floor, 1e-12)
+    return (x - med) / scale, med
+
+
+def _signal(table: dict[str, Any], metric: str, matrix: str | None) -> np.ndarray:
+    """[checkpoint, layer, (head)] values of one signal."""
+    values = table[metric]
+    if matrix is None:
+        return values
+    names = HEAD_MATRICES if metric.endswith("_head") else MATRICES
+    return values[:, :, names.index(matrix)]
+
+
+def _best(series: list[tuple[str, np.ndarray]], last: int, floors: dict[str, float]) -> tuple | None:
+    best = None
+    for name, s in series:
+        history = s[:last]
+        history = history[np.isfinite(history)]
+        if len(history) < MIN_HISTORY or not np.isfinite(s[last]):
+            continue
+        z, med = robust_z(history, float(s[last]), floors.get(name, 0.0))
+        if best is None or abs(z) > abs(best[0]):
+            best = (z, name, float(s[last]), med)
+    return best
+
+
+def localise(table: dict[str, Any], spike: int, trajectory: str = "run") -> Localisation | None:
+    """Rank heads and layers for one spike; None when too few checkpoints precede it."""
+    rows = np.flatnonzero(table["step"] <= spike)
+    if len(rows) < MIN_HISTORY + 1:
+        return None
+    last = len(rows) - 1
+    sub = {k: (v[rows] if isinstance(v, np.ndarray) and v.ndim >= 1 and k != "attrs" else v) for k, v in table.items()}
+    n_layer, n_head = table["spectral_qk"].shape[1:]
+    probe = table["attrs"].get("probe", {})
+    floors = {"tie_rate": 1.0 / max(1, probe.get("rows", 1))}
+    heads, layers = [], []
+    for layer in range(n_layer):
+        layer_best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer]) for m, x in LAYER_SIGNALS], last, floors)
+        candidates = [layer_best] if layer_best else []
+        for head in range(n_head):
+            best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer, head]) for m, x in HEAD_SIGNALS], last, floors)
+            if best:
+                heads.append(Anomaly(layer, head, abs(best[0]), best[1], best[2], best[3]))
+                candidates.append((best[0], f"head {head} {best[1]}", best[2], best[3]))
+        if candidates:
+            z, name, value, med = max(candidates, key=lambda c: abs(c[0]))
+            layers.append(Anomaly(layer, None, abs(z), name, value, med))
+    if not heads and not layers:
+        return None
+    steps = sub["step"].tolist()
+    return Localisation(spike, trajectory, int(steps[-1]), [int(s) for s in steps[:-1]],
+                        sorted(heads, key=lambda a: -a.score), sorted(layers, key=lambda a: -a.score))
+
+
+def localise_store(store_path) -> list[Localisation | int]:
+    """A Localisation for every recorded spike of a run (the spike's step where too few checkpoints
+    precede it), each read from the densest trajectory that covers it."""
+    from replay.analysis.results import read_metrics
+    from replay.replayer.replays import list_replays
+    from replay.store import RunStore
+
+    trajectories = [("run", read_metrics(store_path))]
+    for r in list_replays(store_path):
+        if not r["overrides"] and r["status"] == "complete" and (r["verification"] or {}).get("bitwise"):
+            trajectories.append((r["id"], read_metrics(Path(store_path) / "replays" / r["id"])))
+    out: list[Localisation | int] = []
+    for event in RunStore.open(store_path).spikes:
+        spike = int(event["step"])
+        usable = [(name, t) for name, t in trajectories if t is not None and np.any(t["step"] <= spike)
+                  and (name == "run" or t["step"].max() >= spike)]
+        usable.sort(key=lambda nt: -int(np.sum(nt[1]["step"] <= spike)))
+        found = next((f for name, t in usable if (f := localise(t, spike, name))), None)
+        out.append(found if found else spike)
+    return out

@@ -1,0 +1,143 @@
+"""The numbers the analysis computes, as plain functions of tensors (no store, no Ray).
+
+GPT-2 layout (transformers' Conv1D keeps weights as (in, out)): `attn.c_attn.weight` is [d, 3d] with
+the Q, K and V blocks side by side, head h being columns h*hd:(h+1)*hd of each block; `attn.c_proj.weight`
+(W_O) is [d, d], head h being rows h*hd:(h+1)*hd; the MLP is `mlp.c_fc.weight` [d, 4d] and
+`mlp.c_proj.weight` [4d, d].
+
+Definitions (stated once, used everywhere):
+- spectral norm: the largest singular value. Whole matrices: Lanczos (ARPACK) on the smaller Gram
+  matrix in FP32, relative error about 1e-7 against a full SVD. Per-head slices: exact (batched SVD of
+  the QR factor). `W_Q,h W_K,h^T`: the norm of `R_q R_k^T` from the QR factors of the two [d, hd]
+  slices, exact because Q = U_q R_q and K = U_k R_k with orthonormal U.
+- update between consecutive checkpoints: D_t = W_t - W_prev. Relative update norm ||D_t||_F / ||W_prev||_F
+  (the analysis divides it by the steps between the two checkpoints: a per-step rate);
+  cosine of successive updates <D_t, D_prev> / (||D_t|| ||D_prev||) (the "similar updates" signature);
+  stable rank ||D_t||_F^2 / ||D_t||_2^2.
+- probe: on fixed samples of the run's own data, the FP32 attention logits S = q k^T / sqrt(hd) of each
+  head (causal); max logit = max of S; a row has tied maxima at BF16 when, with q and k rounded to BF16
+  and S rounded to BF16 (what a BF16 matmul writes), two or more entries equal the row max (rows with
+  one visible key cannot tie and are left out).
+- weight distance of two tensors a (reference) and b: max |a - b|, Frobenius ||a - b||_F, relative
+  ||a - b||_F / ||a||_F, and Wasserstein-1 between the two value distributions
+  (`scipy.stats.wasserstein_distance` of the flattened values).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse.linalg as sla
+import scipy.stats
+import torch
+
+MATRICES = ("q", "k", "v", "o", "fc", "proj")     # whole matrices of a layer
+HEAD_MATRICES = ("q", "k", "v", "o")              # per-head slices
+
+
+def spectral_norm(m: np.ndarray) -> float:
+    """Largest singular value of a 2-D matrix: Lanczos on the smaller Gram matrix (FP32)."""
+    m = np.asarray(m, dtype=np.float32)
+    if min(m.shape) <= 64:
+        return float(np.linalg.svd(m.astype(np.float64), compute_uv=False)[0])
+    gram = m @ m.T if m.shape[0] <= m.shape[1] else m.T @ m
+    v0 = np.ones(gram.shape[0], dtype=np.float32)    # fixed start: the same checkpoint gives the same number
+    top = sla.eigsh(gram, k=1, which="LA", v0=v0, tol=1e-7, return_eigenvectors=False)[0]
+    return float(np.sqrt(max(top, 0.0)))
+
+
+def layer_matrices(w: dict[str, np.ndarray], n_embd: int) -> dict[str, np.ndarray]:
+    """One layer's weight matrices by name, from {"c_attn", "c_proj", "c_fc", "mlp_proj"} tensors."""
+    d = n_embd
+    c_attn = w["c_attn"]
+    return {"q": c_attn[:, :d], "k": c_attn[:, d:2 * d], "v": c_attn[:, 2 * d:], "o": w["c_proj"],
+            "fc": w["c_fc"], "proj": w["mlp_proj"]}
+
+
+def head_slices(mats: dict[str, np.ndarray], n_head: int) -> dict[str, np.ndarray]:
+    """[n_head, d, hd] slices of W_Q, W_K, W_V (columns) and of W_O (rows, transposed to [d, hd])."""
+    d = mats["q"].shape[0]
+    hd = d // n_head
+    out = {name: mats[name].reshape(d, n_head, hd).transpose(1, 0, 2) for name in ("q", "k", "v")}
+    out["o"] = mats["o"].reshape(n_head, hd, d).transpose(0, 2, 1)
+    return out
+
+
+def _r_factors(slices: np.ndarray) -> np.ndarray:
+    """R of the batched QR of [n, d, hd] slices, in FP64 (torch's batched QR: 3x numpy's speed here)."""
+    return torch.linalg.qr(torch.from_numpy(np.ascontiguousarray(slices, dtype=np.float64)), mode="r")[1].numpy()
+
+
+def weight_metrics(mats: dict[str, np.ndarray], n_head: int) -> dict[str, np.ndarray]:
+    """Spectral norms of one layer: "spectral" [matrix], "spectral_head" [head_matrix, head],
+    "spectral_qk" [head]."""
+    heads = head_slices(mats, n_head)
+    r = {name: _r_factors(s) for name, s in heads.items()}
+    per_head = np.stack([np.linalg.svd(r[name], compute_uv=False)[:, 0] for name in HEAD_MATRICES])
+    qk = np.linalg.svd(r["q"] @ r["k"].transpose(0, 2, 1), compute_uv=False)[:, 0]
+    return {"spectral": np.array([spectral_norm(mats[name]) for name in MATRICES]),
+            "spectral_head": per_head, "spectral_qk": qk}
+
+
+def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | None,
+                   before: dict[str, np.ndarray] | None, n_head: int) -> dict[str, np.ndarray]:
+    """Update statistics of one layer from its matrices at three consecutive checkpoints (NaN where a
+    checkpoint is missing): "update_rel", "update_cos", "update_srank" [matrix] and the same with
+    "_head" [head_matrix, head]."""
+    n_m, n_h = len(MATRICES), len(HEAD_MATRICES)
+    out = {f"update_{k}": np.full(n_m, np.nan) for k in ("rel", "cos", "srank")}
+    out.update({f"update_{k}_head": np.full((n_h, n_head), np.nan) for k in ("rel", "cos", "srank")})
+    if prev is None:
+        return out
+    for i, name in enumerate(MATRICES):
+        d_t = cur[name].astype(np.float64) - prev[name]
+        fro = np.linalg.norm(d_t)
+        out["update_rel"][i] = fro / max(np.linalg.norm(prev[name]), 1e-30)
+        out["update_srank"][i] = fro ** 2 / max(spectral_norm(d_t), 1e-30) ** 2 if fro > 0 else np.nan
+        if before is not None:
+            d_prev = prev[name].astype(np.float64) - before[name]
+            out["update_cos"][i] = _cosine(d_t.ravel(), d_prev.ravel())
+    cur_h, prev_h = head_slices(cur, n_head), head_slices(prev, n_head)
+    before_h = head_slices(before, n_head) if before is not None else None
+    for i, name in enumerate(HEAD_MATRICES):
+        d_t = cur_h[name].astype(np.float64) - prev_h[name]          # [head, d, hd]
+        fro = np.linalg.norm(d_t, axis=(1, 2))
+        top = np.linalg.svd(_r_factors(d_t), compute_uv=False)[:, 0]
+        out["update_rel_head"][i] = fro / np.maximum(np.linalg.norm(prev_h[name], axis=(1, 2)), 1e-30)
+        out["update_srank_head"][i] = np.where(top > 0, fro ** 2 / np.maximum(top, 1e-30) ** 2, np.nan)
+        if before_h is not None:
+            d_prev = prev_h[name].astype(np.float64) - before_h[name]
+            out["update_cos_head"][i] = [_cosine(a.ravel(), b.ravel()) for a, b in zip(d_t, d_prev)]
+    return out
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    return float(a @ b / (na * nb)) if na > 0 and nb > 0 else float("nan")
+
+
+def attention_probe(q: torch.Tensor, k: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Max attention logit and rate of rows with tied maxima at BF16, per head, from one layer's
+    q and k [batch, head, seq, hd] (FP32) under a causal mask."""
+    hd, T = q.shape[-1], q.shape[-2]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    scale = hd ** -0.5
+    s = (q @ k.transpose(-1, -2)) * scale
+    max_logit = s.masked_fill(~causal, -torch.inf).amax(dim=(0, 2, 3))
+    s16 = (q.bfloat16().float() @ k.bfloat16().float().transpose(-1, -2)).bfloat16().float()
+    s16 = s16.masked_fill(~causal, -torch.inf)
+    ties = (s16 == s16.amax(dim=-1, keepdim=True)).sum(dim=-1) >= 2      # [batch, head, seq]
+    rows = ties[..., 1:].float().mean(dim=(0, 2))                       # row 0 sees one key only
+    return max_logit.numpy(), rows.numpy()
+
+
+def tensor_distances(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """Distances of b from the reference a (same shape)."""
+    a64, b64 = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    diff = b64 - a64
+    fro = float(np.linalg.norm(diff))
+    return {"max_abs": float(np.abs(diff).max()) if diff.size else 0.0, "frobenius": fro,
+            "relative": fro / max(float(np.linalg.norm(a64)), 1e-30),
+            "wasserstein": float(scipy.stats.wasserstein_distance(a64, b64))}
+
+
+DISTANCES = ("max_abs", "frobenius", "relative", "wasserstein")

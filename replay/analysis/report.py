@@ -1,0 +1,214 @@
+"""`replay report`: one self-contained HTML file (PNG plots embedded) telling where a spike comes from.
+
+Everything is read from the store (the run, its replays, the analysis group); nothing is computed
+here but plots. The page carries a small script that records, once loaded, how many of its figures
+the browser decoded (`data-figures-rendered` on <body>): a check any browser can make of the page.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.analysis.localise import Localisation, localise_store
+from replay.analysis.metrics import HEAD_MATRICES
+from replay.analysis.results import read_distances, read_metrics
+from replay.replayer.replays import list_replays
+from replay.store import RunStore
+from replay.config import RunConfig
+
+
+def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
+    """Render `draw(fig)` to an <img> tag holding the PNG as a data URL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(width, height), dpi=100)
+    try:
+        draw(fig)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+    finally:
+        plt.close(fig)
+    data = base64.b64encode(buf.getvalue()).decode()
+    return f'<img class="figure" alt="figure" src="data:image/png;base64,{data}">'
+
+
+def _mark_spikes(ax, spikes: list[int]) -> None:
+    for i, s in enumerate(spikes):
+        ax.axvline(s, color="red", alpha=0.4, lw=1, label="spike" if i == 0 else None)
+
+
+def _curves(run: RunStore, replays: list[dict[str, Any]], spikes: list[int]) -> str:
+    steps = run.read_steps(["loss", "grad_norm"])
+
+    def draw(fig):
+        ax1, ax2 = fig.subplots(1, 2)
+        ax1.plot(steps["step"], steps["loss"], color="black", lw=1, label="run")
+        ax2.plot(steps["step"], steps["grad_norm"], color="black", lw=1, label="run")
+        for r in replays:
+            rep = RunStore.open(run.path / "replays" / r["id"]).read_steps(["loss", "grad_norm"])
+            label = f"{r['id']}" + (f" {r['overrides']}" if r["overrides"] else "")
+            ax1.plot(rep["step"], rep["loss"], lw=1, alpha=0.8, label=label)
+            ax2.plot(rep["step"], rep["grad_norm"], lw=1, alpha=0.8, label=label)
+        for ax, name in ((ax1, "loss"), (ax2, "grad norm")):
+            _mark_spikes(ax, spikes)
+            ax.set_yscale("log")
+            ax.set_xlabel("step")
+            ax.set_title(name)
+        ax1.legend(fontsize=6, loc="upper right")
+
+    return _figure(draw, 10, 3.6)
+
+
+def _heatmaps(table: dict[str, Any], title: str, spikes: list[int]) -> str:
+    """Per layer: per-head spectral norms of W_Q and of W_Q,h W_K,h^T over checkpoints."""
+    steps = table["step"]
+    n_layer, n_head = table["spectral_qk"].shape[1:]
+    edges = np.concatenate([steps - 0.5, [steps[-1] + 0.5]]) if len(steps) < 2 else \
+        np.concatenate([[steps[0] - (steps[1] - steps[0]) / 2], (steps[1:] + steps[:-1]) / 2,
+                        [steps[-1] + (steps[-1] - steps[-2]) / 2]])
+
+    def draw(fig):
+        axes = np.atleast_2d(fig.subplots(n_layer, 2, squeeze=False))
+        for layer in range(n_layer):
+            for j, (name, values) in enumerate((
+                    ("W_Q per head", table["spectral_head"][:, layer, HEAD_MATRICES.index("q")]),
+                    ("W_Q,h W_K,h^T per head", table["spectral_qk"][:, layer]))):
+                ax = axes[layer, j]
+                mesh = ax.pcolormesh(edges, np.arange(n_head + 1) - 0.5, values.T, shading="flat", cmap="viridis")
+                fig.colorbar(mesh, ax=ax, pad=0.01)
+                for s in spikes:
+                    if edges[0] <= s <= edges[-1]:
+                        ax.axvline(s, color="red", lw=1)
+                ax.set_title(f"layer {layer}: {name}", fontsize=8)
+                ax.set_ylabel("head", fontsize=7)
+                ax.tick_params(labelsize=6)
+        for ax in axes[-1]:
+            ax.set_xlabel("step", fontsize=7)
+        fig.suptitle(title, fontsize=9)
+
+    return _figure(draw, 10, 1.6 + 1.7 * n_layer)
+
+
+def _distance_plot(tables: dict[str, dict[str, Any]], spikes: list[int]) -> str:
+    def draw(fig):
+        ax1, ax2 = fig.subplots(1, 2)
+        for name, t in tables.items():
+            if len(t["step"]):
+                ax1.plot(t["step"], t["max_abs"].max(axis=1), marker=".", label=name)
+                ax2.plot(t["step"], t["wasserstein"].max(axis=1), marker=".", label=name)
+        for ax, title in ((ax1, "max |difference| (largest tensor)"), (ax2, "Wasserstein-1 (largest tensor)")):
+            _mark_spikes(ax, spikes)
+            ax.set_yscale("symlog", linthresh=1e-9)
+            ax.set_xlabel("step")
+            ax.set_title(title, fontsize=9)
+        ax1.legend(fontsize=6)
+
+    return _figure(draw, 10, 3.4)
+
+
+def _ranking_html(found: Localisation, top: int) -> str:
+    rows = []
+    for title, ranking in (("head", found.heads), ("layer", found.layers)):
+        for a in ranking[:top]:
+            rows.append(f"<tr><td>{title}</td><td>{html.escape(a.unit)}</td><td>{a.score:.1f}</td>"
+                        f"<td>{html.escape(a.signal)}</td><td>{a.value:.4g}</td><td>{a.baseline:.4g}</td></tr>")
+    where = "the run's checkpoints" if found.trajectory == "run" else \
+        f"replay {html.escape(found.trajectory)} (bit for bit the record, checkpointed more densely)"
+    return (f"<p>Spike at step <b>{found.spike}</b>: checkpoint {found.checkpoint} against {len(found.history)} "
+            f"earlier checkpoints ({found.history[0]}..{found.history[-1]}) of {where}.</p>"
+            "<table class='ranking'><tr><th>unit</th><th>name</th><th>robust z</th><th>signal</th>"
+            "<th>value</th><th>median before</th></tr>" + "".join(rows) + "</table>")
+
+
+_STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
+img.figure{max-width:100%;display:block;margin:1em 0}code{background:#f3f3f3;padding:0 3px}"""
+
+_CHECK = """<script>window.addEventListener('load',function(){var n=0;
+document.querySelectorAll('img.figure').forEach(function(i){if(i.complete&&i.naturalWidth>0)n++;});
+document.body.setAttribute('data-figures-rendered',String(n));});</script>"""
+
+
+def write_report(store_path: str | Path, out: str | Path | None = None, top: int = 10) -> Path:
+    run = RunStore.open(store_path)
+    out = Path(out) if out else run.path / "report.html"
+    m = run.manifest
+    cfg = RunConfig.from_dict(m["config"])
+    spikes = [int(e["step"]) for e in run.spikes]
+    replays = list_replays(store_path)
+    table = read_metrics(store_path)
+    found = localise_store(store_path)
+    figures = []
+    parts = [f"<h1>replay report: {html.escape(str(run.path.resolve()))}</h1>",
+             f"<p>{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
+             f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m['world_size']} ranks "
+             f"({m['launcher']}); {run.n_steps} steps recorded; spikes at {spikes or 'none'}. "
+             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
+             "<h2>Loss and grad norm</h2><p>The run in black, its replays overlaid (with their overrides); "
+             "red lines mark detected spikes.</p>"]
+    figures.append(_curves(run, replays, spikes))
+    parts.append(figures[-1])
+
+    parts.append("<h2>Localisation</h2>")
+    if table is None:
+        parts.append("<p>No analysis yet: run <code>replay analyze</code> on this store.</p>")
+    elif not found:
+        parts.append("<p>No spike was recorded.</p>")
+    for f in found:
+        parts.append(f"<p>Spike at step {f}: too few analysed checkpoints before it.</p>" if isinstance(f, int)
+                     else _ranking_html(f, top))
+    parts.append("<p>Rule: each signal's last value before the spike against its own history, "
+                 "z = (x - median) / max(1.4826 MAD, 1% of |median|); a unit's score is its largest |z|.</p>")
+
+    if table is not None and len(table["step"]):
+        parts.append("<h2>Per-head spectral norms</h2>")
+        figures.append(_heatmaps(table, "run checkpoints", spikes))
+        parts.append(figures[-1])
+        for f in found:
+            if not isinstance(f, int) and f.trajectory != "run":
+                dense = read_metrics(run.path / "replays" / f.trajectory)
+                figures.append(_heatmaps(dense, f"replay {f.trajectory} (bit for bit the record)", spikes))
+                parts.append(figures[-1])
+
+    distances = {f"{r['id']} vs run": d for r in replays
+                 for d in [read_distances(run.path / "replays" / r["id"]).get("parent")] if d is not None}
+    distances.update({name: t for name, t in read_distances(store_path).items()})
+    parts.append("<h2>Weight distances</h2>")
+    if distances:
+        parts.append("<p>Each replay against the run at matching checkpoints, and every <code>replay compare</code> "
+                     "stored here; per step, the largest value over the model's tensors.</p>")
+        figures.append(_distance_plot(distances, spikes))
+        parts.append(figures[-1])
+    else:
+        parts.append("<p>No weight distances yet (replays with checkpoints at the run's steps, or "
+                     "<code>replay compare</code>).</p>")
+
+    if replays:
+        parts.append("<h2>Replays</h2><table><tr><th>id</th><th>window</th><th>overrides</th><th>outcome</th>"
+                     "<th>verification</th></tr>")
+        for r in replays:
+            v = r["verification"] or {}
+            verdict = "bitwise" if v.get("bitwise") else (
+                f"diverged at step {v['divergence']['step']}" if v.get("divergence") else "-")
+            parts.append(f"<tr><td>{html.escape(r['id'])}</td><td>{r['window']['from']}..{r['window']['to']}</td>"
+                         f"<td>{html.escape(str(r['overrides'] or '-'))}</td><td>{html.escape(r['outcome'])}</td>"
+                         f"<td>{verdict}</td></tr>")
+        parts.append("</table>")
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>replay report</title><style>{_STYLE}</style>"
+            f"</head><body data-figures='{len(figures)}'>" + "\n".join(parts) + _CHECK + "</body></html>")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(page)
+    tmp.replace(out)
+    return out

@@ -1,0 +1,225 @@
+"""The analysis group of a run store: where analysis results live, and how done-ness is kept.
+
+    analysis/                 attrs: {"schema", "n_layer", "n_head", "layer_block", "probe", "rows": [...]}
+    analysis/checkpoint       (checkpoint,) step of each row: the coordinate (rows in planning order)
+    analysis/layer, head, matrix, head_matrix      the other coordinates
+    analysis/<metric>         (checkpoint, layer[, matrix | head_matrix][, head]) float64, NaN = not computed
+    analysis/done             (checkpoint, block) uint8: 1 once a work item's chunks are all written
+    analysis/distances/<name> attrs {"reference", "other", "rows"}; checkpoint, tensor coordinates;
+                              max_abs, frobenius, relative, wasserstein (checkpoint, tensor); done (checkpoint,)
+
+Every metric array is chunked (1 checkpoint, `layer_block` layers, ...), so a work item (one checkpoint,
+one block of layers) owns its chunks and no two tasks ever write the same one. Only the driver (one
+coordinator) creates and resizes arrays and writes attributes; tasks write chunks, then their done
+chunk last. `xarray.open_zarr(store, group="analysis")` gives the labelled dataset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.storage import LocalStore
+
+from replay.analysis.metrics import DISTANCES, HEAD_MATRICES, MATRICES
+
+SCHEMA = 1
+GROUP = "analysis"
+
+# metric -> dimension names after (checkpoint, layer)
+METRICS: dict[str, tuple[str, ...]] = {
+    "spectral": ("matrix",),
+    "spectral_head": ("head_matrix", "head"),
+    "spectral_qk": ("head",),
+    "update_rel": ("matrix",),
+    "update_cos": ("matrix",),
+    "update_srank": ("matrix",),
+    "update_rel_head": ("head_matrix", "head"),
+    "update_cos_head": ("head_matrix", "head"),
+    "update_srank_head": ("head_matrix", "head"),
+    "max_logit": ("head",),
+    "tie_rate": ("head",),
+}
+
+
+def _open_group(store_path: str | Path, path: str, mode: str = "r") -> zarr.Group:
+    return zarr.open_group(LocalStore(Path(store_path), read_only=(mode == "r")), path=path, mode=mode)
+
+
+def _sizes(n_layer: int, n_head: int) -> dict[str, int]:
+    return {"layer": n_layer, "head": n_head, "matrix": len(MATRICES), "head_matrix": len(HEAD_MATRICES)}
+
+
+def has_analysis(store_path: str | Path) -> bool:
+    return (Path(store_path) / GROUP / "zarr.json").is_file()
+
+
+class MetricsTable:
+    """The driver's view of `analysis/`: rows (checkpoints) and which work items are done."""
+
+    def __init__(self, store_path: str | Path):
+        self.store_path = Path(store_path)
+        self.group = _open_group(store_path, GROUP, mode="r+")
+
+    @classmethod
+    def open_or_create(cls, store_path: str | Path, n_layer: int, n_head: int, layer_block: int,
+                       probe: dict[str, Any]) -> "MetricsTable":
+        if not has_analysis(store_path):
+            root = zarr.open_group(LocalStore(Path(store_path)), mode="r+")
+            group = root.create_group(GROUP)
+            sizes = _sizes(n_layer, n_head)
+            group.create_array("checkpoint", shape=(0,), dtype="int64", chunks=(1024,), dimension_names=("checkpoint",),
+                               fill_value=-1)
+            for name, values in (("layer", np.arange(n_layer)), ("head", np.arange(n_head))):
+                arr = group.create_array(name, shape=values.shape, dtype="int64", dimension_names=(name,))
+                arr[...] = values
+            for name, values in (("matrix", MATRICES), ("head_matrix", HEAD_MATRICES)):
+                arr = group.create_array(name, shape=(len(values),), dtype=str, dimension_names=(name,))
+                arr[...] = np.array(values)
+            for name, dims in METRICS.items():
+                shape = (0, n_layer, *(sizes[d] for d in dims))
+                group.create_array(name, shape=shape, dtype="float64", chunks=(1, layer_block, *shape[2:]),
+                                   dimension_names=("checkpoint", "layer", *dims), fill_value=np.nan)
+            n_blocks = -(-n_layer // layer_block)
+            group.create_array("done", shape=(0, n_blocks), dtype="uint8", chunks=(1, 1), fill_value=0,
+                               dimension_names=("checkpoint", "block"), config={"write_empty_chunks": True})
+            # the attributes last: a group without them is an unfinished creation, redone next time
+            group.update_attributes({"schema": SCHEMA, "n_layer": n_layer, "n_head": n_head,
+                                     "layer_block": layer_block, "probe": probe, "rows": []})
+        return cls(store_path)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return dict(self.group.attrs)
+
+    def blocks(self) -> list[tuple[int, int]]:
+        n, b = self.attrs["n_layer"], self.attrs["layer_block"]
+        return [(lo, min(n, lo + b)) for lo in range(0, n, b)]
+
+    def plan(self, rows: list[dict[str, Any]]) -> list[int]:
+        return _plan(self.group, rows, (*METRICS, "done"))
+
+    def done(self) -> np.ndarray:
+        return self.group["done"][...].astype(bool)
+
+
+def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]) -> list[int]:
+    """Make a table hold these rows ({"step", ...inputs}, one per checkpoint), appending new ones; a row
+    whose inputs changed (a rewound run, a checkpoint added in between) is marked not done. Returns the
+    row index of each. Driver only: it resizes arrays and writes attributes."""
+    existing = list(group.attrs["rows"])
+    by_step = {r["step"]: i for i, r in enumerate(existing)}
+    index, stale = [], []
+    for row in rows:
+        i = by_step.get(row["step"])
+        if i is None:
+            i = by_step[row["step"]] = len(existing)
+            existing.append(row)
+        elif existing[i] != row:
+            existing[i] = row
+            stale.append(i)
+        index.append(i)
+    old = group["checkpoint"].shape[0]
+    if len(existing) != old:
+        for name in (*arrays, "checkpoint"):
+            arr = group[name]
+            arr.resize((len(existing), *arr.shape[1:]))
+        group["checkpoint"][old:] = [r["step"] for r in existing[old:]]
+    for i in stale:
+        group["done"][i] = 0
+    group.attrs["rows"] = existing
+    return index
+
+
+def write_metrics(store_path: str | Path, row: int, block: tuple[int, int], block_index: int,
+                  values: dict[str, np.ndarray]) -> None:
+    """A work item's results: its own chunks of every metric array, then its done chunk."""
+    group = _open_group(store_path, GROUP, mode="r+")
+    lo, hi = block
+    for name in METRICS:
+        group[name][row, lo:hi] = values[name]
+    group["done"][row, block_index] = 1
+
+
+def read_metrics(store_path: str | Path) -> dict[str, Any] | None:
+    """Every computed row of `analysis/`, sorted by step: {"step": [n], metric: [n, layer, ...], "attrs"}."""
+    if not has_analysis(store_path):
+        return None
+    group = _open_group(store_path, GROUP)
+    if "rows" not in group.attrs:
+        return None
+    steps = group["checkpoint"][...]
+    complete = group["done"][...].astype(bool).all(axis=1) if steps.size else np.zeros(0, bool)
+    order = [i for i in np.argsort(steps, kind="stable") if complete[i]]
+    out: dict[str, Any] = {"step": steps[order], "attrs": dict(group.attrs)}
+    for name in METRICS:
+        out[name] = group[name][...][order] if order else np.zeros((0, *group[name].shape[1:]))
+    return out
+
+
+class DistanceTable:
+    """`analysis/distances/<name>`: weight distances of `other` against `reference` at matching steps."""
+
+    def __init__(self, store_path: str | Path, name: str):
+        self.store_path, self.name = Path(store_path), name
+        self.path = f"{GROUP}/distances/{name}"
+        self.group = _open_group(store_path, self.path, mode="r+")
+
+    @classmethod
+    def open_or_create(cls, store_path: str | Path, name: str, reference: str, other: str,
+                       tensors: list[str]) -> "DistanceTable":
+        path = f"{GROUP}/distances/{name}"
+        root = zarr.open_group(LocalStore(Path(store_path)), mode="r+")
+        if path in root and dict(root[path].attrs).get("tensors") not in (None, tensors):
+            del root[path]                        # the models changed shape: these distances are void
+        if path not in root or "rows" not in root[path].attrs:
+            if path in root:
+                del root[path]
+            group = root.require_group(GROUP).require_group("distances").create_group(name)
+            group.create_array("checkpoint", shape=(0,), dtype="int64", chunks=(1024,),
+                               dimension_names=("checkpoint",), fill_value=-1)
+            arr = group.create_array("tensor", shape=(len(tensors),), dtype=str, dimension_names=("tensor",))
+            arr[...] = np.array(tensors)
+            for metric in DISTANCES:
+                group.create_array(metric, shape=(0, len(tensors)), dtype="float64", chunks=(1, len(tensors)),
+                                   dimension_names=("checkpoint", "tensor"), fill_value=np.nan)
+            group.create_array("done", shape=(0,), dtype="uint8", chunks=(1,), fill_value=0,
+                               dimension_names=("checkpoint",), config={"write_empty_chunks": True})
+            group.update_attributes({"reference": reference, "other": other, "tensors": tensors, "rows": []})
+        return cls(store_path, name)
+
+    def plan(self, rows: list[dict[str, Any]]) -> list[int]:
+        return _plan(self.group, rows, (*DISTANCES, "done"))
+
+    def done(self) -> np.ndarray:
+        return self.group["done"][...].astype(bool)
+
+
+def write_distances(store_path: str | Path, name: str, row: int, values: dict[str, np.ndarray]) -> None:
+    group = _open_group(store_path, f"{GROUP}/distances/{name}", mode="r+")
+    for metric in DISTANCES:
+        group[metric][row] = values[metric]
+    group["done"][row] = 1
+
+
+def read_distances(store_path: str | Path) -> dict[str, dict[str, Any]]:
+    """Every distance table of a store: {name: {"step", "tensor", metric: [n, tensor], "attrs"}}."""
+    root = Path(store_path) / GROUP / "distances"
+    out = {}
+    for sub in sorted(root.iterdir()) if root.is_dir() else []:
+        if not (sub / "zarr.json").is_file():
+            continue
+        group = _open_group(store_path, f"{GROUP}/distances/{sub.name}")
+        if "rows" not in group.attrs:
+            continue
+        steps = group["checkpoint"][...]
+        done = group["done"][...].astype(bool)
+        order = [i for i in np.argsort(steps, kind="stable") if done[i]]
+        entry: dict[str, Any] = {"step": steps[order], "tensor": [str(t) for t in group["tensor"][...]],
+                                 "attrs": dict(group.attrs)}
+        for metric in DISTANCES:
+            entry[metric] = group[metric][...][order] if order else np.zeros((0, len(entry["tensor"])))
+        out[sub.name] = entry
+    return out

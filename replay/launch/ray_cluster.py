@@ -1,0 +1,114 @@
+"""Ray: connecting to a cluster (or starting a local one) and running work items on it.
+
+Work items are plain Ray tasks of one CPU each; at most `max_in_flight` are submitted at a time
+(`ray.wait` as they finish), transient I/O errors (OSError) and dead workers are retried by Ray, and
+each finished result is handed to the caller at once, so a crash loses only what was in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from typing import Any, Callable, Iterable, Iterator
+
+from replay.errors import ReplayError, UsageError
+
+RETRIES = 3
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, workers: int | None = None) -> Iterator[int]:
+    """Yields how many tasks may run at once. An address (or RAY_ADDRESS) joins that cluster; without
+    one a local cluster of `workers` CPUs (default: all) is started and stopped afterwards. A session
+    already open in this process (tests, notebooks) is reused and left open."""
+    import ray
+
+    if workers is not None and workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    owned = not ray.is_initialized()
+    if owned and address:
+        _check_reachable(address)
+    if owned:
+        kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR", "log_to_driver": False}
+        if address:
+            kwargs["address"] = address
+        else:
+            kwargs["num_cpus"] = workers or os.cpu_count() or 1
+        try:
+            with _quiet_stderr():
+                ray.init(**kwargs)
+        except Exception as e:   # ray raises ConnectionError, RuntimeError, AuthenticationError, ...
+            where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+            if "auth" in f"{type(e).__name__} {e}".lower():
+                raise UsageError(f"{where} refused this client's authentication token: give it the cluster's "
+                                 "token (RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), or start a trusted cluster with "
+                                 "RAY_AUTH_MODE=disabled") from None
+            raise UsageError(f"cannot connect to {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                             "check --ray-address / RAY_ADDRESS (host:port of the head node)") from None
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        yield max(1, min(cpus, workers) if workers else cpus)
+    finally:
+        if owned:
+            ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """Ray retries an unreachable head for minutes; a plain TCP connect answers in seconds."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UsageError(f"--ray-address {address!r} is not host:port (the head node's GCS address)")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise UsageError(f"cannot connect to the Ray cluster at {address}: {e.strerror or e}; is `ray start "
+                         "--head` running there? check --ray-address / RAY_ADDRESS") from None
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Ray prints start-up banners on the driver's stderr; keep them out of the user's way unless --debug."""
+    if os.environ.get("REPLAY_DEBUG"):
+        yield
+        return
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    sys.stderr.flush()
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def run_tasks(fn: Callable, items: Iterable[Any], max_in_flight: int, on_result: Callable[[Any, Any], None],
+              retries: int = RETRIES) -> None:
+    """Run `fn(item)` as a Ray task for every item, at most `max_in_flight` at once; `on_result(item,
+    result)` runs on the driver as each finishes (in completion order)."""
+    import ray
+
+    remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=[OSError])(fn)
+    pending: dict[Any, Any] = {}
+    queue = list(items)
+    queue.reverse()
+    while queue or pending:
+        while queue and len(pending) < max_in_flight:
+            item = queue.pop()
+            pending[remote.remote(item)] = item
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            item = pending.pop(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, ReplayError):   # a user-facing error inside a task: its own line
+                    raise e.cause from None
+                raise
+            on_result(item, result)

@@ -1,0 +1,54 @@
+"""`replay compare`: weight distances between two real runs at their common checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from replay.store import RunStore
+from tests.conftest import error_line, replay_cli, tree_snapshot
+
+
+@pytest.fixture(scope="module")
+def other_seed(tmp_path_factory):
+    """The reference run's recipe with another seed (one rank: the world size does not matter here)."""
+    store = tmp_path_factory.mktemp("compare") / "seed7"
+    result = replay_cli("record", "--store", str(store), "--steps", "20", "--checkpoint-every", "10",
+                        "--set", "seed=7")
+    assert result.returncode == 0, result.stderr
+    return store
+
+
+def test_compare_two_seeds(store_copy, other_seed):
+    result = replay_cli("compare", str(store_copy), str(other_seed), "--json", "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["steps"] == [0, 10, 20] and out["computed"] == 3
+    a, b = RunStore.open(store_copy), RunStore.open(other_seed)
+    wa = a.read_shard(10, 0)["state"]["replicated"]["model"]
+    wb = b.read_shard(10, 0)["state"]["replicated"]["model"]
+    for j, tensor in enumerate(out["tensors"]):
+        key = tensor.removeprefix("/state/replicated/model/")
+        x, y = wa[key].double().numpy().ravel(), wb[key].double().numpy().ravel()
+        assert out["max_abs"][1][j] == pytest.approx(np.abs(y - x).max(), rel=1e-12)
+        assert out["wasserstein"][1][j] == pytest.approx(np.abs(np.sort(x) - np.sort(y)).mean(), rel=1e-6, abs=1e-15)
+    # different initialisations: far apart at step 0 already (biases and LayerNorms start equal)
+    assert max(out["relative"][0]) > 0.5
+    stored = out["table"]
+    assert (store_copy / stored / "zarr.json").is_file()
+
+    table = replay_cli("compare", str(store_copy), str(other_seed))
+    assert table.returncode == 0 and "wasserstein" in table.stdout and len(table.stdout.splitlines()) == 6
+    again = json.loads(replay_cli("compare", str(store_copy), str(other_seed), "--json").stdout)
+    assert again["computed"] == 0 and again["reused"] == 3 and again["wasserstein"] == out["wasserstein"]
+
+
+def test_compare_refuses_different_models(store_copy, tmp_path):
+    small = tmp_path / "small"
+    assert replay_cli("record", "--store", str(small), "--steps", "1", "--set", "model.n_embd=32").returncode == 0
+    before = tree_snapshot(store_copy)
+    assert "hold different models" in error_line(replay_cli("compare", str(store_copy), str(small)))
+    assert "two different stores" in error_line(replay_cli("compare", str(store_copy), str(store_copy)))
+    assert tree_snapshot(store_copy) == before

@@ -1,0 +1,89 @@
+"""Running the analysis: faults retried, interruptions resumed, only new work computed, labelled data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from replay.analysis.jobs import analyze
+from replay.analysis.results import METRICS, read_distances, read_metrics
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+
+
+def _same_results(a, b) -> None:
+    ta, tb = read_metrics(a), read_metrics(b)
+    assert ta["step"].tolist() == tb["step"].tolist()
+    for name in METRICS:
+        np.testing.assert_array_equal(ta[name], tb[name], err_msg=name)
+    da, db = read_distances(a / "replays/lr2"), read_distances(b / "replays/lr2")
+    for metric in ("max_abs", "wasserstein"):
+        np.testing.assert_array_equal(da["parent"][metric], db["parent"][metric])
+
+
+def test_xarray_opens_the_analysis_group_with_named_dimensions(analysed_store):
+    import xarray as xr
+
+    ds = xr.open_zarr(analysed_store, group="analysis", consolidated=False)
+    assert ds["spectral_head"].dims == ("checkpoint", "layer", "head_matrix", "head")
+    assert ds["spectral_qk"].dims == ("checkpoint", "layer", "head")
+    assert ds["checkpoint"].values.tolist() == [0, 10, 20, 30]
+    q = ds["spectral_head"].sel(head_matrix="q", checkpoint=20, layer=1).values
+    assert q.shape == (2,) and np.all(q > 0)
+    dist = xr.open_zarr(analysed_store / "replays/lr2", group="analysis/distances/parent", consolidated=False)
+    assert dist["wasserstein"].dims == ("checkpoint", "tensor")
+    assert any("c_attn" in str(t) for t in dist["tensor"].values)
+
+
+@pytest.mark.parametrize("fault", ["analysis-io:20", "analysis-kill:20"])
+def test_a_failed_task_is_retried_and_the_results_are_complete(fault, replayed_copy, analysed_store, ray_local,
+                                                               monkeypatch):
+    """An injected transient I/O error (OSError) or a worker SIGKILLed mid-task, on checkpoint 20: Ray
+    runs the task again and the results equal those of an undisturbed analysis."""
+    monkeypatch.setenv("REPLAY_FAULT", fault)
+    summary = analyze(replayed_copy)
+    assert summary.computed == 7 and summary.skipped == 0    # 4 run + 2 replay checkpoints, 1 distance
+    _same_results(replayed_copy, analysed_store)
+
+
+def test_an_interrupted_analysis_resumes_without_recomputing(replayed_copy, analysed_store):
+    """The driver is SIGKILLed after 2 finished items; the next run computes only the rest."""
+    proc = subprocess.Popen([sys.executable, "-m", "replay", "analyze", str(replayed_copy), "--workers", "1"],
+                            env=os.environ | {"REPLAY_FAULT": "analysis-driver-kill:2"}, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)     # the local Ray processes the killed driver left behind
+    except ProcessLookupError:
+        pass
+    result = replay_cli("analyze", str(replayed_copy), "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["already_done"] >= 2 and out["computed"] == 7 - out["already_done"]
+    _same_results(replayed_copy, analysed_store)
+
+
+def test_rerunning_computes_only_what_is_new(replayed_copy, ray_local):
+    first = analyze(replayed_copy)
+    assert (first.computed, first.skipped) == (7, 0)
+    again = analyze(replayed_copy)
+    assert (again.computed, again.skipped) == (0, 7)
+    result = replay_cli("run", str(replayed_copy), "--from", "20", "--to", "24", "--lr-scale", "0.5")
+    assert result.returncode == 0, result.stderr
+    new = analyze(replayed_copy)     # the new replay: its start checkpoint (20) and its end (25)
+    assert (new.computed, new.skipped) == (2, 7)
+
+
+def test_analysis_errors_are_one_line_and_change_nothing(replayed_copy, tmp_path):
+    before = tree_snapshot(replayed_copy)
+    assert "does not exist" in error_line(replay_cli("analyze", str(tmp_path / "nope")))
+    assert "is a replay" in error_line(replay_cli("analyze", str(replayed_copy / "replays/lr2")))
+    assert "--workers must be >= 1" in error_line(replay_cli("analyze", str(replayed_copy), "--workers", "0"))
+    line = error_line(replay_cli("analyze", str(replayed_copy), "--ray-address", "127.0.0.1:9"))
+    assert "cannot connect to the Ray cluster at 127.0.0.1:9" in line
+    assert tree_snapshot(replayed_copy) == before
