@@ -8,8 +8,9 @@ built-in corpus with a checkpoint before every step, through `replay record`.
    W_Q, W_K, W_V, W_O, MLP matrices, per-head W_Q/W_K/W_V/W_O, per-head W_Q,h W_K,h^T), in this process
    with one BLAS/torch thread (target <= 2 s); and, for context, the rest of a work item (reading the
    tensors, update statistics, the probe forward).
-2. `replay analyze --workers 1` then `--workers 2` on the same store (analysis removed in between): the
-   speed-up of the work itself (the `seconds` each reports, Ray start-up excluded; target >= 1.7x).
+2. `replay analyze --workers 1` then `--workers 2` on the same store (analysis removed in between), twice,
+   alternated: the speed-up of the work itself (the `seconds` each reports, Ray start-up excluded;
+   target >= 1.7x).
 
     .venv/bin/python benchmarks/bench_analysis.py
 """
@@ -87,13 +88,14 @@ def main() -> None:
         shutil.rmtree(store / "analysis")
         del run
 
-        seconds = {}
-        for workers in (1, 2):
+        seconds: dict[int, list[float]] = {1: [], 2: []}
+        for workers in (1, 2, 1, 2):       # alternated, best of two each: this shared VM is noisy
             out = json.loads(cli("analyze", str(store), "--workers", str(workers), "--json").stdout)
-            seconds[workers] = out["seconds"]
+            seconds[workers].append(out["seconds"])
             print(f"--workers {workers}: {out['computed']} work items in {out['seconds']:.1f} s")
             shutil.rmtree(store / "analysis")
-        print(f"speed-up with 2 workers: {seconds[1] / seconds[2]:.2f}x (target >= 1.7x)")
+        print(f"speed-up with 2 workers: {min(seconds[1]) / min(seconds[2]):.2f}x (target >= 1.7x; best of two "
+              f"runs each; single pairs gave {seconds[1][0] / seconds[2][0]:.2f}x and {seconds[1][1] / seconds[2][1]:.2f}x)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -384,6 +384,8 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
                 items += new
                 skipped += done
         progress(f"{skipped} work items already done")
+        # longest first (a block's probe runs every layer below it), so no long item is left for the end
+        items.sort(key=lambda i: -i.block[1] if isinstance(i, MetricItem) else 0)
         return execute(items, slots, progress, Summary(skipped=skipped))
 
 

@@ -92,6 +92,7 @@ def _heatmaps(table: dict[str, Any], title: str, spikes: list[int]) -> str:
                         ax.axvline(s, color="red", lw=1)
                 ax.set_title(f"layer {layer}: {name}", fontsize=8)
                 ax.set_ylabel("head", fontsize=7)
+                ax.set_yticks(range(0, n_head, max(1, n_head // 6)))
                 ax.tick_params(labelsize=6)
         for ax in axes[-1]:
             ax.set_xlabel("step", fontsize=7)

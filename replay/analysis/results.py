@@ -107,8 +107,8 @@ class MetricsTable:
 
 def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]) -> list[int]:
     """Make a table hold these rows ({"step", ...inputs}, one per checkpoint), appending new ones; a row
-    whose inputs changed (a rewound run, a checkpoint added in between) is marked not done. Returns the
-    row index of each. Driver only: it resizes arrays and writes attributes."""
+    whose inputs changed (a rewound run, a checkpoint added in between) or whose checkpoint is gone is
+    marked not done. Returns the row index of each. Driver only: it resizes arrays and writes attributes."""
     existing = list(group.attrs["rows"])
     by_step = {r["step"]: i for i, r in enumerate(existing)}
     index, stale = [], []
@@ -127,6 +127,8 @@ def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]
             arr = group[name]
             arr.resize((len(existing), *arr.shape[1:]))
         group["checkpoint"][old:] = [r["step"] for r in existing[old:]]
+    planned = set(index)
+    stale += [i for i in range(old) if i not in planned]   # its checkpoint is gone (a rewound run)
     for i in stale:
         group["done"][i] = 0
     group.attrs["rows"] = existing
