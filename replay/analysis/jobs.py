@@ -233,23 +233,21 @@ def plan_metrics(store: RunStore, fault: str = "") -> tuple[list[MetricItem], in
     table = R.MetricsTable.open_or_create(store.path, cfg.n_layer, cfg.n_head, min(LAYER_BLOCK, cfg.n_layer),
                                           {"sample_ids": probe["sample_ids"],
                                            "rows": len(probe["tokens"]) * (len(probe["tokens"][0]) - 2)})
-    rows = []
-    for i, src in enumerate(sources):
-        prev = sources[i - 1] if i >= 1 else None
-        before = sources[i - 2] if i >= 2 else None
-        rows.append({"step": src.step, "source": os.path.relpath(src.path, store.path),
-                     "prev": prev and prev.step, "before": before and before.step, "committed_at": src.committed_at})
-    index = table.plan(rows)
+    # each checkpoint with the one and two before it (the update statistics' inputs)
+    chain = [(src, sources[i - 1] if i >= 1 else None, sources[i - 2] if i >= 2 else None)
+             for i, src in enumerate(sources)]
+    index = table.plan([{"step": src.step, "source": os.path.relpath(src.path, store.path),
+                         "prev": prev and prev.step, "before": before and before.step,
+                         "committed_at": src.committed_at} for src, prev, before in chain])
     done = table.done()
     items, skipped = [], 0
-    for i, src in enumerate(sources):
+    for row, (src, prev, before) in zip(index, chain):
         for b, block in enumerate(table.blocks()):
-            if done[index[i], b]:
+            if done[row, b]:
                 skipped += 1
                 continue
-            items.append(MetricItem(
-                str(store.path.resolve()), index[i], b, block, cfg.n_embd, cfg.n_head, src,
-                sources[i - 1] if i >= 1 else None, sources[i - 2] if i >= 2 else None, probe["tokens"], fault))
+            items.append(MetricItem(str(store.path.resolve()), row, b, block, cfg.n_embd, cfg.n_head, src, prev,
+                                    before, probe["tokens"], fault))
     return items, skipped
 
 
@@ -278,10 +276,9 @@ def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunS
     if not steps:
         return [], 0, []
     tensors = model_tensors(reference, steps[0])
-    other_tensors = model_tensors(other, steps[0])
-    if {t: reference.shard_index(steps[0], 0)[t]["shape"] for t in tensors} != \
-            {t: other.shard_index(steps[0], 0)[t]["shape"] for t in other_tensors if t in tensors} \
-            or len(other_tensors) != len(tensors):
+    ref_index, other_index = reference.shard_index(steps[0], 0), other.shard_index(steps[0], 0)
+    shapes = {t: ref_index[t]["shape"] for t in tensors}
+    if shapes != {t: other_index[t]["shape"] for t in model_tensors(other, steps[0])}:
         raise UsageError(f"{reference.path} and {other.path} hold different models (tensor names or shapes "
                          "differ); weight distances need the same architecture")
     ref_path, other_path = str(reference.path.resolve()), str(other.path.resolve())
