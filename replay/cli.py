@@ -147,9 +147,11 @@ def info(store, as_json) -> None:
 
 
 def _print_info(store: str, as_json: bool) -> None:
+    from replay.analysis.results import analysis_status
     from replay.store.summary import summarize
 
     summary = summarize(store)
+    summary["analysis"] = analysis_status(store)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
@@ -184,6 +186,10 @@ def _print_info(store: str, as_json: bool) -> None:
         for r in summary["replays"]))
     if summary["resumes"]:
         click.echo(f"resumed     from step {', '.join(str(r['from_step']) for r in summary['resumes'])}")
+    analysed = summary["analysis"]["checkpoints"]
+    click.echo(f"analysis    {len(analysed)} checkpoints analysed" + (
+        f"; {len(summary['analysis']['distances'])} weight-distance tables (replay report {store})" if analysed
+        else f" (replay analyze {store})"))
 
 
 @main.command()

@@ -225,3 +225,10 @@ def read_distances(store_path: str | Path) -> dict[str, dict[str, Any]]:
             entry[metric] = group[metric][...][order] if order else np.zeros((0, len(entry["tensor"])))
         out[sub.name] = entry
     return out
+
+
+def analysis_status(store_path: str | Path) -> dict[str, Any]:
+    """What `replay analyze` has stored: the steps analysed in full, and each distance table's steps."""
+    table = read_metrics(store_path)
+    return {"checkpoints": [] if table is None else [int(x) for x in table["step"]],
+            "distances": {name: [int(x) for x in t["step"]] for name, t in read_distances(store_path).items()}}

@@ -87,3 +87,10 @@ def test_analysis_errors_are_one_line_and_change_nothing(replayed_copy, tmp_path
     line = error_line(replay_cli("analyze", str(replayed_copy), "--ray-address", "127.0.0.1:9"))
     assert "cannot connect to the Ray cluster at 127.0.0.1:9" in line
     assert tree_snapshot(replayed_copy) == before
+
+
+def test_info_shows_what_is_analysed(analysed_store):
+    out = json.loads(replay_cli("info", str(analysed_store), "--json").stdout)
+    assert out["analysis"]["checkpoints"] == [0, 10, 20, 30]
+    text = replay_cli("info", str(analysed_store)).stdout
+    assert "analysis    4 checkpoints analysed" in text
