@@ -40,8 +40,11 @@ def test_compare_two_seeds(store_copy, other_seed):
     assert (store_copy / stored / "zarr.json").is_file()
 
     table = replay_cli("compare", str(store_copy), str(other_seed))
-    assert table.returncode == 0 and "wasserstein" in table.stdout and len(table.stdout.splitlines()) == 6
-    again = json.loads(replay_cli("compare", str(store_copy), str(other_seed), "--json").stdout)
+    assert table.returncode == 0, table.stderr
+    assert "wasserstein" in table.stdout and len(table.stdout.splitlines()) == 6, table.stdout
+    again = replay_cli("compare", str(store_copy), str(other_seed), "--json")
+    assert again.returncode == 0, again.stderr
+    again = json.loads(again.stdout)
     assert again["computed"] == 0 and again["reused"] == 3 and again["wasserstein"] == out["wasserstein"]
 
 
