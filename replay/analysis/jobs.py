@@ -325,13 +325,13 @@ def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lamb
             os.kill(os.getpid(), signal.SIGKILL)
 
     if items:
-        _check_reachable(items[0].store)
+        _check_store_visible(items[0].store)
         run_tasks(run_item, items, max_in_flight=slots * 2, on_result=on_result)
     summary.seconds += time.monotonic() - start
     return summary
 
 
-def _check_reachable(store_path: str) -> None:
+def _check_store_visible(store_path: str) -> None:
     """Fail with one line when the workers cannot see the store (no shared filesystem)."""
     import ray
 
