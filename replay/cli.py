@@ -220,33 +220,35 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Also checkpoint every K steps (0: only at the end).")
 @click.option("--attention", help="Attention backend for the whole model, or for --layers / --heads.")
-@click.option("--layers", help="Layers the attention override applies to, e.g. 1 or 0,2-3.")
-@click.option("--heads", help="Heads (within --layers) the override applies to, e.g. 7,8.")
+@click.option("--layers", help="Layers the attention override or --lr-scale applies to, e.g. 1 or 0,2-3.")
+@click.option("--heads", help="Heads the override applies to: 7,8 (within --layers) or layer.head pairs, e.g. 1.0,0.3.")
 @click.option("--precision", type=click.Choice(["bf16", "fp32"]), help="Train the window at this precision.")
 @click.option("--fix", help="safe-softmax[:BETA]: Qiu & Yao's fix on the flash backends in scope (BETA 7).")
 @click.option("--hp-delta", is_flag=True, help="Backward delta from an FP32 O on the flash backends in scope.")
 @click.option("--skip", help="Steps whose batches are not trained on, e.g. 260-262,265.")
-@click.option("--lr-scale", type=float, help="Multiply every learning rate by X.")
+@click.option("--drop", help="Samples left out of their step's loss, as step:sample, e.g. 261:3,261:5.")
+@click.option("--lr-scale", type=float, help="Multiply the learning rate by X (of --layers/--heads only, if given).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted replay from its last committed checkpoint.")
 @click.option("--discard", is_flag=True, help="Remove an interrupted replay and run it anew.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
 def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layers, heads, precision, fix, hp_delta,
-            skip, lr_scale, resume, discard, as_json) -> None:
+            skip, drop, lr_scale, resume, discard, as_json) -> None:
     """Re-execute steps A..B of the run in STORE from its checkpoints, and store the replay inside it.
 
     Restores the latest committed checkpoint (or pre-spike snapshot) at or before A on every rank, with
     the recorded world size and launcher, and trains on exactly the recorded sample ids: bit for bit, or
     with the overrides (each recorded in the replay's manifest; several may be combined).
     """
-    from replay.replayer.overrides import Overrides, parse_fix, parse_steps
+    from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
     from replay.replayer.replays import ReplayRequest, run
 
+    head_list, units = parse_heads(heads) if heads else (None, None)
     overrides = Overrides(
         attention=attention, precision=precision, hp_delta=hp_delta, lr_scale=lr_scale,
-        layers=parse_steps(layers, "--layers") if layers else None,
-        heads=parse_steps(heads, "--heads") if heads else None,
-        fix=parse_fix(fix) if fix else None, skip=parse_steps(skip) if skip else [])
+        layers=parse_steps(layers, "--layers") if layers else None, heads=head_list, units=units,
+        fix=parse_fix(fix) if fix else None, skip=parse_steps(skip) if skip else [],
+        drop=parse_drop(drop) if drop else [])
     if resume and discard:
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
@@ -371,6 +373,70 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
             click.echo(f"  {title}:")
             for a in ranking[:top]:
                 click.echo(f"    {a.unit:<16} z={a.score:8.1f}  {a.signal}: {a.value:.4g} (median {a.baseline:.4g})")
+
+
+@main.command()
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--spike", type=int, help="Step of the spike to bisect (default: the largest recorded one).")
+@click.option("--by", type=click.Choice(["steps", "layers", "heads", "data", "all"]), default="all", show_default=True,
+              help="What to narrow down: the step window, layers, heads (after layers), batches and samples.")
+@click.option("--fix", default="safe-softmax", show_default=True,
+              help="The counterfactual: safe-softmax[:BETA], hp-delta, attention=BACKEND, precision=bf16|fp32 or "
+                   "lr-scale=X, joined with + (e.g. attention=fa2-emu+safe-softmax).")
+@click.option("--horizon", type=int, default=10, show_default=True,
+              help="Steps after the spike that must stay quiet for a probe to prevent it.")
+@click.option("--threshold", type=float, help="The detector's robust-z threshold (default: the recording's).")
+@_ray_options
+@click.option("--json", "as_json", is_flag=True, help="Print the session (verdict, phases, probes) as JSON.")
+@_main_errors
+def bisect(store, spike, by, fix, horizon, threshold, ray_address, workers, as_json) -> None:
+    """Narrow a loss spike in STORE down with replays ("probes") run in parallel as Ray tasks.
+
+    First a plain replay from the nearest checkpoint before the spike must reproduce it. Then: the
+    latest checkpoint and step from which the counterfactual (--fix) still prevents the spike; a
+    minimal set of layers, then heads, it must be applied to; a minimal set of batches, then samples,
+    whose removal prevents it. "Prevents" is the recording's own spike-detector rule, applied up to
+    --horizon steps after the spike. Probes are replays stored in STORE; the session is stored in
+    STORE/bisect/, so the same command resumes an interrupted bisect. Exit code 3: no spike recorded;
+    4: the plain replay does not reproduce the record.
+    """
+    from replay.bisect.narrow import BisectConfig
+    from replay.bisect.narrow import bisect as run_bisect
+
+    cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, workers=workers,
+                       address=ray_address)
+    session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
+    if as_json:
+        click.echo(json.dumps(session, indent=2))
+        return
+    _print_verdict(store, session["verdict"])
+
+
+def _print_verdict(store: str, v: dict) -> None:
+    from replay.store.summary import step_batch
+
+    click.echo(f"spike at step {v['spike']}, counterfactual {v['fix']}:")
+    if v["window"]:
+        sep = v["separation"]
+        click.echo(f"  decided in steps {v['window'][0]}..{v['window'][1]}: the counterfactual prevents it from "
+                   f"checkpoint {v['window'][0]}, not from step {v['window'][1]} on"
+                   + (f"; it separates from the record at step {sep['measurable']}" if sep["measurable"] is not None
+                      else ""))
+    for key, what in (("layers", "layers"), ("heads", "heads (layer.head)")):
+        if key in v and v[key]:
+            units = v[key] if key == "layers" else [f"{l}.{h}" for l, h in v[key]]
+            click.echo(f"  {what}: {', '.join(map(str, units))}")
+    if v["samples"]:
+        click.echo(f"  data: batches of step(s) {', '.join(map(str, v['batches']))}; leaving out these "
+                   f"{len(v['samples'])} sample(s) prevents the spike:")
+        for step, sample in v["samples"]:
+            for row in step_batch(store, step):
+                if row["sample_id"] == sample:
+                    click.echo(f"--- step {step}  rank {row['rank']}  micro-batch {row['micro']}  sample {sample}")
+                    click.echo(row["text"])
+                    break
+    click.echo(f"  {v['probes']} probes ({v['new_probes']} run now; worst case {v['bound']}), "
+               f"{v['seconds']:.1f} s on {v['workers']} worker(s)")
 
 
 @main.command()

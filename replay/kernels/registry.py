@@ -24,6 +24,7 @@ between their backends and runs our own backends with autocast off, so their rou
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -49,6 +50,8 @@ class BackendSpec:
     @classmethod
     def parse(cls, text: str) -> "BackendSpec":
         name, _, rest = text.strip().partition(":")
+        if name == "defect" and not rest and defect_threshold() is not None:
+            return cls(name)
         if name not in NAMES:
             raise UsageError(f"unknown attention backend {name!r}; choose one of {', '.join(NAMES)}")
         opts = dict(_option(o, text) for o in rest.split(",") if o.strip()) if rest else {}
@@ -194,8 +197,28 @@ class LayerAttention:
         return out
 
 
+def defect_threshold() -> float | None:
+    """Tests only: REPLAY_FAULT=attention-defect:T enables the `defect` backend (see _defect)."""
+    name, _, value = os.environ.get("REPLAY_FAULT", "").partition(":")
+    return float(value) if name == "attention-defect" else None
+
+
+def _defect(q, k, v, scaling: float) -> torch.Tensor:
+    """A deliberately broken kernel, for the bisect tests: exact FP32 attention, except that rows whose
+    largest logit exceeds the threshold come out as inf (as from a kernel overflowing there). It fires
+    only once training has grown the logits, so the run it is planted in breaks mid-way."""
+    n, m = q.shape[-2], k.shape[-2]
+    logits = (q.float() @ k.float().transpose(-2, -1)) * scaling
+    logits = logits.masked_fill(~causal_mask(n, m, q.device), float("-inf"))
+    out = torch.softmax(logits, dim=-1) @ v.float()
+    broken = logits.amax(dim=-1, keepdim=True) > defect_threshold()
+    return out.masked_fill(broken, float("inf")).to(q.dtype)
+
+
 def _run(spec: BackendSpec, module, q, k, v, keep, scaling) -> torch.Tensor:
     n, m = q.shape[-2], k.shape[-2]
+    if spec.name == "defect":
+        return _defect(q, k, v, scaling)
     if spec.name == "eager":
         from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 

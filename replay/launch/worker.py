@@ -1,4 +1,5 @@
-"""One rank of a local recording: `python -m replay.launch.worker STORE [--resume]` (started by ranks.py).
+"""One rank: `python -m replay.launch.worker STORE [--resume]` (a recording or replay, started by ranks.py),
+or `python -m replay.launch.worker --serve` (a warm rank of launch/pool.py: one store per input line).
 
 Errors are one line, prefixed with the rank; the launching `replay record` adds the summary line.
 REPLAY_DEBUG=1 (set by `replay --debug`) prints the traceback as well.
@@ -6,6 +7,7 @@ REPLAY_DEBUG=1 (set by `replay --debug`) prints the traceback as well.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -16,24 +18,49 @@ from replay.errors import ReplayError
 def main(argv: list[str]) -> int:
     from replay.train.trainer import train
 
-    store, resume = argv[0], "--resume" in argv[1:]
     rank = os.environ.get("RANK", "?")
     # A rank prints progress and libraries' chatter, never answers: all of it goes to stderr (at the file
     # descriptor, so C++ extensions too), keeping the launching command's stdout for its answer (--json).
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    if argv[:1] == ["--serve"]:
+        return serve(train, int(os.environ["REPLAY_REPLY_FD"]))
+    store, resume = argv[0], "--resume" in argv[1:]
+    error, code = _attempt(train, store, resume)
+    if error:
+        print(f"rank {rank}: {error}", file=sys.stderr, flush=True)
+    return code
+
+
+def serve(train, reply_fd: int) -> int:
+    """Train one store per request line until the input ends; answer each on `reply_fd`, keeping the
+    process group between them."""
+    import torch.distributed as dist
+
+    with os.fdopen(reply_fd, "w") as replies:
+        for line in sys.stdin:
+            request = json.loads(line)
+            error, code = _attempt(train, request["store"], request["resume"], keep_group=True)
+            replies.write(json.dumps({"error": error, "code": code} if error else {"ok": True}) + "\n")
+            replies.flush()
+            if error:
+                break   # a peer may be stuck in a collective: the pool is torn down
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _attempt(train, store: str, resume: bool, **kwargs) -> tuple[str | None, int]:
     try:
-        train(store, resume=resume)
+        train(store, resume=resume, **kwargs)
     except ReplayError as e:
-        print(f"rank {rank}: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
+        return str(e), e.exit_code
     except Exception as e:  # e.g. a peer rank died and the collective broke
         if os.environ.get("REPLAY_DEBUG"):
             traceback.print_exc()
         first_line = (str(e).strip().splitlines() or [""])[0]
-        print(f"rank {rank}: {type(e).__name__}: {first_line}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        return f"{type(e).__name__}: {first_line}", 1
+    return None, 0
 
 
 if __name__ == "__main__":

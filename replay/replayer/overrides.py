@@ -1,11 +1,14 @@
 """Counterfactual overrides of a replay: what changes, checked against the recorded run, folded into its config.
 
-Attention overrides rewrite the recorded attention plan (replay.kernels.registry): `attention` for the
-whole model, or for `layers`, or for `heads` of those layers; `fix` (the safe-softmax fix, with beta) and
-`hp_delta` switch options on the flash backends in that scope (they need an emulated or Triton flash
-backend there: `eager` and `sdpa` have no such knobs). `precision` replaces the run's precision; `skip`
-lists steps whose batches are not trained on (their optimizer step does not happen; the LR schedule
-moves on, so later steps keep their recorded learning rates); `lr_scale` multiplies every learning rate.
+The scope is the whole model, or `layers`, or `heads` of those layers, or explicit (layer, head) `units`.
+Attention overrides rewrite the recorded attention plan (replay.kernels.registry) in that scope:
+`attention` swaps the backend; `fix` (the safe-softmax fix, with beta) and `hp_delta` switch options on
+the flash backends there (they need an emulated or Triton flash backend: `eager` and `sdpa` have no such
+knobs). `lr_scale` multiplies the learning rate: of every parameter group for the whole model, or, in a
+scope, of that scope's updates (a layer's parameters; a head's columns of W_Q, W_K, W_V and rows of W_O).
+`precision` replaces the run's precision; `skip` lists steps whose batches are not trained on (their
+optimizer step does not happen; the LR schedule moves on, so later steps keep their recorded learning
+rates); `drop` lists (step, sample id) pairs left out of their step's loss.
 """
 
 from __future__ import annotations
@@ -31,6 +34,58 @@ class Overrides:
     hp_delta: bool = False
     skip: list[int] = field(default_factory=list)
     lr_scale: float | None = None
+    units: list[list[int]] | None = None      # explicit [layer, head] pairs (instead of layers x heads)
+    drop: list[list[int]] = field(default_factory=list)   # [step, sample id] pairs
+
+    @property
+    def scoped(self) -> bool:
+        return self.layers is not None or self.heads is not None or self.units is not None
+
+    @property
+    def touches_attention(self) -> bool:
+        return bool(self.attention or self.fix is not None or self.hp_delta)
+
+    def scope(self, n_layer: int, n_head: int) -> list[tuple[int, int]]:
+        if self.units is not None:
+            return [(layer, head) for layer, head in self.units]
+        return [(layer, head) for layer in (self.layers if self.layers is not None else range(n_layer))
+                for head in (self.heads if self.heads is not None else range(n_head))]
+
+    def lr_scope(self, n_layer: int, n_head: int) -> dict | None:
+        """Where a scoped lr_scale applies, for the trainer: whole layers, or (layer, head) units."""
+        if self.lr_scale is None or not self.scoped:
+            return None
+        if self.units is None and self.heads is None:
+            return {"layers": list(self.layers)}
+        return {"units": [list(u) for u in self.scope(n_layer, n_head)]}
+
+    def with_scope(self, layers: list[int] | None = None, units: list[list[int]] | None = None) -> "Overrides":
+        return dataclasses.replace(self, layers=layers, heads=None, units=units)
+
+    def as_args(self) -> str:
+        """The `replay run` options that give these overrides."""
+        args = []
+        if self.attention:
+            args.append(f"--attention {self.attention}")
+        if self.units is not None:
+            args.append("--heads " + ",".join(f"{layer}.{head}" for layer, head in self.units))
+        if self.layers is not None:
+            args.append(f"--layers {format_steps(self.layers)}")
+        if self.heads is not None:
+            args.append(f"--heads {format_steps(self.heads)}")
+        if self.precision:
+            args.append(f"--precision {self.precision}")
+        if self.fix is not None:
+            args.append(f"--fix safe-softmax:{self.fix:g}")
+        if self.hp_delta:
+            args.append("--hp-delta")
+        if self.lr_scale is not None:
+            args.append(f"--lr-scale {self.lr_scale:g}")
+        if self.skip:
+            args.append(f"--skip {format_steps(self.skip)}")
+        if self.drop:
+            args.append("--drop " + ",".join(f"{step}:{sample}" for step, sample in self.drop))
+        return " ".join(args)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False, [])}
@@ -49,6 +104,46 @@ def parse_fix(text: str) -> float:
         return float(beta) if beta else 7.0
     except ValueError:
         raise UsageError(f"--fix beta must be a number, got {beta!r}") from None
+
+
+def parse_heads(text: str) -> tuple[list[int] | None, list[list[int]] | None]:
+    """`--heads 7,8` (heads of --layers) -> (heads, None); `--heads 1.0,0.3` (layer.head) -> (None, units)."""
+    if "." not in text:
+        return parse_steps(text, "--heads"), None
+    units = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        layer, _, head = part.partition(".")
+        if not (layer.isdigit() and head.isdigit()):
+            raise UsageError(f"--heads expects heads like 7,8 (with --layers) or layer.head pairs like 1.0,0.3, got {text!r}")
+        units.append([int(layer), int(head)])
+    return None, sorted(units)
+
+
+def parse_drop(text: str) -> list[list[int]]:
+    """`261:3,261:5` -> [[261, 3], [261, 5]] (step:sample id)."""
+    pairs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        step, _, sample = part.partition(":")
+        if not (step.isdigit() and sample.isdigit()):
+            raise UsageError(f"--drop expects step:sample pairs like 261:3,261:5 (sample ids as `replay batch` "
+                             f"prints them), got {text!r}")
+        pairs.append([int(step), int(sample)])
+    return sorted(pairs)
+
+
+def format_steps(steps: list[int]) -> str:
+    """[5, 8, 9, 10] -> `5,8-10` (what parse_steps reads)."""
+    parts, run = [], []
+    for s in sorted(steps):
+        if run and s == run[-1] + 1:
+            run.append(s)
+            continue
+        if run:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [s]
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
 
 
 def parse_steps(text: str, what: str = "--skip") -> list[int]:
@@ -70,17 +165,22 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     """The replay's config: the recorded one with the overrides folded in (validated against the model)."""
     cfg = RunConfig.from_dict(cfg.to_dict())
     if o.heads is not None and o.layers is None:
-        raise UsageError("--heads needs --layers: heads are numbered within a layer")
-    if (o.layers is not None or o.heads is not None) and not (o.attention or o.fix is not None or o.hp_delta):
-        raise UsageError("--layers/--heads select where an attention override applies; add --attention, --fix or --hp-delta")
+        raise UsageError("--heads needs --layers: heads are numbered within a layer (or give layer.head pairs)")
+    if o.units is not None and (o.layers is not None or o.heads is not None):
+        raise UsageError("--heads layer.head pairs name their layers; drop --layers")
+    if o.scoped and not (o.touches_attention or o.lr_scale is not None):
+        raise UsageError("--layers/--heads select where an attention override or --lr-scale applies; "
+                         "add --attention, --fix, --hp-delta or --lr-scale")
+    if o.scoped and o.lr_scale is not None and launcher == "deepspeed":
+        raise UsageError("--lr-scale on --layers/--heads needs the local launcher: DeepSpeed partitions the "
+                         "optimizer's updates")
     plan = AttentionPlan.parse(cfg.model.attention)
-    scope = [(layer, head) for layer in (o.layers if o.layers is not None else range(cfg.model.n_layer))
-             for head in (o.heads if o.heads is not None else range(cfg.model.n_head))]
+    scope = o.scope(cfg.model.n_layer, cfg.model.n_head)
     for layer, head in scope:
         if not (0 <= layer < cfg.model.n_layer and 0 <= head < cfg.model.n_head):
             raise UsageError(f"layer {layer} head {head} is out of range: the model has layers 0..{cfg.model.n_layer - 1} "
                              f"with heads 0..{cfg.model.n_head - 1}")
-    if o.attention or o.fix is not None or o.hp_delta:
+    if o.touches_attention:
         new = BackendSpec.parse(o.attention) if o.attention else None
         heads = dict(plan.heads)
         for layer, head in scope:
@@ -100,6 +200,12 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     outside = [s for s in o.skip if not window[0] <= s <= window[1]]
     if outside:
         raise UsageError(f"--skip step {outside[0]} is outside the window {window[0]}..{window[1]}")
+    outside = [s for s, _ in o.drop if not window[0] <= s <= window[1]]
+    if outside:
+        raise UsageError(f"--drop step {outside[0]} is outside the window {window[0]}..{window[1]}")
+    both = sorted({s for s, _ in o.drop} & set(o.skip))
+    if both:
+        raise UsageError(f"step {both[0]} is both skipped and has samples dropped; give it to one of --skip, --drop")
     if o.lr_scale is not None and not o.lr_scale > 0:
         raise UsageError(f"--lr-scale must be > 0, got {o.lr_scale}")
     return cfg

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from replay.config import RunConfig
+from replay.launch.pool import RankPool
 from replay.errors import StoreError, UsageError
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
@@ -95,9 +96,16 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     ckpt = before[-1]
     cfg = apply_overrides(RunConfig.from_dict(parent.manifest["config"]), req.overrides, (req.start, req.stop),
                           parent.manifest["launcher"])
+    if req.overrides.drop:
+        ids = parent.read_steps(["sample_ids"])["sample_ids"]
+        for step, sample in req.overrides.drop:
+            if sample not in ids[step]:
+                raise UsageError(f"--drop {step}:{sample}: sample {sample} was not trained on at step {step} "
+                                 f"(`replay batch {store_path} --step {step}` lists that step's samples)")
     for rank in range(parent.manifest["world_size"]):   # a corrupted checkpoint is named before anything is written
         parent.read_shard(ckpt.step, rank)
 
+    lr_scope = req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head)
     path = Path(store_path) / "replays" / replay_id(req)
     window = {"from": req.start, "to": req.stop}
     if (path / "zarr.json").exists():
@@ -120,20 +128,26 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     RunStore.create(path, {
         "config": cfg.to_dict(), "parent": "../..", "window": window, "start_checkpoint": ckpt.step,
         "start_checkpoint_kind": ckpt.kind, "checkpoint_every": req.checkpoint_every,
-        "overrides": req.overrides.to_dict(), "skip": req.overrides.skip, "lr_scale": req.overrides.lr_scale or 1.0,
+        "overrides": req.overrides.to_dict(), "skip": req.overrides.skip, "drop": req.overrides.drop,
+        "lr_scale": 1.0 if lr_scope else req.overrides.lr_scale or 1.0, "lr_scope": lr_scope,
         "world_size": parent.manifest["world_size"], "launcher": parent.manifest["launcher"],
         "data": parent.manifest["data"], "created": time.time(), "status": "running", "resumes": [],
     }, kind="replay", first_step=ckpt.step)
     return path, cfg, True, False
 
 
-def run(store_path: str | Path, req: ReplayRequest) -> Replay:
-    """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record."""
+def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None) -> Replay:
+    """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record.
+    With a pool of warm ranks (launch/pool.py) of the recorded world size, a local-launcher replay runs
+    on them instead of on freshly started ranks."""
     from replay.launch.ranks import run_ranks
 
     path, cfg, pending, resume = prepare(store_path, req)
+    world = RunStore.open(store_path).manifest["world_size"]
     notes = environment_notes(RunStore.open(store_path).manifest.get("environment", {}))
-    if pending:
+    if pending and pool is not None and cfg.launcher == "local" and pool.world_size == world:
+        pool.train(path, resume=resume)
+    elif pending:
         run_ranks(str(path), cfg, cfg.nproc, resume=resume)
     result = Replay(path, created=pending, environment_notes=notes)
     result.verification = verify(RunStore.open(store_path), RunStore.open(path))

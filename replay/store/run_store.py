@@ -11,6 +11,9 @@ Layout (all arrays plus JSON attributes; no pickle anywhere):
                                     .attrs {"done", "index", "skeleton", "checksums"} written last
     checkpoints/<step>   .attrs     {"commit": {...checksums of every array...}} written last, by one
                                     coordinator, once every rank is done: readers ignore the rest
+    replays/<id>/                   replays of this run, each a run store of its own (kind "replay")
+    bisect/<id>          .attrs     a bisect session: its parameters, probes, phases and verdict
+    analysis/                       per-checkpoint metrics and weight distances (replay/analysis)
 
 Checkpoint <step> holds the state *before* step <step> runs (checkpoint 0 is the initial state).
 Concurrency: every rank writes only its own `rank<r>` subtree; the step log, spikes, commits and the
@@ -117,6 +120,18 @@ class RunStore:
 
     def update_manifest(self, **fields: Any) -> None:
         self.root.update_attributes(fields)
+
+    # -- bisect sessions (replay/bisect) ------------------------------------------------------------
+
+    def bisect_sessions(self) -> list[dict[str, Any]]:
+        if "bisect" not in self.root:
+            return []
+        return [dict(group.attrs) for _, group in sorted(self.root["bisect"].groups())]
+
+    def write_bisect_session(self, session_id: str, doc: dict[str, Any]) -> None:
+        """One write of the whole document (a crash leaves the previous one)."""
+        group = self.root.require_group(f"bisect/{session_id}")
+        group.update_attributes(doc)
 
     # -- embedded data -----------------------------------------------------------------------------
 

@@ -40,10 +40,15 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel
     return model
 
 
-def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in FP32 (logits are upcast under autocast)."""
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy in FP32 (logits are upcast under autocast); with `keep`, over the
+    kept samples only (0 when none is kept, so the micro-batch adds no gradient)."""
     logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+    if keep is None:
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+    ce = ce.view(y.shape).masked_fill(~keep.to(y.device)[:, None], 0.0)
+    return ce.sum() / max(int(keep.sum()) * y.size(1), 1)
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.kernels.registry import AttentionPlan, apply_plan
+from replay.train.counterfactual import ScopedUpdate, keep_mask
 from replay.train.model import build_model, lm_loss, lr_factor
 from replay.train.state import DeepSpeedTrainState, TorchTrainState
 
@@ -52,11 +53,11 @@ def init_distributed(r: Rank, cfg: RunConfig) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if r.device.type == "cuda" else "gloo")
-    elif r.world > 1:
+    elif r.world > 1 and not dist.is_initialized():   # warm ranks (launch/pool.py) keep theirs
         dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo", device_id=None)
 
 
-def train(store_path: str, resume: bool = False) -> None:
+def train(store_path: str, resume: bool = False, keep_group: bool = False) -> None:
     store = RunStore.open(store_path, mode="a")
     cfg = RunConfig.from_dict(store.manifest["config"])
     r = Rank.from_env(cfg)
@@ -72,7 +73,7 @@ def train(store_path: str, resume: bool = False) -> None:
     try:
         _train(store, cfg, r, resume)
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not keep_group:
             dist.destroy_process_group()
 
 
@@ -88,7 +89,9 @@ class Schedule:
     start_checkpoint: int = 0
     recorded_ids: np.ndarray | None = None
     skip: frozenset[int] = frozenset()   # steps whose batches are not trained on
-    lr_scale: float = 1.0
+    lr_scale: float = 1.0                # of the whole model (at `from`)
+    drop: dict[int, frozenset[int]] = field(default_factory=dict)   # step -> sample ids left out
+    lr_scope: dict | None = None         # where lr_scale applies, if not the whole model
     override_from: int = 0               # replays: the recorded config until this step (the fast-forward)
     recorded_cfg: RunConfig | None = None
 
@@ -101,8 +104,14 @@ class Schedule:
         stop = m["window"]["to"] + 1
         every = m.get("checkpoint_every") or stop + 1   # 0: only the checkpoint at the end
         ids = parent.read_steps(["sample_ids"])["sample_ids"]
+        drop: dict[int, set[int]] = {}
+        for step, sample in m.get("drop", []):
+            drop.setdefault(step, set()).add(sample)
+        scale = float(m["overrides"].get("lr_scale", 1.0))
         return cls(stop, every, 0, parent, m["start_checkpoint"], ids, frozenset(m.get("skip", [])),
-                   float(m.get("lr_scale", 1.0)), m["window"]["from"], RunConfig.from_dict(parent.manifest["config"]))
+                   1.0 if m.get("lr_scope") else scale, {k: frozenset(v) for k, v in drop.items()},
+                   {**m["lr_scope"], "scale": scale} if m.get("lr_scope") else None,
+                   m["window"]["from"], RunConfig.from_dict(parent.manifest["config"]))
 
     def ids(self, order: DataOrder, step: int, r: Rank, micro_batch_size: int) -> np.ndarray:
         if self.recorded_ids is None:
@@ -135,18 +144,21 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
                                            spike=cfg.spike))
     start = recorder.start()
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
+    scoped = None   # a scoped lr_scale, from `from` on
     t0 = time.perf_counter()
     for step in range(start, schedule.stop):
         if active is not cfg and step >= schedule.override_from:
             # a resumed replay past `from` restored already-scaled learning rates with its state
             lr_scale = schedule.lr_scale if step == schedule.override_from else 1.0
             active = _switch_to_overrides(model, optimizer, scheduler, cfg, lr_scale)
+            if schedule.lr_scope:
+                scoped = ScopedUpdate(model, schedule.lr_scope)
         ids = schedule.ids(order, step, r, cfg.micro_batch_size)
         if step in schedule.skip:   # not trained on; the schedule moves on as if the batch had been seen
             recorder.record_skipped(step, sample_ids=ids, lr=scheduler.get_last_lr()[0])
             scheduler.step()
             continue
-        loss, grad_norm, lr = step_fn(active, ids)
+        loss, grad_norm, lr = step_fn(active, ids, schedule.drop.get(step, frozenset()), scoped)
         event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
                                      tokens=ids.size * cfg.model.block_size)
         if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == schedule.stop):
@@ -169,8 +181,8 @@ def _switch_to_overrides(model, optimizer, scheduler, cfg: RunConfig, lr_scale: 
     return cfg
 
 
-def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunConfig,
-                ids: np.ndarray) -> tuple[float, float, float]:
+def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray,
+                dropped: frozenset[int], scoped: ScopedUpdate | None) -> tuple[float, float, float]:
     """One optimizer step over this rank's micro-batches: (mean loss, grad norm before clipping, lr)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -181,13 +193,13 @@ def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunC
         sync = m == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with (contextlib.nullcontext() if sync else model.no_sync()):
             with _autocast(cfg, r):
-                loss = lm_loss(model, x, y)
+                loss = lm_loss(model, x, y, keep_mask(micro, dropped))
             (loss / accum).backward()
         total += loss.detach()
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    scoped.step(optimizer) if scoped else optimizer.step()
     scheduler.step()
     return float(total / accum), float(grad_norm), lr
 
@@ -221,13 +233,14 @@ def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
     return engine
 
 
-def _deepspeed_step(engine, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray) -> tuple[float, float, float]:
+def _deepspeed_step(engine, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray, dropped: frozenset[int],
+                    scoped: None) -> tuple[float, float, float]:
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=r.device)
     lr = engine.lr_scheduler.get_last_lr()[0]
     for micro in ids:
         x, y = (t.to(r.device) for t in data.batch(micro))
-        loss = lm_loss(engine, x, y)
+        loss = lm_loss(engine, x, y, keep_mask(micro, dropped))
         engine.backward(loss)   # DeepSpeed divides by the accumulation steps itself
         engine.step()           # steps the optimizer (and scheduler) at the accumulation boundary
         total += loss.detach()

@@ -1,0 +1,369 @@
+"""`replay bisect`: narrow a recorded loss spike down with replays ("probes"). Read it top to bottom.
+
+1. baseline  a plain replay from the nearest checkpoint before the spike must reproduce it (bit for
+             bit where the environment matches); otherwise nothing below could be trusted.
+2. steps     the counterfactual (`--fix`) applied from a checkpoint, then from a step: the latest
+             checkpoint from which it still prevents the spike, the earliest step from which it no
+             longer can (the window in which the spike is decided), and the first step at which its
+             trajectory separates from the record.
+3. layers    the counterfactual on subsets of layers (delta debugging): a minimal set that prevents it.
+4. heads     the same over the heads of those layers.
+5. data      batches of the window skipped, then single samples left out: a minimal set whose removal
+             prevents the spike.
+
+"Prevents the spike" is the recording's detector rule (bisect/rule.py). Every probe is a replay stored
+in the run store; the session (parameters, probes, phases, verdict) is `STORE/bisect/<id>`, rewritten
+after every probe, so running the same command again resumes it without re-running finished probes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from replay.config import RunConfig
+from replay.errors import ReplayError, UsageError
+from replay.replayer.overrides import Overrides, apply, parse_fix
+from replay.replayer.replays import ReplayRequest, replay_id
+from replay.store import RunStore
+from replay.bisect.probes import ProbeRunner, request
+from replay.bisect.rule import Rule, judge
+from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
+
+PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
+          "all": ["steps", "layers", "heads", "data"]}
+SEPARATION = 1e-3   # relative loss difference at which a trajectory "measurably" separates from the record
+
+
+class NoSpikeError(ReplayError):
+    """Nothing to bisect: not a failure of the tool or of the input."""
+
+    exit_code = 3
+
+
+class UntrustedReplayError(ReplayError):
+    """The plain replay does not reproduce the record: no probe can be trusted."""
+
+    exit_code = 4
+
+
+@dataclass
+class BisectConfig:
+    spike: int | None = None       # default: the largest recorded spike
+    by: str = "all"
+    fix: str = "safe-softmax"
+    horizon: int = 10              # steps after the spike that must stay quiet (rule.py)
+    threshold: float | None = None # the detector's robust-z threshold (default: the recording's)
+    lookback: int = 4              # checkpoints before the spike the steps search considers
+    workers: int | None = None
+    address: str | None = None
+
+
+def parse_counterfactual(text: str) -> Overrides:
+    """`safe-softmax[:BETA]`, `hp-delta`, `attention=BACKEND`, `precision=bf16|fp32`, `lr-scale=X`,
+    joined with `+` (e.g. `attention=fa2-emu+safe-softmax`)."""
+    o = Overrides()
+    for part in (p.strip() for p in text.split("+")):
+        key, _, value = part.partition("=")
+        if key.startswith("safe-softmax") and not value:
+            o.fix = parse_fix(key)
+        elif key == "hp-delta" and not value:
+            o.hp_delta = True
+        elif key == "attention" and value:
+            o.attention = value
+        elif key == "precision" and value:
+            o.precision = value
+        elif key == "lr-scale" and value:
+            try:
+                o.lr_scale = float(value)
+            except ValueError:
+                raise UsageError(f"--fix lr-scale={value!r}: not a number") from None
+        else:
+            raise UsageError(f"--fix {text!r}: {part!r} is not a counterfactual; use safe-softmax[:BETA], hp-delta, "
+                             "attention=BACKEND, precision=bf16|fp32 or lr-scale=X, joined with +")
+    return o
+
+
+class Bisect:
+    def __init__(self, store_path: str, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None):
+        self.store_path, self.cfg, self.say = str(store_path), cfg, progress
+        self.record = RunStore.open(store_path)
+        if self.record.kind != "run":
+            raise UsageError(f"{store_path} is a replay; bisect the run it belongs to")
+        if cfg.by not in PHASES:
+            raise UsageError(f"--by must be one of {', '.join(PHASES)}, got {cfg.by!r}")
+        if cfg.horizon < 1:
+            raise UsageError(f"--horizon must be >= 1, got {cfg.horizon}")
+        self.run_cfg = RunConfig.from_dict(self.record.manifest["config"])
+        self.spike = self._pick_spike()
+        self.checkpoints = [c.step for c in self.record.checkpoints() if c.step <= self.spike]
+        if not self.checkpoints:
+            raise UsageError(f"the spike at step {self.spike} is too close to the start: no committed checkpoint at "
+                             f"or before it in {store_path}; record with a smaller --checkpoint-every")
+        self.stop = min(self.spike + cfg.horizon, self.record.end_step - 1)
+        self.fix = parse_counterfactual(cfg.fix)
+        self._check_counterfactual()
+        spike_cfg = self.run_cfg.spike
+        if cfg.threshold is not None:
+            spike_cfg = type(spike_cfg)(**{**asdict(spike_cfg), "threshold": cfg.threshold})
+        self.rule = Rule(spike_cfg, cfg.horizon)
+        self.params = {"spike": self.spike, "by": cfg.by, "fix": cfg.fix, "horizon": cfg.horizon,
+                       "threshold": spike_cfg.threshold, "lookback": cfg.lookback}
+        digest = hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]
+        self.id = f"spike-{self.spike}-{cfg.by}-{digest}"
+        previous = {s["id"]: s for s in self.record.bisect_sessions()}.get(self.id)
+        self.doc: dict[str, Any] = previous or {"id": self.id, "params": self.params, "rule": self.rule.describe(),
+                                                "created": time.time(), "probes": {}, "phases": {}, "runs": []}
+        self.resumed = previous is not None
+        self.new_probes = 0
+        self.runner: ProbeRunner | None = None
+
+    def _pick_spike(self) -> int:
+        spikes = self.record.spikes
+        if not spikes:
+            raise NoSpikeError(f"no spike recorded in {self.store_path}: nothing to bisect (`replay info` shows the "
+                               "detector's settings; pass --spike STEP to bisect a step it did not flag)")
+        if self.cfg.spike is None:
+            scores = [e["score"] if isinstance(e["score"], (int, float)) else math.inf for e in spikes]
+            return int(spikes[int(np.argmax(scores))]["step"])
+        if not 0 <= self.cfg.spike < self.record.end_step:
+            raise UsageError(f"--spike {self.cfg.spike} is outside the record: steps 0..{self.record.end_step - 1}")
+        return self.cfg.spike
+
+    def _check_counterfactual(self) -> None:
+        phases = PHASES[self.cfg.by]
+        if phases == ["data"]:   # skips batches and samples; no counterfactual involved
+            return
+        launcher = self.record.manifest["launcher"]
+        try:
+            apply(self.run_cfg, self.fix, (self.spike, self.spike), launcher)
+        except UsageError as e:
+            raise UsageError(f"--fix {self.cfg.fix!r} does not apply to this run ({e}); e.g. "
+                             "--fix attention=fa2-emu+safe-softmax, --fix lr-scale=0.5") from None
+        if ("layers" in phases or "heads" in phases) and not (self.fix.touches_attention or self.fix.lr_scale):
+            raise UsageError(f"--by {self.cfg.by} applies the counterfactual to layers and heads, but --fix "
+                             f"{self.cfg.fix!r} acts on the whole model; use an attention counterfactual or lr-scale=X")
+        if "heads" in phases and self.fix.precision:
+            raise UsageError("--by heads cannot narrow precision=...: it is a whole-model setting")
+
+    # -- probes ------------------------------------------------------------------------------------
+
+    def prevents(self, requests: list[ReplayRequest], phase: str) -> list[bool]:
+        return [entry["prevented"] for entry in self.probe(requests, phase)]
+
+    def probe(self, requests: list[ReplayRequest], phase: str) -> list[dict[str, Any]]:
+        """Run (or reuse) the probes, judge them by the rule, and save the session after each batch."""
+        keys = [replay_id(r) for r in requests]
+        todo = {k: r for k, r in zip(keys, requests) if k not in self.doc["probes"]}
+        if todo:
+            assert self.runner is not None
+            for (key, req), result in zip(todo.items(), self.runner.run(list(todo.values()))):
+                found = judge(self.record, RunStore.open(self.record.path / "replays" / key), self.rule,
+                              req.start, req.stop)
+                self.doc["probes"][key] = {"phase": phase, "window": [req.start, req.stop],
+                                           "overrides": req.overrides.to_dict(), **found.to_dict(), **result}
+                self.new_probes += bool(result["ran"])
+                self.say(f"  probe {key}: " + ("prevents the spike" if found.prevented else
+                                               f"spike at step {found.spike_at}")
+                         + (f" ({result['seconds']:.1f} s)" if result["ran"] else " (already in the store)"))
+            self.save()
+        return [self.doc["probes"][k] for k in keys]
+
+    def save(self, **fields: Any) -> None:
+        self.doc.update(fields)
+        self.record_rw().write_bisect_session(self.id, self.doc)
+
+    def record_rw(self) -> RunStore:
+        return RunStore.open(self.store_path, mode="a")
+
+    # -- the session -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        from replay.launch.ray_cluster import ray_session
+
+        t0 = time.perf_counter()
+        before = len(self.doc["probes"])
+        self.say(f"bisect session {self.id}" + (f" (resumed: {before} probes already done)" if self.resumed else "")
+                 + f": spike at step {self.spike}; window up to step {self.stop}")
+        self.say(f"rule: {self.rule.describe()}")
+        self.save(status="running")
+        with ray_session(self.cfg.address, self.cfg.workers) as slots:
+            self.width = slots
+            world = int(self.record.manifest["world_size"])
+            with ProbeRunner(self.store_path, world, slots) as self.runner:
+                self.say(f"probes run on {slots} Ray worker(s), each with {world} warm rank(s)")
+                self.baseline()
+                phases = self.doc["phases"]
+                start = self.checkpoints[-1]
+                for phase in PHASES[self.cfg.by]:
+                    if phase == "steps":
+                        phases["steps"] = self.steps()
+                        start = phases["steps"].get("checkpoint") or start
+                    elif phase == "layers":
+                        phases["layers"] = self.layers(start)
+                    elif phase == "heads":
+                        phases["heads"] = self.heads(start, phases["layers"].get("layers"))
+                    elif phase == "data":
+                        phases["data"] = self.data(start)
+                    self.save()
+        seconds = time.perf_counter() - t0
+        verdict = self.verdict(seconds)
+        self.doc["runs"].append({"time": time.time(), "seconds": seconds, "new_probes": self.new_probes,
+                                 "reused_probes": before})
+        self.save(status="complete", verdict=verdict)
+        return self.doc
+
+    # -- 1. baseline -------------------------------------------------------------------------------
+
+    def baseline(self) -> None:
+        c = self.checkpoints[-1]
+        base = self.probe([request(c, self.stop, Overrides())], "baseline")[0]
+        where = f"the plain replay of steps {c}..{self.stop} from checkpoint {c}"
+        if not base["bitwise"] and not base["environment_notes"]:
+            d = base["divergence"]
+            raise UntrustedReplayError(
+                f"{where} diverges from the record at step {d['step']} ({d['quantity']}) although the environment "
+                "matches the recording: replays of this run are not deterministic, so no probe could be trusted; "
+                f"`replay run {self.store_path} --from {c} --to {self.stop} --verify` shows the same")
+        if base["prevented"]:
+            raise UntrustedReplayError(
+                f"{where} does not reproduce the spike by the rule"
+                + ("" if base["bitwise"] else f" (the environment differs: {'; '.join(base['environment_notes'])})")
+                + ": nothing below could be trusted" + ("; lower --threshold?" if base["bitwise"] else ""))
+        if not base["bitwise"]:
+            self.say(f"warning: {where} reproduces the spike but not bit for bit (environment differs: "
+                     f"{'; '.join(base['environment_notes'])})")
+        self.doc["phases"]["baseline"] = {"checkpoint": c, "bitwise": base["bitwise"], "spike_at": base["spike_at"],
+                                          "probe": replay_id(request(c, self.stop, Overrides()))}
+        self.say(f"baseline: {where} reproduces the spike at step {base['spike_at']}"
+                 + (", bit for bit" if base["bitwise"] else ""))
+
+    # -- 2. steps ----------------------------------------------------------------------------------
+
+    def steps(self) -> dict[str, Any]:
+        fix, stop = self.fix, self.stop
+        candidates = self.checkpoints[-self.cfg.lookback:]
+        tested = lambda starts: self.prevents([request(s, stop, fix) for s in starts], "steps")   # noqa: E731
+        i, monotone = last_true(candidates, tested, self.width)
+        bound = last_true_bound(len(candidates), self.width)
+        if i < 0:
+            self.say(f"steps: {self.cfg.fix} from checkpoints {candidates[0]}..{candidates[-1]} does not prevent "
+                     "the spike")
+            return {"checkpoint": None, "candidates": candidates, "bound": bound, "monotone": monotone}
+        good = candidates[i]
+        upper = candidates[i + 1] if i + 1 < len(candidates) else self.spike + 1
+        between = list(range(good + 1, min(upper, self.spike + 1)))
+        j, monotone_steps = last_true(between, tested, self.width)
+        last_good = between[j] if j >= 0 else good
+        bound += last_true_bound(len(between), self.width)
+        separation = self._separation(replay_id(request(good, stop, fix)))
+        self.say(f"steps: {self.cfg.fix} prevents the spike from checkpoint {good} and from every step up to "
+                 f"{last_good}; from step {last_good + 1} on it no longer can"
+                 + (f"; its trajectory separates from the record at step {separation['measurable']}"
+                    if separation["measurable"] is not None else ""))
+        return {"checkpoint": good, "last_preventing_step": last_good, "first_failing_step": last_good + 1,
+                "window": [good, last_good + 1], "separation": separation, "candidates": candidates,
+                "bound": bound, "monotone": monotone and monotone_steps}
+
+    def _separation(self, probe_id: str) -> dict[str, Any]:
+        """The first step whose loss differs from the record's: in any bit, and by > SEPARATION relative."""
+        rec = self.record.read_steps(["loss"])["loss"]
+        rows = RunStore.open(self.record.path / "replays" / probe_id).read_steps(["loss"])
+        first_bit = measurable = None
+        for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist()):
+            if first_bit is None and np.float64(loss).view(np.uint64) != np.float64(rec[step]).view(np.uint64):
+                first_bit = step
+            if abs(loss - rec[step]) > SEPARATION * abs(rec[step]):
+                measurable = step
+                break
+        return {"first_bit": first_bit, "measurable": measurable, "relative": SEPARATION}
+
+    # -- 3. layers, 4. heads -----------------------------------------------------------------------
+
+    def layers(self, start: int) -> dict[str, Any]:
+        n = self.run_cfg.model.n_layer
+        scoped = lambda subsets: self.prevents(   # noqa: E731
+            [request(start, self.stop, self.fix.with_scope(layers=sorted(s))) for s in subsets], "layers")
+        if not scoped([list(range(n))])[0]:
+            self.say(f"layers: {self.cfg.fix} on all {n} layers from step {start} does not prevent the spike; "
+                     "nothing to narrow")
+            return {"start": start, "layers": None, "bound": 1 + ddmin_bound(n)}
+        found = sorted(ddmin(list(range(n)), scoped))
+        self.say(f"layers: {self.cfg.fix} on layer(s) {', '.join(map(str, found))} alone prevents the spike "
+                 "(removing any one of them does not)")
+        return {"start": start, "layers": found, "bound": 1 + ddmin_bound(n)}
+
+    def heads(self, start: int, layers: list[int] | None) -> dict[str, Any]:
+        if not layers:
+            return {"start": start, "heads": None, "bound": 0}
+        units = [[layer, head] for layer in layers for head in range(self.run_cfg.model.n_head)]
+        scoped = lambda subsets: self.prevents(   # noqa: E731
+            [request(start, self.stop, self.fix.with_scope(units=sorted(s))) for s in subsets], "heads")
+        if not scoped([units])[0]:
+            self.say(f"heads: {self.cfg.fix} on every head of layer(s) {layers} (their attention only) does not "
+                     "prevent the spike: the rest of the layer matters")
+            return {"start": start, "heads": None, "bound": 1 + ddmin_bound(len(units))}
+        found = sorted(ddmin(units, scoped))
+        self.say(f"heads: {self.cfg.fix} on head(s) {', '.join(f'{l}.{h}' for l, h in found)} (layer.head) "
+                 "alone prevents the spike")
+        return {"start": start, "heads": found, "bound": 1 + ddmin_bound(len(units))}
+
+    # -- 5. data -----------------------------------------------------------------------------------
+
+    def data(self, start: int) -> dict[str, Any]:
+        batches = list(range(start, self.spike + 1))
+        skipped = lambda subsets: self.prevents(   # noqa: E731
+            [request(start, self.stop, Overrides(skip=sorted(s))) for s in subsets], "data")
+        everything = self.probe([request(start, self.stop, Overrides(skip=batches))], "data")[0]
+        bound = 1 + ddmin_bound(len(batches))
+        if not everything["prevented"]:
+            self.say(f"data: skipping every batch of steps {start}..{self.spike} does not prevent the spike "
+                     f"(the detector fires at step {everything['spike_at']} instead): the data in the window is not "
+                     "what makes it")
+            return {"window": [start, self.spike], "batches": None, "samples": None, "bound": bound,
+                    "spike_at_without": everything["spike_at"]}
+        steps = sorted(ddmin(batches, skipped))
+        ids = self.record.read_steps(["sample_ids"])["sample_ids"]
+        units = sorted({(s, int(i)) for s in steps for i in np.asarray(ids[s]).ravel()})
+        per_step = {s: {u for u in units if u[0] == s} for s in steps}
+
+        def without(subset) -> Overrides:
+            chosen = set(subset)
+            whole = [s for s in steps if per_step[s] <= chosen]
+            return Overrides(skip=whole, drop=sorted([list(u) for u in chosen if u[0] not in whole]))
+
+        dropped = lambda subsets: self.prevents(   # noqa: E731
+            [request(start, self.stop, without(s)) for s in subsets], "data")
+        samples = sorted(ddmin(units, dropped))
+        bound += ddmin_bound(len(units))
+        self.say(f"data: leaving out {len(samples)} sample(s) prevents the spike: "
+                 + ", ".join(f"step {s} sample {i}" for s, i in samples))
+        return {"window": [start, self.spike], "batches": steps, "samples": [list(u) for u in samples],
+                "bound": bound, "rerun": without(samples).as_args()}
+
+    # -- the answer --------------------------------------------------------------------------------
+
+    def verdict(self, seconds: float) -> dict[str, Any]:
+        phases = self.doc["phases"]
+        steps, layers, heads, data = (phases.get(k, {}) for k in ("steps", "layers", "heads", "data"))
+        used = {p: sum(1 for e in self.doc["probes"].values() if e["phase"] == p)
+                for p in ("baseline", "steps", "layers", "heads", "data")}
+        return {
+            "spike": self.spike, "fix": self.cfg.fix, "rule": self.rule.describe(),
+            "window": steps.get("window"), "separation": steps.get("separation"),
+            "layers": layers.get("layers"), "heads": heads.get("heads"),
+            "batches": data.get("batches"), "samples": data.get("samples"),
+            "probes": len(self.doc["probes"]), "new_probes": self.new_probes, "probes_by_phase": used,
+            "bound": 1 + sum(p.get("bound", 0) for p in (steps, layers, heads, data)),
+            "seconds": seconds, "workers": self.width,
+        }
+
+
+def bisect(store_path: str, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    return Bisect(store_path, cfg, progress).run()

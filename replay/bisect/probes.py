@@ -1,0 +1,99 @@
+"""Probes: the replays a bisect runs, in parallel on Ray actors.
+
+Each actor holds one CPU slot and a pool of warm ranks (launch/pool.py) of the record's world size, so
+a probe costs its steps rather than a process start-up. A probe is an ordinary replay, stored in the
+run store under its usual id (`steps-A-B-<overrides>`), so a finished probe is never run twice: not
+by a resumed bisect, not by another session, not by `replay run` with the same arguments.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from replay.errors import ReplayError
+from replay.replayer.overrides import Overrides
+from replay.replayer.replays import ReplayRequest
+
+
+def request(start: int, stop: int, overrides: Overrides) -> ReplayRequest:
+    # resume: an interrupted probe continues (or, with nothing committed yet, starts anew)
+    return ReplayRequest(start, stop, overrides=overrides, resume=True)
+
+
+class ProbeWorker:
+    """A Ray actor: runs probes one at a time on its warm ranks."""
+
+    def __init__(self, world_size: int):
+        from replay.launch.pool import RankPool
+
+        log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{id(self):x}.log"
+        self.pool = RankPool(world_size, log=log)
+
+    def run(self, store: str, req: ReplayRequest) -> dict[str, Any]:
+        import socket
+
+        from replay.replayer.replays import run
+
+        t0 = time.perf_counter()
+        result = run(store, req, pool=self.pool)
+        v = result.verification
+        return {"id": result.path.name, "ran": result.created, "seconds": time.perf_counter() - t0,
+                "bitwise": v.bitwise, "divergence": None if v.divergence is None else vars(v.divergence),
+                "environment_notes": result.environment_notes, "node": socket.gethostname()}
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class ProbeRunner:
+    """Runs batches of probe requests on `slots` actors (inside an open ray_session)."""
+
+    def __init__(self, store: str | Path, world_size: int, slots: int):
+        import ray
+
+        self.store = str(store)
+        actor = ray.remote(num_cpus=1, max_restarts=1, max_task_retries=1)(ProbeWorker)
+        self.actors = [actor.remote(world_size) for _ in range(slots)]
+
+    def run(self, requests: list[ReplayRequest]) -> list[dict[str, Any]]:
+        """Every request's result, in order; the requests run at once, one per actor."""
+        import ray
+
+        results: list[dict[str, Any] | None] = [None] * len(requests)
+        queue, idle, pending = list(enumerate(requests)), list(self.actors), {}
+        while queue or pending:
+            while queue and idle:
+                i, req = queue.pop(0)
+                worker = idle.pop()
+                pending[worker.run.remote(self.store, req)] = (i, worker)
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                i, worker = pending.pop(ref)
+                idle.append(worker)
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    if isinstance(e.cause, ReplayError):
+                        raise e.cause from None
+                    raise
+        return results   # type: ignore[return-value]
+
+    def close(self) -> None:
+        import ray
+
+        ray.get([a.close.remote() for a in self.actors])
+        for a in self.actors:
+            ray.kill(a)
+
+    def __enter__(self) -> "ProbeRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.close()
+        except Exception:   # an actor that died with the error being raised has nothing to close
+            if exc[0] is None:
+                raise

@@ -1,0 +1,73 @@
+"""The two searches of a bisect, over a `test` that runs a batch of candidates at once (in parallel).
+
+`last_true`: over candidates where the test holds for a prefix and fails after it (applying a
+counterfactual earlier prevents more), the last one it holds for. Each round tests up to `width`
+points spread over the open interval, so it takes ceil(log_{width+1}(n + 1)) rounds, at most
+width x that many tests.
+
+`ddmin`: Zeller's delta debugging, for a set whose whole passes the test: a 1-minimal subset that
+still passes (removing any one element makes it fail). Each round tests every part of the current
+split and, past two parts, every complement, all at once. At most N^2 + 3N tests for N elements;
+about 2 k log2(N) when k elements matter. Repeated candidates are the caller's to cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+Test = Callable[[list], list[bool]]
+
+
+def last_true_bound(n: int, width: int) -> int:
+    return width * math.ceil(math.log(n + 1, width + 1) - 1e-9) if n else 0
+
+
+def last_true(candidates: Sequence[T], test: Test, width: int) -> tuple[int, bool]:
+    """(index of the last candidate the test holds for, or -1; whether the answers were monotone)."""
+    lo, hi, monotone = -1, len(candidates), True
+    while hi - lo > 1:
+        inside = hi - lo - 1
+        k = min(width, inside)
+        points = sorted({lo + 1 + (i + 1) * inside // (k + 1) - (1 if inside > k else 0) for i in range(k)}
+                        | ({lo + 1} if inside <= k else set()))
+        points = [p for p in points if lo < p < hi][:max(k, 1)]
+        results = test([candidates[p] for p in points])
+        passed = [p for p, ok in zip(points, results) if ok]
+        failed = [p for p, ok in zip(points, results) if not ok]
+        if passed and failed and min(failed) < max(passed):
+            monotone = False
+        if passed:
+            lo = max(passed)
+        later_fails = [p for p in failed if p > lo]
+        if later_fails:
+            hi = min(later_fails)
+        elif not passed:   # every probe failed: the answer lies below the first one
+            hi = min(failed)
+    return lo, monotone
+
+
+def ddmin_bound(n: int) -> int:
+    return n * n + 3 * n
+
+
+def ddmin(items: Sequence[T], test: Test) -> list[T]:
+    """A 1-minimal subset of `items` (which passes the test as a whole) that passes the test."""
+    items, n = list(items), 2
+    while len(items) >= 2:
+        n = min(n, len(items))
+        parts = [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
+        complements = [[x for x in items if x not in part] for part in parts] if n > 2 else []
+        results = test(parts + complements)
+        passing_part = next((p for p, ok in zip(parts, results) if ok), None)
+        passing_complement = next((c for c, ok in zip(complements, results[len(parts):]) if ok), None)
+        if passing_part is not None:
+            items, n = passing_part, 2
+        elif passing_complement is not None:
+            items, n = passing_complement, max(n - 1, 2)
+        elif n < len(items):
+            n = min(2 * n, len(items))
+        else:
+            break
+    return items

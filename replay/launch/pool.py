@@ -1,0 +1,134 @@
+"""Warm ranks: a set of rank processes that stays up between replays, so a replay costs its steps, not
+the ~6 s per process of importing torch and transformers and joining a process group.
+
+Each rank is `python -m replay.launch.worker --serve`, started with torchrun's environment (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT, ...). It joins the process group once, then trains one store per request
+line on its stdin and answers one JSON line on its own reply pipe. Every replay restores its model,
+optimizer and RNG states from the store and sets its thread count and determinism flags, so nothing
+carries over between replays but imported code; bitwise verification checks exactly that.
+A failing rank (its error, or its death) takes the whole pool down: the others may be stuck in a
+collective. The next request starts a fresh pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+from pathlib import Path
+
+from replay.errors import ReplayError
+from replay.launch.ranks import _free_port
+
+
+def _die_with_parent() -> None:
+    """Linux: a rank is killed with the process that started it, so a killed bisect leaves no rank
+    writing into a replay that its resumed run is about to redo."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+
+class RankPool:
+    def __init__(self, world_size: int, log: str | Path | None = None):
+        self.world_size = world_size
+        self.log_path = Path(log) if log else None
+        self._procs: list[subprocess.Popen] = []
+        self._replies: list[int] = []
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def _start(self) -> None:
+        port = _free_port()
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        for rank in range(self.world_size):
+            read_fd, write_fd = os.pipe()
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                   "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "REPLAY_REPLY_FD": str(write_fd)}
+            env.pop("TORCHELASTIC_RUN_ID", None)
+            proc = subprocess.Popen([sys.executable, "-m", "replay.launch.worker", "--serve"], env=env,
+                                    stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write_fd,),
+                                    preexec_fn=_die_with_parent)
+            os.close(write_fd)
+            self._procs.append(proc)
+            self._replies.append(read_fd)
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+    def train(self, store_path: str | Path, resume: bool = False) -> None:
+        """Train the (already prepared) store on every rank; raises ReplayError if any rank fails."""
+        if not self.alive:
+            self.close()
+            self._start()
+        request = (json.dumps({"store": str(store_path), "resume": resume}) + "\n").encode()
+        try:
+            for proc in self._procs:
+                proc.stdin.write(request)
+                proc.stdin.flush()
+        except BrokenPipeError:
+            self.close(kill=True)
+            raise ReplayError(f"a warm rank died before it took the replay of {store_path}") from None
+        failures = self._collect()
+        if failures:
+            self.close(kill=True)
+            raise ReplayError(f"{'; '.join(failures)} (replay of {store_path})")
+
+    def _collect(self) -> list[str]:
+        """Wait for every rank's answer; the first failure ends the wait (the rest may hang in a collective)."""
+        selector = selectors.DefaultSelector()
+        for rank, fd in enumerate(self._replies):
+            selector.register(fd, selectors.EVENT_READ, rank)
+        buffers = {rank: b"" for rank in range(self.world_size)}
+        waiting, failures = set(buffers), []
+        while waiting and not failures:
+            for key, _ in selector.select(timeout=1.0):
+                rank = key.data
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    code = self._procs[rank].wait()
+                    failures.append(f"rank {rank} died (exit code {code})")
+                    selector.unregister(key.fd)
+                    waiting.discard(rank)
+                    continue
+                buffers[rank] += chunk
+                if buffers[rank].endswith(b"\n"):
+                    answer = json.loads(buffers[rank])
+                    buffers[rank] = b""
+                    waiting.discard(rank)
+                    selector.unregister(key.fd)
+                    if "error" in answer:
+                        failures.append(f"rank {rank}: {answer['error']}")
+        selector.close()
+        return failures
+
+    def close(self, kill: bool = False) -> None:
+        """Let the ranks leave (end of their input), or kill them (a failed replay: some may be stuck)."""
+        for proc in self._procs:
+            if kill and proc.poll() is None:
+                proc.kill()
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for fd in self._replies:
+            os.close(fd)
+        self._procs, self._replies = [], []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
