@@ -177,13 +177,21 @@ def _print_info(store: str, as_json: bool) -> None:
         f"\n            step {e['step']}: loss {e['loss']:.4f} vs baseline {e['baseline']:.4f} (robust z {e['score']:.1f})"
         if isinstance(e['score'], (int, float)) else f"\n            step {e['step']}: loss {e['loss']} (non-finite)"
         for e in sp))
-    click.echo(f"replays     {len(summary['replays'])}" + "".join(
+    probes = {key for b in summary["bisect"] for key in b["probes"]}
+    shown = [r for r in summary["replays"] if r["id"] not in probes]
+    click.echo(f"replays     {len(summary['replays'])}"
+               + (f" ({len(summary['replays']) - len(shown)} of them bisect probes, not listed)" if probes else "")
+               + "".join(
         f"\n            {r['id']}: steps {r['window']['from']}..{r['window']['to']} from checkpoint "
         f"{r['start_checkpoint']}, {r['status']}, {r['outcome']}"
         + (f", overrides {r['overrides']}" if r['overrides'] else "")
         + ("" if not r['verification'] else ", bitwise" if r['verification']['bitwise']
            else f", diverges at step {r['verification']['divergence']['step']}")
-        for r in summary["replays"]))
+        for r in shown))
+    click.echo(f"bisect      {len(summary['bisect'])} session(s)" + "".join(
+        f"\n            {b['id']}: {b['status']}, {len(b['probes'])} probes"
+        + (f"; {_verdict_line(b['verdict'])}" if b["verdict"] else "")
+        for b in summary["bisect"]))
     if summary["resumes"]:
         click.echo(f"resumed     from step {', '.join(str(r['from_step']) for r in summary['resumes'])}")
     analysed = summary["analysis"]["checkpoints"]
@@ -412,20 +420,37 @@ def bisect(store, spike, by, fix, horizon, threshold, ray_address, workers, as_j
     _print_verdict(store, session["verdict"])
 
 
+def _verdict_line(v: dict) -> str:
+    parts = [f"decided in steps {v['window'][0]}..{v['window'][1]}" if v.get("window") else None,
+             f"layers {', '.join(map(str, v['layers']))}" if v.get("layers") else None,
+             f"heads {', '.join(f'{l}.{h}' for l, h in v['heads'])}" if v.get("heads") else None,
+             f"samples {', '.join(f'{s}:{i}' for s, i in v['samples'])}" if v.get("samples") else None]
+    return "; ".join(p for p in parts if p) or "nothing narrowed down"
+
+
 def _print_verdict(store: str, v: dict) -> None:
     from replay.store.summary import step_batch
 
-    click.echo(f"spike at step {v['spike']}, counterfactual {v['fix']}:")
+    uses_fix = set(v["phases"]) != {"data"}
+    click.echo(f"spike at step {v['spike']}" + (f", counterfactual {v['fix']}:" if uses_fix else ":"))
+    if "steps" in v["phases"] and not v["window"]:
+        click.echo("  steps: the counterfactual prevents the spike from none of the checkpoints tried")
     if v["window"]:
         sep = v["separation"]
         click.echo(f"  decided in steps {v['window'][0]}..{v['window'][1]}: the counterfactual prevents it from "
                    f"checkpoint {v['window'][0]}, not from step {v['window'][1]} on"
                    + (f"; it separates from the record at step {sep['measurable']}" if sep["measurable"] is not None
                       else ""))
-    for key, what in (("layers", "layers"), ("heads", "heads (layer.head)")):
-        if key in v and v[key]:
-            units = v[key] if key == "layers" else [f"{l}.{h}" for l, h in v[key]]
-            click.echo(f"  {what}: {', '.join(map(str, units))}")
+    if v["layers"]:
+        click.echo(f"  layers: {', '.join(map(str, v['layers']))} (the counterfactual on these alone prevents the spike)")
+    elif "layers" in v["phases"]:
+        click.echo("  layers: the counterfactual on all layers does not prevent the spike; nothing to narrow")
+    if v["heads"]:
+        click.echo(f"  heads: {', '.join(f'{l}.{h}' for l, h in v['heads'])} (layer.head; on these alone it prevents "
+                   "the spike)")
+    elif "heads" in v["phases"] and v["layers"]:
+        click.echo("  heads: on the attention heads of those layers alone it does not prevent the spike: the rest "
+                   "of the layer (its MLP, layer norms) matters")
     if v["samples"]:
         click.echo(f"  data: batches of step(s) {', '.join(map(str, v['batches']))}; leaving out these "
                    f"{len(v['samples'])} sample(s) prevents the spike:")
@@ -435,6 +460,10 @@ def _print_verdict(store: str, v: dict) -> None:
                     click.echo(f"--- step {step}  rank {row['rank']}  micro-batch {row['micro']}  sample {sample}")
                     click.echo(row["text"])
                     break
+    if v.get("data_window") and not v["samples"]:
+        click.echo(f"  data: no batch is responsible: skipping every batch of steps {v['data_window'][0]}.."
+                   f"{v['data_window'][1]} does not prevent the spike (it comes at step "
+                   f"{v['spike_without_data']} instead)")
     click.echo(f"  {v['probes']} probes ({v['new_probes']} run now; worst case {v['bound']}), "
                f"{v['seconds']:.1f} s on {v['workers']} worker(s)")
 
@@ -477,6 +506,32 @@ def compare(store_a, store_b, ray_address, workers, as_json) -> None:
         row = [max(result[m][i]) for m in ("max_abs", "frobenius", "relative", "wasserstein")]
         click.echo(f"{step:>8} " + " ".join(f"{v:>12.4e}" for v in row))
     click.echo("(each column: the largest over tensors)")
+
+
+@main.command()
+@click.option("--out", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
+              help="Run store of the demo (reused if the demo already ran there).")
+@_main_errors
+def demo(out) -> None:
+    """The whole story on the embedded default, on a laptop: record the `spike` preset on 2 CPU ranks,
+    bisect its spike, replay the steps before it densely, analyse every checkpoint on a local Ray
+    cluster and write the report. Stages already done in OUT are reused."""
+    from replay.demo import run_demo
+
+    result = run_demo(out, progress=lambda m: click.echo(m, err=True))
+    v = result.bisect["verdict"]
+    click.echo("")
+    click.echo(f"The recorded spike, bisected ({v['probes']} probe replays in {v['seconds']:.0f} s):")
+    _print_verdict(str(result.store), v)
+    found = [f for f in result.localisation if not isinstance(f, int)]
+    for f in found[:1]:
+        top = f.heads[0]
+        click.echo(f"Analysis: at checkpoint {f.checkpoint}, just before the spike, the most unusual head is "
+                   f"{top.unit} ({top.signal} {top.value:.3g} against a median of {top.baseline:.3g}, robust z "
+                   f"{top.score:.1f})")
+    click.echo("Stages: " + ", ".join(f"{k} {s:.0f} s" for k, s in result.stages.items()))
+    click.echo(f"Where to look: {result.report} (open it in a browser); `replay info {result.store}`; "
+               f"`replay batch {result.store} --step {v['spike']}`")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,56 @@ def _ranking_html(found: Localisation, top: int) -> str:
             "<th>value</th><th>median before</th></tr>" + "".join(rows) + "</table>")
 
 
+def _bisect_html(session: dict[str, Any]) -> str:
+    v, p = session.get("verdict") or {}, session["params"]
+    e = html.escape
+    rows = [("status", session.get("status", "?")), ("spike", p["spike"]), ("narrowed by", p["by"]),
+            ("counterfactual", p["fix"] if set(v.get("phases", [])) != {"data"} else "-"),
+            ("rule", session.get("rule", "")),
+            ("decisive window", "{}..{} (prevents from checkpoint {}, not from step {} on)".format(
+                v["window"][0], v["window"][1], v["window"][0], v["window"][1]) if v.get("window") else "-"),
+            ("separates from the record", (v.get("separation") or {}).get("measurable") or "-"),
+            ("layers", ", ".join(map(str, v["layers"])) if v.get("layers") else "-"),
+            ("heads (layer.head)", ", ".join(f"{a}.{b}" for a, b in v["heads"]) if v.get("heads") else "-"),
+            ("batches", ", ".join(map(str, v["batches"])) if v.get("batches") else "-"),
+            ("samples (step:id)", ", ".join(f"{a}:{b}" for a, b in v["samples"]) if v.get("samples") else "-"),
+            ("probes", f"{len(session['probes'])} (worst case {v.get('bound', '?')}); "
+                       f"{v.get('seconds', 0):.1f} s on {v.get('workers', '?')} worker(s)")]
+    table = "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(x))}</td></tr>" for k, x in rows)
+    probe_rows = "".join(
+        f"<tr><td>{e(q['phase'])}</td><td>{e(key)}</td><td>{q['window'][0]}..{q['window'][1]}</td>"
+        f"<td>{e(str(q['overrides'] or '-'))}</td><td>{'prevents' if q['prevented'] else 'spike at ' + str(q['spike_at'])}"
+        f"</td></tr>" for key, q in session["probes"].items())
+    return (f"<h3>Session {e(session['id'])}</h3><table>{table}</table>"
+            "<details><summary>every probe</summary><table><tr><th>phase</th><th>replay</th><th>window</th>"
+            f"<th>overrides</th><th>verdict</th></tr>{probe_rows}</table></details>")
+
+
+def _probe_plot(run: RunStore, session: dict[str, Any]) -> str:
+    """The record's loss around the spike, with every probe: green where it prevents the spike, red where not."""
+    spike = session["params"]["spike"]
+    steps = run.read_steps(["loss"])
+
+    def draw(fig):
+        ax = fig.subplots()
+        lo = min(q["window"][0] for q in session["probes"].values())
+        hi = max(q["window"][1] for q in session["probes"].values())
+        keep = (steps["step"] >= lo) & (steps["step"] <= hi)
+        for q_id, q in session["probes"].items():
+            rep = RunStore.open(run.path / "replays" / q_id).read_steps(["loss"])
+            ax.plot(rep["step"], rep["loss"], lw=0.8, alpha=0.5, color="tab:green" if q["prevented"] else "tab:red")
+        ax.plot(steps["step"][keep], steps["loss"][keep], color="black", lw=1.5, label="record")
+        ax.plot([], [], color="tab:green", label="probe: prevents")
+        ax.plot([], [], color="tab:red", label="probe: spikes")
+        _mark_spikes(ax, [spike])
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(f"bisect probes around the spike at step {spike}", fontsize=9)
+        ax.legend(fontsize=7)
+
+    return _figure(draw, 10, 3.2)
+
+
 _STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 img.figure{max-width:100%;display:block;margin:1em 0}code{background:#f3f3f3;padding:0 3px}"""
@@ -147,7 +197,9 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
     m = run.manifest
     cfg = RunConfig.from_dict(m["config"])
     spikes = [int(e["step"]) for e in run.spikes]
-    replays = list_replays(store_path)
+    sessions = run.bisect_sessions()
+    probes = {key for b in sessions for key in b["probes"]}
+    replays = [r for r in list_replays(store_path) if r["id"] not in probes]   # probes: in the bisect section
     table = read_metrics(store_path)
     found = localise_store(store_path)
     figures = []
@@ -160,6 +212,15 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
              "red lines mark detected spikes.</p>"]
     figures.append(_curves(run, replays, spikes))
     parts.append(figures[-1])
+
+    parts.append("<h2>Bisect</h2>")
+    if not sessions:
+        parts.append("<p>No bisect yet: run <code>replay bisect</code> on this store.</p>")
+    for session in sessions:
+        parts.append(_bisect_html(session))
+        if session["probes"]:
+            figures.append(_probe_plot(run, session))
+            parts.append(figures[-1])
 
     parts.append("<h2>Localisation</h2>")
     if table is None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -103,6 +105,10 @@ class Bisect:
         self.run_cfg = RunConfig.from_dict(self.record.manifest["config"])
         self.spike = self._pick_spike()
         self.checkpoints = [c.step for c in self.record.checkpoints() if c.step <= self.spike]
+        warmup = max(self.run_cfg.spike.warmup, 3)
+        if self.spike < warmup:
+            raise UsageError(f"the spike at step {self.spike} is too close to the start: the detector judges steps "
+                             f"only after its warmup of {warmup} steps, so no probe could be judged")
         if not self.checkpoints:
             raise UsageError(f"the spike at step {self.spike} is too close to the start: no committed checkpoint at "
                              f"or before it in {store_path}; record with a smaller --checkpoint-every")
@@ -173,6 +179,7 @@ class Bisect:
                                                f"spike at step {found.spike_at}")
                          + (f" ({result['seconds']:.1f} s)" if result["ran"] else " (already in the store)"))
             self.save()
+            _fault(self.new_probes)
         return [self.doc["probes"][k] for k in keys]
 
     def save(self, **fields: Any) -> None:
@@ -355,14 +362,22 @@ class Bisect:
         used = {p: sum(1 for e in self.doc["probes"].values() if e["phase"] == p)
                 for p in ("baseline", "steps", "layers", "heads", "data")}
         return {
-            "spike": self.spike, "fix": self.cfg.fix, "rule": self.rule.describe(),
+            "spike": self.spike, "phases": PHASES[self.cfg.by], "fix": self.cfg.fix, "rule": self.rule.describe(),
             "window": steps.get("window"), "separation": steps.get("separation"),
             "layers": layers.get("layers"), "heads": heads.get("heads"),
-            "batches": data.get("batches"), "samples": data.get("samples"),
+            "batches": data.get("batches"), "samples": data.get("samples"), "data_window": data.get("window"),
+            "spike_without_data": data.get("spike_at_without"),
             "probes": len(self.doc["probes"]), "new_probes": self.new_probes, "probes_by_phase": used,
             "bound": 1 + sum(p.get("bound", 0) for p in (steps, layers, heads, data)),
             "seconds": seconds, "workers": self.width,
         }
+
+
+def _fault(new_probes: int) -> None:
+    """Fault hook for the resume test: REPLAY_FAULT=bisect-kill:N SIGKILLs the driver once N probes ran."""
+    name, _, n = os.environ.get("REPLAY_FAULT", "").partition(":")
+    if name == "bisect-kill" and new_probes >= int(n):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def bisect(store_path: str, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:

@@ -28,23 +28,16 @@ def last_true(candidates: Sequence[T], test: Test, width: int) -> tuple[int, boo
     """(index of the last candidate the test holds for, or -1; whether the answers were monotone)."""
     lo, hi, monotone = -1, len(candidates), True
     while hi - lo > 1:
-        inside = hi - lo - 1
-        k = min(width, inside)
-        points = sorted({lo + 1 + (i + 1) * inside // (k + 1) - (1 if inside > k else 0) for i in range(k)}
-                        | ({lo + 1} if inside <= k else set()))
-        points = [p for p in points if lo < p < hi][:max(k, 1)]
+        inside = range(lo + 1, hi)
+        k = min(width, len(inside))
+        points = sorted({inside[(i + 1) * len(inside) // (k + 1)] for i in range(k)})
         results = test([candidates[p] for p in points])
         passed = [p for p, ok in zip(points, results) if ok]
         failed = [p for p, ok in zip(points, results) if not ok]
         if passed and failed and min(failed) < max(passed):
             monotone = False
-        if passed:
-            lo = max(passed)
-        later_fails = [p for p in failed if p > lo]
-        if later_fails:
-            hi = min(later_fails)
-        elif not passed:   # every probe failed: the answer lies below the first one
-            hi = min(failed)
+        lo = max(passed, default=lo)
+        hi = min([p for p in failed if p > lo], default=hi)
     return lo, monotone
 
 

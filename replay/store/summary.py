@@ -41,6 +41,8 @@ def summarize(path: str) -> dict[str, Any]:
         "spikes": store.spikes,
         "replays": list_replays(path),
         "resumes": m.get("resumes", []),
+        "bisect": [{"id": b["id"], "status": b.get("status"), "params": b["params"], "probes": sorted(b["probes"]),
+                    "verdict": b.get("verdict")} for b in store.bisect_sessions()],
     }
 
 

@@ -1,0 +1,97 @@
+"""Benchmark `replay bisect`: probes used against the stated bound, 2 Ray workers against 1, and warm
+ranks against ranks started afresh for every probe.
+
+1. `replay bisect STORE --by all --fix lr-scale=0.5 --workers W` on two fresh copies of a recording of
+   the `spike` preset (2 CPU ranks), W = 1 then 2: probes used, the worst case the searches state,
+   and the wall time of the bisect (as the session reports it: Ray and the warm ranks' start-up
+   included, the recording excluded). Target for the ratio: >= 1.6x on 2 cores.
+2. The same for `--by data` on the planted-data run of the tests (two degenerate samples at step 37
+   of a 48-step tiny run): many short probes, where the probes' fixed costs dominate.
+3. Three short replays of the planted run on fresh ranks (`replay run`, a process start-up each) against
+   the same three on one pool of warm ranks: the cost the warm pool saves per probe.
+
+    .venv/bin/python benchmarks/bench_bisect.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_analysis import cli, hardware  # noqa: E402
+from tests.bisect.planted import RECORD_ARGS, plant_degenerate_samples  # noqa: E402
+
+
+def bisect(store: Path, *args: str) -> dict:
+    out = cli("bisect", str(store), *args, "--json")
+    return json.loads(out.stdout)["verdict"]
+
+
+def fresh_copy(src: Path, dst: Path) -> Path:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("replays", "bisect", "analysis", "report.html"))
+    return dst
+
+
+def workers_pair(name: str, store: Path, root: Path, *args: str) -> None:
+    results = {}
+    for workers in (1, 2):
+        copy = fresh_copy(store, root / f"{name}-w{workers}")
+        results[workers] = bisect(copy, *args, "--workers", str(workers))
+    one, two = results[1], results[2]
+    print(f"{name}: bisect {' '.join(args)}")
+    for w, v in results.items():
+        print(f"  {w} worker(s): {v['probes']} probes (worst case {v['bound']}), {v['seconds']:.1f} s; "
+              f"window {v['window']}, layers {v['layers']}, heads {v['heads']}, samples {v['samples']}")
+    same = all(one[k] == two[k] for k in ("window", "layers", "heads", "batches", "samples"))
+    print(f"  speed-up 2 vs 1 workers: {one['seconds'] / two['seconds']:.2f}x (same verdict: {same})")
+
+
+def warm_vs_fresh(store: Path, root: Path) -> None:
+    from replay.launch.pool import RankPool
+    from replay.replayer.overrides import Overrides
+    from replay.replayer.replays import ReplayRequest, run
+
+    windows = [(30, 39), (31, 40), (32, 41)]
+    fresh = fresh_copy(store, root / "fresh")
+    t = time.perf_counter()
+    for a, b in windows:
+        cli("run", str(fresh), "--from", str(a), "--to", str(b), "--lr-scale", "0.5")
+    cold = time.perf_counter() - t
+    warm_store = fresh_copy(store, root / "warm")
+    with RankPool(2) as pool:
+        run(warm_store, ReplayRequest(29, 29), pool=pool)   # start the pool (not timed)
+        t = time.perf_counter()
+        for a, b in windows:
+            run(warm_store, ReplayRequest(a, b, overrides=Overrides(lr_scale=0.5)), pool=pool)
+        warm = time.perf_counter() - t
+    print(f"3 replays of 10 steps: fresh ranks {cold:.1f} s, warm ranks {warm:.1f} s: {cold / warm:.1f}x")
+
+
+def main() -> None:
+    print(hardware())
+    root = Path(tempfile.mkdtemp(prefix="bench-bisect-"))
+    try:
+        spike = root / "spike"
+        cli("record", "--store", str(spike), "--preset", "spike", "--nproc", "2")
+        workers_pair("spike preset", spike, root, "--by", "all", "--fix", "lr-scale=0.5")
+
+        plant_degenerate_samples(root / "train.bin", 37, [1, 6])
+        planted = root / "planted"
+        cli("record", "--store", str(planted), "--data", str(root / "train.bin"), *RECORD_ARGS)
+        workers_pair("planted data", planted, root, "--by", "data")
+        warm_vs_fresh(planted, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.pop("REPLAY_FAULT", None)
+    main()

@@ -1,0 +1,94 @@
+"""`replay demo`: the whole story on the embedded default, on a laptop. Read it top to bottom.
+
+Record the `spike` preset on 2 CPU ranks (a real loss spike), bisect it, replay the steps before it
+densely and bit for bit, analyse every checkpoint on a local Ray cluster, and write the report. Every
+stage is the same code the commands run, and every stage that is already done is reused, so running
+the demo again (or after an interruption) only does what is missing.
+
+The spike of the `spike` preset is a memorisation spike: an Adam instability of a tiny model on 8
+fixed sequences, not the papers' BF16 attention mechanism. Its counterfactual is therefore a halved
+learning rate (`lr-scale=0.5`), which the bisect applies from a step, to layers and to heads; on a
+BF16 flash-attention run the default is the safe-softmax fix.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from replay.errors import UsageError
+
+PRESET, NPROC = "spike", 2
+FIX = "lr-scale=0.5"
+DENSE_BEFORE, DENSE_AFTER, DENSE_EVERY = 24, 3, 2   # the dense replay: spike - 24 .. spike + 3, every 2 steps
+
+
+@dataclass
+class DemoResult:
+    store: Path
+    report: Path
+    bisect: dict[str, Any]
+    localisation: list[Any]
+    stages: dict[str, float]   # seconds per stage
+
+
+def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
+    from replay.analysis.jobs import analyze
+    from replay.analysis.localise import localise_store
+    from replay.analysis.report import write_report
+    from replay.bisect.narrow import BisectConfig, bisect
+    from replay.launch.ray_cluster import ray_session
+    from replay.replayer.replays import ReplayRequest
+    from replay.replayer.replays import run as replay
+
+    store = Path(out)
+    stages: dict[str, float] = {}
+    t = time.perf_counter()
+
+    progress(f"[1/5] record: the `{PRESET}` preset on {NPROC} CPU ranks into {store}")
+    _record(store, progress)
+    stages["record"], t = time.perf_counter() - t, time.perf_counter()
+
+    with ray_session() as slots:   # one local Ray cluster for the bisect and the analysis
+        progress(f"[2/5] bisect the largest spike with the counterfactual {FIX} ({slots} Ray workers)")
+        session = bisect(str(store), BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
+        stages["bisect"], t = time.perf_counter() - t, time.perf_counter()
+
+        spike = session["verdict"]["spike"]
+        start, stop = max(0, spike - DENSE_BEFORE), spike + DENSE_AFTER
+        progress(f"[3/5] replay steps {start}..{stop} with a checkpoint every {DENSE_EVERY} steps, verified bit for bit")
+        dense = replay(str(store), ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True))
+        if not dense.verification.bitwise:
+            progress(f"      warning: {dense.verification.divergence.describe()}")
+        stages["replay"], t = time.perf_counter() - t, time.perf_counter()
+
+        progress("[4/5] analyse every checkpoint of the run and its replays")
+        analyze(str(store), progress=lambda m: progress("      " + m))
+        stages["analyze"], t = time.perf_counter() - t, time.perf_counter()
+
+    progress("[5/5] write the report")
+    report = write_report(str(store), None)
+    stages["report"] = time.perf_counter() - t
+    return DemoResult(store, Path(report), session, localise_store(str(store)), stages)
+
+
+def _record(store: Path, progress: Callable[[str], None]) -> None:
+    from replay.config import build_config
+    from replay.launch import ranks
+    from replay.store import RunStore
+
+    if store.exists() and any(store.iterdir()):
+        existing = RunStore.open(store)
+        if existing.manifest["config"]["preset"] != PRESET or existing.kind != "run":
+            raise UsageError(f"{store} holds another run; give `replay demo` a new --out directory")
+        if existing.manifest.get("status") == "complete":
+            progress(f"      {store} already holds the recording: reusing it")
+            return
+        _, cfg = ranks.prepare_resume(str(store), world_size=NPROC)
+        ranks.run_ranks(str(store), cfg, NPROC, resume=True)
+        return
+    cfg = build_config(PRESET, None, [], nproc=NPROC)
+    ranks.prepare_new(str(store), cfg, world_size=NPROC, local_world=NPROC)
+    ranks.run_ranks(str(store), cfg, NPROC, resume=False)

@@ -1,0 +1,59 @@
+"""The "prevents the spike" rule on probes with planted loss curves (real Zarr stores on disk)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from replay.bisect.rule import Rule, judge
+from replay.config import SpikeConfig
+from replay.store import RunStore
+
+RULE = Rule(SpikeConfig(window=10, threshold=6.0, min_rise=0.5, warmup=5), horizon=5)
+
+
+def _store(path, losses, first_step=0, skip=()):
+    store = RunStore.create(path, {"skip": list(skip)}, kind="replay" if first_step else "run", first_step=first_step)
+    k = len(losses)
+    store.append_steps(first_step, {
+        "loss": np.asarray(losses, dtype=np.float64), "rank_loss": np.zeros((k, 1)), "grad_norm": np.zeros(k),
+        "lr": np.zeros(k), "tokens": np.zeros(k, dtype=np.int64), "step_time": np.zeros(k),
+        "sample_ids": np.zeros((k, 1, 1, 1), dtype=np.int64)})
+    return store
+
+
+def _flat(n, noise_seed=0):
+    return list(1.0 + 0.01 * np.random.default_rng(noise_seed).standard_normal(n))
+
+
+def test_a_rise_inside_the_horizon_is_a_spike_and_one_after_it_is_not(tmp_path):
+    record = _store(tmp_path / "run", _flat(40))
+    window = (20, 25)   # spike step 20, horizon 5
+    inside = _flat(10, 1)
+    inside[25 - 20] = 3.0
+    after = _flat(10, 1)
+    after[26 - 20] = 3.0
+    j_inside = judge(record, _store(tmp_path / "a", inside, first_step=20), RULE, *window)
+    j_after = judge(record, _store(tmp_path / "b", after, first_step=20), RULE, *window)
+    assert (j_inside.prevented, j_inside.spike_at, j_inside.peak) == (False, 25, 3.0)
+    assert j_after.prevented and j_after.spike_at is None and j_after.peak < 1.1
+    assert abs(j_after.baseline - 1.0) < 0.02
+
+
+def test_non_finite_losses_are_spikes_and_skipped_steps_are_left_out(tmp_path):
+    record = _store(tmp_path / "run", _flat(40))
+    nan = _flat(10, 2)
+    nan[3] = math.nan
+    assert judge(record, _store(tmp_path / "a", nan, first_step=20), RULE, 20, 25).spike_at == 23
+    assert judge(record, _store(tmp_path / "b", nan, first_step=20, skip=[23]), RULE, 20, 25).prevented
+
+
+def test_the_history_before_the_window_comes_from_the_record(tmp_path):
+    """A probe starting at its checkpoint (18) before the window (20): steps 18, 19 are its own and are
+    judged as history only; a rise relative to the *record's* level is what counts."""
+    record = _store(tmp_path / "run", [5.0] * 40)
+    probe = _store(tmp_path / "a", [5.0, 5.0] + [5.1] * 8, first_step=18)
+    assert judge(record, probe, RULE, 20, 25).prevented   # 5.1 < 5.0 x 1.5
+    low = _store(tmp_path / "run2", [1.0] * 40)
+    assert not judge(low, _store(tmp_path / "b", [1.0, 1.0] + [5.1] * 8, first_step=18), RULE, 20, 25).prevented

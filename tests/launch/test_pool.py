@@ -1,0 +1,38 @@
+"""Warm ranks (launch/pool.py): replays one after another in the same rank processes stay bit for bit,
+and a rank that dies fails its replay and leaves the next one a fresh pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from replay.errors import ReplayError
+from replay.launch.pool import RankPool
+from replay.replayer.overrides import Overrides
+from replay.replayer.replays import ReplayRequest, run
+from replay.store import RunStore
+
+pytestmark = pytest.mark.slow
+
+
+def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):
+    with RankPool(2) as pool:
+        # a counterfactual first: nothing of it may carry over into the plain windows after it
+        changed = run(store_copy, ReplayRequest(12, 14, overrides=Overrides(lr_scale=0.5)), pool=pool)
+        pids = [p.pid for p in pool._procs]
+        assert changed.created and not changed.verification.bitwise
+        for start, stop in [(13, 19), (20, 25), (12, 14)]:
+            plain = run(store_copy, ReplayRequest(start, stop), pool=pool)
+            assert plain.created and plain.verification.bitwise, (start, stop, plain.verification)
+        assert [p.pid for p in pool._procs] == pids   # the same processes served every replay
+
+
+def test_a_rank_that_dies_fails_the_replay_and_the_next_starts_a_fresh_pool(store_copy, monkeypatch):
+    monkeypatch.setenv("REPLAY_FAULT", "shard-half:15:1")   # rank 1 SIGKILLed writing the final checkpoint
+    with RankPool(2) as pool:
+        with pytest.raises(ReplayError, match=r"rank 1 died \(exit code -9\)"):
+            run(store_copy, ReplayRequest(12, 14), pool=pool)
+        assert not pool.alive and not pool._procs
+        monkeypatch.delenv("REPLAY_FAULT")
+        again = run(store_copy, ReplayRequest(12, 14, resume=True), pool=pool)
+        assert again.created and again.verification.bitwise
+        assert RunStore.open(again.path).manifest["status"] == "complete"
