@@ -18,10 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Until `replay demo` exists: record the tiny default run on 2 CPU ranks and show what was recorded.
+# The whole story on the embedded default: record the `spike` preset on 2 CPU ranks, bisect its spike,
+# replay and analyse it on a local Ray cluster, write the report (stages already done in DEMO are reused).
 demo: setup
-	rm -rf $(DEMO)
-	$(VENV)/bin/replay record --store $(DEMO) --preset tiny --nproc 2
+	$(VENV)/bin/replay demo --out $(DEMO)
 
 test: setup
 	$(PY) -m pytest -q
@@ -29,6 +29,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/bench_record.py
 	$(PY) benchmarks/bench_analysis.py
+	$(PY) benchmarks/bench_bisect.py
 
 clean:
 	rm -rf $(VENV) runs

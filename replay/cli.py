@@ -394,10 +394,12 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
 @click.option("--horizon", type=int, default=10, show_default=True,
               help="Steps after the spike that must stay quiet for a probe to prevent it.")
 @click.option("--threshold", type=float, help="The detector's robust-z threshold (default: the recording's).")
+@click.option("--max-probes", type=int, default=200, show_default=True,
+              help="Probe budget of the session; past it, the answer is not minimal (and says so).")
 @_ray_options
 @click.option("--json", "as_json", is_flag=True, help="Print the session (verdict, phases, probes) as JSON.")
 @_main_errors
-def bisect(store, spike, by, fix, horizon, threshold, ray_address, workers, as_json) -> None:
+def bisect(store, spike, by, fix, horizon, threshold, max_probes, ray_address, workers, as_json) -> None:
     """Narrow a loss spike in STORE down with replays ("probes") run in parallel as Ray tasks.
 
     First a plain replay from the nearest checkpoint before the spike must reproduce it. Then: the
@@ -411,8 +413,8 @@ def bisect(store, spike, by, fix, horizon, threshold, ray_address, workers, as_j
     from replay.bisect.narrow import BisectConfig
     from replay.bisect.narrow import bisect as run_bisect
 
-    cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, workers=workers,
-                       address=ray_address)
+    cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, max_probes=max_probes,
+                       workers=workers, address=ray_address)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
     if as_json:
         click.echo(json.dumps(session, indent=2))
@@ -441,13 +443,16 @@ def _print_verdict(store: str, v: dict) -> None:
                    f"checkpoint {v['window'][0]}, not from step {v['window'][1]} on"
                    + (f"; it separates from the record at step {sep['measurable']}" if sep["measurable"] is not None
                       else ""))
+    also = v.get("also", {})
     if v["layers"]:
-        click.echo(f"  layers: {', '.join(map(str, v['layers']))} (the counterfactual on these alone prevents the spike)")
+        click.echo(f"  layers: {', '.join(map(str, v['layers']))} (the counterfactual on these alone prevents the spike"
+                   + "".join(f"; so it does on {', '.join(map(str, a))}" for a in also.get("layers", [])) + ")")
     elif "layers" in v["phases"]:
         click.echo("  layers: the counterfactual on all layers does not prevent the spike; nothing to narrow")
     if v["heads"]:
         click.echo(f"  heads: {', '.join(f'{l}.{h}' for l, h in v['heads'])} (layer.head; on these alone it prevents "
-                   "the spike)")
+                   "the spike" + "".join(f"; so it does on {', '.join(f'{l}.{h}' for l, h in a)}"
+                                         for a in also.get("heads", [])) + ")")
     elif "heads" in v["phases"] and v["layers"]:
         click.echo("  heads: on the attention heads of those layers alone it does not prevent the spike: the rest "
                    "of the layer (its MLP, layer norms) matters")
@@ -464,6 +469,9 @@ def _print_verdict(store: str, v: dict) -> None:
         click.echo(f"  data: no batch is responsible: skipping every batch of steps {v['data_window'][0]}.."
                    f"{v['data_window'][1]} does not prevent the spike (it comes at step "
                    f"{v['spike_without_data']} instead)")
+    if not v.get("minimal", True):
+        click.echo("  (the probe budget was spent before the search finished: the sets above prevent the spike "
+                   "but may not be minimal; raise --max-probes)")
     click.echo(f"  {v['probes']} probes ({v['new_probes']} run now; worst case {v['bound']}), "
                f"{v['seconds']:.1f} s on {v['workers']} worker(s)")
 

@@ -65,13 +65,22 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
         stages["replay"], t = time.perf_counter() - t, time.perf_counter()
 
         progress("[4/5] analyse every checkpoint of the run and its replays")
-        analyze(str(store), progress=lambda m: progress("      " + m))
+        analyze(str(store), progress=lambda m: _every_tenth(m) and progress("      " + m))
         stages["analyze"], t = time.perf_counter() - t, time.perf_counter()
 
     progress("[5/5] write the report")
     report = write_report(str(store), None)
     stages["report"] = time.perf_counter() - t
     return DemoResult(store, Path(report), session, localise_store(str(store)), stages)
+
+
+def _every_tenth(message: str) -> bool:
+    """The analysis reports every work item ("[i/n] ..."); the demo shows every tenth and the last."""
+    if not message.startswith("["):
+        return True
+    done, _, rest = message[1:].partition("/")
+    total = rest.partition("]")[0]
+    return not (done.isdigit() and total.isdigit()) or int(done) % 10 == 0 or done == total
 
 
 def _record(store: Path, progress: Callable[[str], None]) -> None:

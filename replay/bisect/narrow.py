@@ -1,7 +1,8 @@
 """`replay bisect`: narrow a recorded loss spike down with replays ("probes"). Read it top to bottom.
 
 1. baseline  a plain replay from the nearest checkpoint before the spike must reproduce it (bit for
-             bit where the environment matches); otherwise nothing below could be trusted.
+             bit where the environment matches); otherwise nothing below could be trusted. It runs
+             alongside the first probes, which are only used once it has passed.
 2. steps     the counterfactual (`--fix`) applied from a checkpoint, then from a step: the latest
              checkpoint from which it still prevents the spike, the earliest step from which it no
              longer can (the window in which the spike is decided), and the first step at which its
@@ -63,6 +64,7 @@ class BisectConfig:
     horizon: int = 10              # steps after the spike that must stay quiet (rule.py)
     threshold: float | None = None # the detector's robust-z threshold (default: the recording's)
     lookback: int = 4              # checkpoints before the spike the steps search considers
+    max_probes: int = 200          # a session's budget; delta debugging stops early (not minimal) past it
     workers: int | None = None
     address: str | None = None
 
@@ -102,6 +104,10 @@ class Bisect:
             raise UsageError(f"--by must be one of {', '.join(PHASES)}, got {cfg.by!r}")
         if cfg.horizon < 1:
             raise UsageError(f"--horizon must be >= 1, got {cfg.horizon}")
+        if cfg.workers is not None and cfg.workers < 1:
+            raise UsageError(f"--workers must be >= 1, got {cfg.workers}")
+        if cfg.max_probes < 1:
+            raise UsageError(f"--max-probes must be >= 1, got {cfg.max_probes}")
         self.run_cfg = RunConfig.from_dict(self.record.manifest["config"])
         self.spike = self._pick_spike()
         self.checkpoints = [c.step for c in self.record.checkpoints() if c.step <= self.spike]
@@ -164,15 +170,20 @@ class Bisect:
         return [entry["prevented"] for entry in self.probe(requests, phase)]
 
     def probe(self, requests: list[ReplayRequest], phase: str) -> list[dict[str, Any]]:
-        """Run (or reuse) the probes, judge them by the rule, and save the session after each batch."""
+        """Run (or reuse) the probes, judge them by the rule, and save the session after each batch. The
+        first batch carries the baseline along (it does not depend on it) and is checked against it
+        before any of its answers is used."""
+        checked = "baseline" in self.doc["phases"]
+        baseline = [] if checked else [self.baseline_request()]
         keys = [replay_id(r) for r in requests]
-        todo = {k: r for k, r in zip(keys, requests) if k not in self.doc["probes"]}
+        todo = {replay_id(r): r for r in baseline + requests if replay_id(r) not in self.doc["probes"]}
         if todo:
             assert self.runner is not None
             for (key, req), result in zip(todo.items(), self.runner.run(list(todo.values()))):
+                phase_of = "baseline" if baseline and key == replay_id(baseline[0]) else phase
                 found = judge(self.record, RunStore.open(self.record.path / "replays" / key), self.rule,
                               req.start, req.stop)
-                self.doc["probes"][key] = {"phase": phase, "window": [req.start, req.stop],
+                self.doc["probes"][key] = {"phase": phase_of, "window": [req.start, req.stop],
                                            "overrides": req.overrides.to_dict(), **found.to_dict(), **result}
                 self.new_probes += bool(result["ran"])
                 self.say(f"  probe {key}: " + ("prevents the spike" if found.prevented else
@@ -180,6 +191,8 @@ class Bisect:
                          + (f" ({result['seconds']:.1f} s)" if result["ran"] else " (already in the store)"))
             self.save()
             _fault(self.new_probes)
+        if not checked:
+            self.check_baseline(self.doc["probes"][replay_id(baseline[0])])
         return [self.doc["probes"][k] for k in keys]
 
     def save(self, **fields: Any) -> None:
@@ -200,12 +213,12 @@ class Bisect:
                  + f": spike at step {self.spike}; window up to step {self.stop}")
         self.say(f"rule: {self.rule.describe()}")
         self.save(status="running")
-        with ray_session(self.cfg.address, self.cfg.workers) as slots:
-            self.width = slots
+        with ray_session(self.cfg.address):   # a local cluster spans the machine: probes are sized below
             world = int(self.record.manifest["world_size"])
-            with ProbeRunner(self.store_path, world, slots) as self.runner:
-                self.say(f"probes run on {slots} Ray worker(s), each with {world} warm rank(s)")
-                self.baseline()
+            cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
+            self.width = slots
+            with ProbeRunner(self.store_path, world, cpus, slots) as self.runner:
+                self.say(f"probes run on {slots} Ray worker(s), each with {world} warm rank(s) on {cpus} CPU(s)")
                 phases = self.doc["phases"]
                 start = self.checkpoints[-1]
                 for phase in PHASES[self.cfg.by]:
@@ -219,6 +232,7 @@ class Bisect:
                     elif phase == "data":
                         phases["data"] = self.data(start)
                     self.save()
+                self.probe([], "baseline")   # checked already, unless no phase ran a probe
         seconds = time.perf_counter() - t0
         verdict = self.verdict(seconds)
         self.doc["runs"].append({"time": time.time(), "seconds": seconds, "new_probes": self.new_probes,
@@ -226,11 +240,28 @@ class Bisect:
         self.save(status="complete", verdict=verdict)
         return self.doc
 
+    def _slots(self, per_probe: int) -> tuple[int, int]:
+        """(CPUs one probe takes, probes at once). A probe needs its ranks x recorded threads; running
+        more probes than the cores hold oversubscribes them, and threaded kernels then crawl."""
+        from replay.launch.ray_cluster import cluster_cpus
+
+        total, largest = cluster_cpus()
+        cpus = min(per_probe, largest)
+        fit = max(1, total // cpus)
+        slots = min(self.cfg.workers or fit, fit)
+        if self.cfg.workers and self.cfg.workers > fit:
+            self.say(f"warning: --workers {self.cfg.workers}, but {fit} probe(s) fit at once: each takes {cpus} of "
+                     f"the cluster's {total} CPUs (ranks x recorded threads); running {fit}")
+        return cpus, slots
+
     # -- 1. baseline -------------------------------------------------------------------------------
 
-    def baseline(self) -> None:
+    def baseline_request(self) -> ReplayRequest:
+        return request(self.checkpoints[-1], self.stop, Overrides())
+
+    def check_baseline(self, base: dict[str, Any]) -> None:
+        """Stop unless the plain replay reproduced the spike (bit for bit where the environment matches)."""
         c = self.checkpoints[-1]
-        base = self.probe([request(c, self.stop, Overrides())], "baseline")[0]
         where = f"the plain replay of steps {c}..{self.stop} from checkpoint {c}"
         if not base["bitwise"] and not base["environment_notes"]:
             d = base["divergence"]
@@ -247,7 +278,7 @@ class Bisect:
             self.say(f"warning: {where} reproduces the spike but not bit for bit (environment differs: "
                      f"{'; '.join(base['environment_notes'])})")
         self.doc["phases"]["baseline"] = {"checkpoint": c, "bitwise": base["bitwise"], "spike_at": base["spike_at"],
-                                          "probe": replay_id(request(c, self.stop, Overrides()))}
+                                          "probe": replay_id(self.baseline_request())}
         self.say(f"baseline: {where} reproduces the spike at step {base['spike_at']}"
                  + (", bit for bit" if base["bitwise"] else ""))
 
@@ -301,10 +332,18 @@ class Bisect:
             self.say(f"layers: {self.cfg.fix} on all {n} layers from step {start} does not prevent the spike; "
                      "nothing to narrow")
             return {"start": start, "layers": None, "bound": 1 + ddmin_bound(n)}
-        found = sorted(ddmin(list(range(n)), scoped))
+        found, minimal = ddmin(list(range(n)), scoped, self.exhausted)
+        found = sorted(found)
+        also = self._alternatives("layers", found)
         self.say(f"layers: {self.cfg.fix} on layer(s) {', '.join(map(str, found))} alone prevents the spike "
-                 "(removing any one of them does not)")
-        return {"start": start, "layers": found, "bound": 1 + ddmin_bound(n)}
+                 "(removing any one of them does not)" + (f"; so does layer set {also}" if also else ""))
+        return {"start": start, "layers": found, "also": also, "minimal": minimal, "bound": 1 + ddmin_bound(n)}
+
+    def _alternatives(self, key: str, found: list) -> list:
+        """Other sets no larger than the answer that the probes found preventing too (ddmin keeps the first)."""
+        return [p["overrides"][key] for p in self.doc["probes"].values()
+                if p["phase"] == key if p["prevented"] and key in p["overrides"]
+                and len(p["overrides"][key]) <= len(found) and sorted(p["overrides"][key]) != found]
 
     def heads(self, start: int, layers: list[int] | None) -> dict[str, Any]:
         if not layers:
@@ -316,18 +355,21 @@ class Bisect:
             self.say(f"heads: {self.cfg.fix} on every head of layer(s) {layers} (their attention only) does not "
                      "prevent the spike: the rest of the layer matters")
             return {"start": start, "heads": None, "bound": 1 + ddmin_bound(len(units))}
-        found = sorted(ddmin(units, scoped))
+        found, minimal = ddmin(units, scoped, self.exhausted)
+        found = sorted(found)
+        also = self._alternatives("units", found)
         self.say(f"heads: {self.cfg.fix} on head(s) {', '.join(f'{l}.{h}' for l, h in found)} (layer.head) "
-                 "alone prevents the spike")
-        return {"start": start, "heads": found, "bound": 1 + ddmin_bound(len(units))}
+                 "alone prevents the spike" + (f"; so do the head sets {also}" if also else ""))
+        return {"start": start, "heads": found, "also": also, "minimal": minimal,
+                "bound": 1 + ddmin_bound(len(units))}
 
     # -- 5. data -----------------------------------------------------------------------------------
 
     def data(self, start: int) -> dict[str, Any]:
         batches = list(range(start, self.spike + 1))
         skipped = lambda subsets: self.prevents(   # noqa: E731
-            [request(start, self.stop, Overrides(skip=sorted(s))) for s in subsets], "data")
-        everything = self.probe([request(start, self.stop, Overrides(skip=batches))], "data")[0]
+            [self._without(start, Overrides(skip=sorted(s))) for s in subsets], "data")
+        everything = self.probe([self._without(start, Overrides(skip=batches))], "data")[0]
         bound = 1 + ddmin_bound(len(batches))
         if not everything["prevented"]:
             self.say(f"data: skipping every batch of steps {start}..{self.spike} does not prevent the spike "
@@ -335,7 +377,8 @@ class Bisect:
                      "what makes it")
             return {"window": [start, self.spike], "batches": None, "samples": None, "bound": bound,
                     "spike_at_without": everything["spike_at"]}
-        steps = sorted(ddmin(batches, skipped))
+        steps, minimal = ddmin(batches, skipped, self.exhausted)
+        steps = sorted(steps)
         ids = self.record.read_steps(["sample_ids"])["sample_ids"]
         units = sorted({(s, int(i)) for s in steps for i in np.asarray(ids[s]).ravel()})
         per_step = {s: {u for u in units if u[0] == s} for s in steps}
@@ -346,13 +389,25 @@ class Bisect:
             return Overrides(skip=whole, drop=sorted([list(u) for u in chosen if u[0] not in whole]))
 
         dropped = lambda subsets: self.prevents(   # noqa: E731
-            [request(start, self.stop, without(s)) for s in subsets], "data")
-        samples = sorted(ddmin(units, dropped))
+            [self._without(start, without(s)) for s in subsets], "data")
+        samples, minimal_samples = ddmin(units, dropped, self.exhausted)
+        samples = sorted(samples)
         bound += ddmin_bound(len(units))
         self.say(f"data: leaving out {len(samples)} sample(s) prevents the spike: "
                  + ", ".join(f"step {s} sample {i}" for s, i in samples))
         return {"window": [start, self.spike], "batches": steps, "samples": [list(u) for u in samples],
-                "bound": bound, "rerun": without(samples).as_args()}
+                "minimal": minimal and minimal_samples, "bound": bound, "rerun": without(samples).as_args()}
+
+    def _without(self, start: int, o: Overrides) -> ReplayRequest:
+        """A data probe: skipped batches extend its window, so it trains as many steps past the spike as
+        the plain replay does (a spike merely delayed by the skipped steps is not prevented)."""
+        return request(start, min(self.stop + len(o.skip), self.record.end_step - 1), o)
+
+    def exhausted(self) -> bool:
+        if len(self.doc["probes"]) < self.cfg.max_probes:
+            return False
+        self.say(f"  the probe budget (--max-probes {self.cfg.max_probes}) is spent: the answer below is not minimal")
+        return True
 
     # -- the answer --------------------------------------------------------------------------------
 
@@ -365,6 +420,8 @@ class Bisect:
             "spike": self.spike, "phases": PHASES[self.cfg.by], "fix": self.cfg.fix, "rule": self.rule.describe(),
             "window": steps.get("window"), "separation": steps.get("separation"),
             "layers": layers.get("layers"), "heads": heads.get("heads"),
+            "minimal": all(p.get("minimal", True) for p in (layers, heads, data)),
+            "also": {"layers": layers.get("also") or [], "heads": heads.get("also") or []},
             "batches": data.get("batches"), "samples": data.get("samples"), "data_window": data.get("window"),
             "spike_without_data": data.get("spike_at_without"),
             "probes": len(self.doc["probes"]), "new_probes": self.new_probes, "probes_by_phase": used,

@@ -8,12 +8,14 @@ by a resumed bisect, not by another session, not by `replay run` with the same a
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from replay.errors import ReplayError
+from replay.launch.pool import RankPool, RankPoolError
 from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest
 
@@ -24,13 +26,12 @@ def request(start: int, stop: int, overrides: Overrides) -> ReplayRequest:
 
 
 class ProbeWorker:
-    """A Ray actor: runs probes one at a time on its warm ranks."""
+    """A Ray actor: runs probes one at a time on its warm ranks (its CPUs: ranks x threads)."""
 
     def __init__(self, world_size: int):
-        from replay.launch.pool import RankPool
-
-        log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{id(self):x}.log"
+        log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{os.getpid()}.log"
         self.pool = RankPool(world_size, log=log)
+        self.pool.start()   # every actor's ranks start at once, before the first probe
 
     def run(self, store: str, req: ReplayRequest) -> dict[str, Any]:
         import socket
@@ -38,7 +39,10 @@ class ProbeWorker:
         from replay.replayer.replays import run
 
         t0 = time.perf_counter()
-        result = run(store, req, pool=self.pool)
+        try:
+            result = run(store, req, pool=self.pool)
+        except RankPoolError:   # once more on fresh ranks (the interrupted probe is redone from scratch)
+            result = run(store, req, pool=self.pool)
         v = result.verification
         return {"id": result.path.name, "ran": result.created, "seconds": time.perf_counter() - t0,
                 "bitwise": v.bitwise, "divergence": None if v.divergence is None else vars(v.divergence),
@@ -49,13 +53,13 @@ class ProbeWorker:
 
 
 class ProbeRunner:
-    """Runs batches of probe requests on `slots` actors (inside an open ray_session)."""
+    """Runs batches of probe requests on `slots` actors of `cpus` CPUs each (inside an open ray_session)."""
 
-    def __init__(self, store: str | Path, world_size: int, slots: int):
+    def __init__(self, store: str | Path, world_size: int, cpus: int, slots: int):
         import ray
 
         self.store = str(store)
-        actor = ray.remote(num_cpus=1, max_restarts=1, max_task_retries=1)(ProbeWorker)
+        actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1)(ProbeWorker)
         self.actors = [actor.remote(world_size) for _ in range(slots)]
 
     def run(self, requests: list[ReplayRequest]) -> list[dict[str, Any]]:

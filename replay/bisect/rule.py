@@ -4,8 +4,10 @@ over the probe's losses.
 The detector is fed the record's global losses before the probe's window (so its history at the first
 probed step is exactly the recording's), then the probe's losses from its window's first step to the
 spike step + `horizon`. The probe prevents the spike when the detector fires nowhere in that range.
-Skipped steps (no loss) are left out. A counterfactual that only delays the spike beyond the horizon
-counts as preventing it; a larger horizon is stricter.
+Skipped steps (no loss) are left out, and a probe that skips batches runs as many steps longer, so
+that it trains as far past the spike as the plain replay (a spike delayed by the skipped steps is not
+prevented). A counterfactual that only delays the spike beyond the horizon counts as preventing it; a
+larger horizon is stricter.
 """
 
 from __future__ import annotations

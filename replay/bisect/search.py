@@ -45,10 +45,13 @@ def ddmin_bound(n: int) -> int:
     return n * n + 3 * n
 
 
-def ddmin(items: Sequence[T], test: Test) -> list[T]:
-    """A 1-minimal subset of `items` (which passes the test as a whole) that passes the test."""
+def ddmin(items: Sequence[T], test: Test, exhausted: Callable[[], bool] = lambda: False) -> tuple[list[T], bool]:
+    """A subset of `items` (which passes the test as a whole) that passes the test, and whether it is
+    1-minimal: `exhausted()` (a probe budget) can end the search early with a passing, larger set."""
     items, n = list(items), 2
     while len(items) >= 2:
+        if exhausted():
+            return items, False
         n = min(n, len(items))
         parts = [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
         complements = [[x for x in items if x not in part] for part in parts] if n > 2 else []
@@ -63,4 +66,4 @@ def ddmin(items: Sequence[T], test: Test) -> list[T]:
             n = min(2 * n, len(items))
         else:
             break
-    return items
+    return items, True

@@ -33,6 +33,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
 
 
+class RankPoolError(ReplayError):
+    """A rank of the pool failed or died: the pool is gone; the next request starts a fresh one."""
+
+
 class RankPool:
     def __init__(self, world_size: int, log: str | Path | None = None):
         self.world_size = world_size
@@ -43,6 +47,12 @@ class RankPool:
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def start(self) -> None:
+        """Start the ranks now (they import and join their process group while other work goes on)."""
+        if not self.alive:
+            self.close()
+            self._start()
 
     def _start(self) -> None:
         port = _free_port()
@@ -64,9 +74,7 @@ class RankPool:
 
     def train(self, store_path: str | Path, resume: bool = False) -> None:
         """Train the (already prepared) store on every rank; raises ReplayError if any rank fails."""
-        if not self.alive:
-            self.close()
-            self._start()
+        self.start()
         request = (json.dumps({"store": str(store_path), "resume": resume}) + "\n").encode()
         try:
             for proc in self._procs:
@@ -74,11 +82,14 @@ class RankPool:
                 proc.stdin.flush()
         except BrokenPipeError:
             self.close(kill=True)
-            raise ReplayError(f"a warm rank died before it took the replay of {store_path}") from None
+            raise RankPoolError(f"a warm rank died before it took the replay of {store_path}{self._see_log()}") from None
         failures = self._collect()
         if failures:
             self.close(kill=True)
-            raise ReplayError(f"{'; '.join(failures)} (replay of {store_path})")
+            raise RankPoolError(f"{'; '.join(failures)} (replay of {store_path}){self._see_log()}")
+
+    def _see_log(self) -> str:
+        return f"; the ranks' output is in {self.log_path}" if self.log_path else ""
 
     def _collect(self) -> list[str]:
         """Wait for every rank's answer; the first failure ends the wait (the rest may hang in a collective)."""

@@ -56,6 +56,14 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
             ray.shutdown()
 
 
+def cluster_cpus() -> tuple[int, int]:
+    """(CPUs of the connected cluster, CPUs of its largest node)."""
+    import ray
+
+    nodes = [int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    return max(1, sum(nodes)), max(1, max(nodes, default=1))
+
+
 def _check_reachable(address: str) -> None:
     """Ray retries an unreachable head for minutes; a plain TCP connect answers in seconds."""
     if address == "auto" or "://" in address:

@@ -51,7 +51,8 @@ def test_ddmin_returns_exactly_the_culprits_that_are_all_needed():
         n = rng.randint(1, 16)
         culprits = set(rng.sample(range(n), rng.randint(1, min(3, n))))
         test = Counting(lambda subset, c=culprits: c <= set(subset))
-        assert set(ddmin(list(range(n)), test)) == culprits
+        found, minimal = ddmin(list(range(n)), test)
+        assert set(found) == culprits and minimal
         assert test.calls <= ddmin_bound(n)
 
 
@@ -59,5 +60,12 @@ def test_ddmin_returns_one_culprit_when_any_one_suffices():
     for n, culprits in itertools.product(range(2, 12), [{0}, {1, 5}, {3, 4, 9}]):
         culprits = {c for c in culprits if c < n} or {0}
         test = Counting(lambda subset, c=culprits: bool(c & set(subset)))
-        found = ddmin(list(range(n)), test)
-        assert len(found) == 1 and found[0] in culprits
+        found, minimal = ddmin(list(range(n)), test)
+        assert len(found) == 1 and found[0] in culprits and minimal
+
+
+def test_ddmin_stops_at_its_budget_with_a_passing_set():
+    test = Counting(lambda subset: {3, 11} <= set(subset))
+    found, minimal = ddmin(list(range(16)), test, exhausted=lambda: test.calls >= 4)
+    # a passing set, smaller than the start; the budget is overshot by at most one round (2N probes)
+    assert not minimal and {3, 11} <= set(found) and len(found) < 16 and test.calls <= 4 + 2 * 16
