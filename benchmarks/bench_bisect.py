@@ -2,18 +2,18 @@
 ranks against ranks started afresh for every probe.
 
 A probe takes (ranks x recorded threads) cores, and the bisect runs only as many probes at once as the
-cores hold (more would oversubscribe them: measured here at about 10x slower probes). On this 2-core
-machine a 2-rank recording therefore runs one probe at a time whatever --workers says, so the parallel
-measurements use 1-rank recordings with 1 thread, where 2 probes fit:
+cores hold: more would oversubscribe them (measured at about 10x slower probes on this machine). On 2
+cores a 2-rank recording therefore runs one probe at a time whatever --workers says; the parallel
+measurement uses a 1-rank, 1-thread recording, where 2 probes fit.
 
-1. `replay bisect STORE --by all --fix lr-scale=0.5 --workers W` on two fresh copies of a recording of
-   the `spike` preset (1 rank, 1 thread), W = 1 then 2: probes used, the worst case the searches state,
-   and the wall time of the bisect (as the session reports it: Ray and the warm ranks' start-up
-   included, the recording excluded). Target for the ratio: >= 1.6x on 2 cores.
-2. The same for `--by data` on the planted-data run of the tests (two degenerate samples at step 37
-   of a 48-step tiny run; 1 rank, 1 thread): many short probes.
-3. Three 10-step replays of the planted run (2 ranks) on fresh ranks (`replay run`, a process start-up
-   each) against the same three on one pool of warm ranks: the cost the warm pool saves per probe.
+1. The demo's case: `replay bisect STORE --by all --fix lr-scale=0.5` on the `spike` preset (2 ranks):
+   probes used against the worst case the searches state, and the wall time.
+2. 1 vs 2 workers: `replay bisect STORE --by data --workers W` on two fresh copies of the planted-data
+   run of the tests (two degenerate samples at step 37), recorded with 1 rank and 1 thread and a
+   4-layer, 256-wide model so that a probe does real work (18 steps, about 2.5 s). The wall time is the
+   session's own: Ray and the warm ranks' start-up included, the recording excluded. Target: >= 1.6x.
+3. Three 10-step replays of the planted run (2 ranks, the tiny model) on fresh ranks (`replay run`, a
+   process start-up each) against the same three on one pool of warm ranks.
 
     .venv/bin/python benchmarks/bench_bisect.py
 """
@@ -83,18 +83,22 @@ def warm_vs_fresh(store: Path, root: Path) -> None:
 def main() -> None:
     print(hardware())
     root = Path(tempfile.mkdtemp(prefix="bench-bisect-"))
-    one_core = ["--nproc", "1", "--set", "threads=1"]
     try:
         spike = root / "spike"
-        cli("record", "--store", str(spike), "--preset", "spike", *one_core)
-        workers_pair("spike preset, 1 rank", spike, root, "--by", "all", "--fix", "lr-scale=0.5")
+        cli("record", "--store", str(spike), "--preset", "spike", "--nproc", "2")
+        v = bisect(spike, "--by", "all", "--fix", "lr-scale=0.5")
+        print(f"spike preset, 2 ranks, bisect --by all --fix lr-scale=0.5: {v['probes']} probes (worst case "
+              f"{v['bound']}) on {v['workers']} worker(s), {v['seconds']:.1f} s; window {v['window']}, layers "
+              f"{v['layers']}, heads {v['heads']}, samples {v['samples']}")
 
         plant_degenerate_samples(root / "train.bin", 37, [1, 6])
-        planted = root / "planted"
-        args = [a for a in RECORD_ARGS]
+        args = list(RECORD_ARGS)
         args[args.index("--nproc") + 1] = "1"
-        cli("record", "--store", str(planted), "--data", str(root / "train.bin"), *args, "--set", "threads=1")
-        workers_pair("planted data, 1 rank", planted, root, "--by", "data")
+        wider = ["--set", "threads=1", "--set", "model.n_layer=4", "--set", "model.n_embd=256", "--set",
+                 "model.n_head=4", "--set", "optim.lr=2e-3", "--set", "optim.min_lr=2e-3"]
+        planted = root / "planted"
+        cli("record", "--store", str(planted), "--data", str(root / "train.bin"), *args, *wider)
+        workers_pair("planted data, 1 rank x 1 thread, 4 x 256 model", planted, root, "--by", "data")
 
         planted2 = root / "planted2"
         cli("record", "--store", str(planted2), "--data", str(root / "train.bin"), *RECORD_ARGS)

@@ -30,7 +30,8 @@ def _main_errors(fn):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
         except KeyboardInterrupt:
-            click.echo("interrupted; committed checkpoints are intact (resume with --resume)", err=True)
+            click.echo("interrupted; what was committed is intact (`record` and `run` continue with --resume; "
+                       "`analyze` and `bisect` continue when run again)", err=True)
             sys.exit(130)
         except Exception as e:
             if debug:
@@ -469,6 +470,8 @@ def _print_verdict(store: str, v: dict) -> None:
         click.echo(f"  data: no batch is responsible: skipping every batch of steps {v['data_window'][0]}.."
                    f"{v['data_window'][1]} does not prevent the spike (it comes at step "
                    f"{v['spike_without_data']} instead)")
+    for command in v.get("commands", []):
+        click.echo(f"  replay it: {command}")
     if not v.get("minimal", True):
         click.echo("  (the probe budget was spent before the search finished: the sets above prevent the spike "
                    "but may not be minimal; raise --max-probes)")

@@ -19,6 +19,8 @@ after every probe, so running the same command again resumes it without re-runni
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -26,7 +28,8 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -134,19 +137,20 @@ class Bisect:
                                                 "created": time.time(), "probes": {}, "phases": {}, "runs": []}
         self.resumed = previous is not None
         self.new_probes = 0
+        self.started = False
         self.runner: ProbeRunner | None = None
 
     def _pick_spike(self) -> int:
         spikes = self.record.spikes
+        if self.cfg.spike is not None:
+            if not 0 <= self.cfg.spike < self.record.end_step:
+                raise UsageError(f"--spike {self.cfg.spike} is outside the record: steps 0..{self.record.end_step - 1}")
+            return self.cfg.spike
         if not spikes:
             raise NoSpikeError(f"no spike recorded in {self.store_path}: nothing to bisect (`replay info` shows the "
                                "detector's settings; pass --spike STEP to bisect a step it did not flag)")
-        if self.cfg.spike is None:
-            scores = [e["score"] if isinstance(e["score"], (int, float)) else math.inf for e in spikes]
-            return int(spikes[int(np.argmax(scores))]["step"])
-        if not 0 <= self.cfg.spike < self.record.end_step:
-            raise UsageError(f"--spike {self.cfg.spike} is outside the record: steps 0..{self.record.end_step - 1}")
-        return self.cfg.spike
+        scores = [e["score"] if isinstance(e["score"], (int, float)) else math.inf for e in spikes]
+        return int(spikes[int(np.argmax(scores))]["step"])
 
     def _check_counterfactual(self) -> None:
         phases = PHASES[self.cfg.by]
@@ -161,8 +165,9 @@ class Bisect:
         if ("layers" in phases or "heads" in phases) and not (self.fix.touches_attention or self.fix.lr_scale):
             raise UsageError(f"--by {self.cfg.by} applies the counterfactual to layers and heads, but --fix "
                              f"{self.cfg.fix!r} acts on the whole model; use an attention counterfactual or lr-scale=X")
-        if "heads" in phases and self.fix.precision:
-            raise UsageError("--by heads cannot narrow precision=...: it is a whole-model setting")
+        if ("layers" in phases or "heads" in phases) and self.fix.precision:
+            raise UsageError(f"--by {self.cfg.by} cannot narrow precision=...: it is a whole-model setting; "
+                             "use --by steps, or an attention counterfactual (e.g. attention=fa2-emu:dtype=fp32)")
 
     # -- probes ------------------------------------------------------------------------------------
 
@@ -205,6 +210,16 @@ class Bisect:
     # -- the session -------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """The session, to its end; an error that ends it is stored with it (status "failed")."""
+        with _exclusive(self.record.path):
+            try:
+                return self._run()
+            except ReplayError as e:
+                if self.started:
+                    self.save(status="failed", error=str(e))
+                raise
+
+    def _run(self) -> dict[str, Any]:
         from replay.launch.ray_cluster import ray_session
 
         t0 = time.perf_counter()
@@ -212,8 +227,9 @@ class Bisect:
         self.say(f"bisect session {self.id}" + (f" (resumed: {before} probes already done)" if self.resumed else "")
                  + f": spike at step {self.spike}; window up to step {self.stop}")
         self.say(f"rule: {self.rule.describe()}")
-        self.save(status="running")
         with ray_session(self.cfg.address):   # a local cluster spans the machine: probes are sized below
+            self.started = True
+            self.save(status="running", error=None)
             world = int(self.record.manifest["world_size"])
             cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
             self.width = slots
@@ -224,7 +240,8 @@ class Bisect:
                 for phase in PHASES[self.cfg.by]:
                     if phase == "steps":
                         phases["steps"] = self.steps()
-                        start = phases["steps"].get("checkpoint") or start
+                        found = phases["steps"].get("checkpoint")
+                        start = start if found is None else found
                     elif phase == "layers":
                         phases["layers"] = self.layers(start)
                     elif phase == "heads":
@@ -334,15 +351,16 @@ class Bisect:
             return {"start": start, "layers": None, "bound": 1 + ddmin_bound(n)}
         found, minimal = ddmin(list(range(n)), scoped, self.exhausted)
         found = sorted(found)
-        also = self._alternatives("layers", found)
+        also = self._alternatives("layers", "layers", found)
         self.say(f"layers: {self.cfg.fix} on layer(s) {', '.join(map(str, found))} alone prevents the spike "
                  "(removing any one of them does not)" + (f"; so does layer set {also}" if also else ""))
-        return {"start": start, "layers": found, "also": also, "minimal": minimal, "bound": 1 + ddmin_bound(n)}
+        return {"start": start, "layers": found, "also": also, "minimal": minimal, "bound": 1 + ddmin_bound(n),
+                "rerun": self.command(request(start, self.stop, self.fix.with_scope(layers=found)))}
 
-    def _alternatives(self, key: str, found: list) -> list:
+    def _alternatives(self, phase: str, key: str, found: list) -> list:
         """Other sets no larger than the answer that the probes found preventing too (ddmin keeps the first)."""
         return [p["overrides"][key] for p in self.doc["probes"].values()
-                if p["phase"] == key if p["prevented"] and key in p["overrides"]
+                if p["phase"] == phase and p["prevented"] and key in p["overrides"]
                 and len(p["overrides"][key]) <= len(found) and sorted(p["overrides"][key]) != found]
 
     def heads(self, start: int, layers: list[int] | None) -> dict[str, Any]:
@@ -357,11 +375,12 @@ class Bisect:
             return {"start": start, "heads": None, "bound": 1 + ddmin_bound(len(units))}
         found, minimal = ddmin(units, scoped, self.exhausted)
         found = sorted(found)
-        also = self._alternatives("units", found)
+        also = self._alternatives("heads", "units", found)
         self.say(f"heads: {self.cfg.fix} on head(s) {', '.join(f'{l}.{h}' for l, h in found)} (layer.head) "
                  "alone prevents the spike" + (f"; so do the head sets {also}" if also else ""))
         return {"start": start, "heads": found, "also": also, "minimal": minimal,
-                "bound": 1 + ddmin_bound(len(units))}
+                "bound": 1 + ddmin_bound(len(units)),
+                "rerun": self.command(request(start, self.stop, self.fix.with_scope(units=found)))}
 
     # -- 5. data -----------------------------------------------------------------------------------
 
@@ -396,7 +415,13 @@ class Bisect:
         self.say(f"data: leaving out {len(samples)} sample(s) prevents the spike: "
                  + ", ".join(f"step {s} sample {i}" for s, i in samples))
         return {"window": [start, self.spike], "batches": steps, "samples": [list(u) for u in samples],
-                "minimal": minimal and minimal_samples, "bound": bound, "rerun": without(samples).as_args()}
+                "minimal": minimal and minimal_samples, "bound": bound,
+                "rerun": self.command(self._without(start, without(samples)))}
+
+    def command(self, req: ReplayRequest) -> str:
+        """The `replay run` that makes this probe (it is in the store already; run it with --verify, or
+        with another --name and --checkpoint-every to look closer)."""
+        return f"replay run {self.store_path} --from {req.start} --to {req.stop} {req.overrides.as_args()}".strip()
 
     def _without(self, start: int, o: Overrides) -> ReplayRequest:
         """A data probe: skipped batches extend its window, so it trains as many steps past the spike as
@@ -421,6 +446,7 @@ class Bisect:
             "window": steps.get("window"), "separation": steps.get("separation"),
             "layers": layers.get("layers"), "heads": heads.get("heads"),
             "minimal": all(p.get("minimal", True) for p in (layers, heads, data)),
+            "commands": [p["rerun"] for p in (layers, heads, data) if p.get("rerun")],
             "also": {"layers": layers.get("also") or [], "heads": heads.get("also") or []},
             "batches": data.get("batches"), "samples": data.get("samples"), "data_window": data.get("window"),
             "spike_without_data": data.get("spike_at_without"),
@@ -428,6 +454,20 @@ class Bisect:
             "bound": 1 + sum(p.get("bound", 0) for p in (steps, layers, heads, data)),
             "seconds": seconds, "workers": self.width,
         }
+
+
+@contextlib.contextmanager
+def _exclusive(store: Path) -> Iterator[None]:
+    """One bisect at a time per store: two would share probes (replays) and could redo each other's."""
+    with open(store / ".bisect.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"another `replay bisect` is running on {store}; wait for it to finish") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _fault(new_probes: int) -> None:

@@ -83,12 +83,18 @@ class ProbeRunner:
                     if isinstance(e.cause, ReplayError):
                         raise e.cause from None
                     raise
+                except ray.exceptions.RayActorError as e:
+                    raise ReplayError(f"a probe worker died twice running the replay of steps {requests[i].start}.."
+                                      f"{requests[i].stop}: "
+                                      f"{str(e).splitlines()[0]}") from None
         return results   # type: ignore[return-value]
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """Let the actors stop their ranks, or (after an error) kill them at once: their ranks follow."""
         import ray
 
-        ray.get([a.close.remote() for a in self.actors])
+        if graceful:
+            ray.get([a.close.remote() for a in self.actors])
         for a in self.actors:
             ray.kill(a)
 
@@ -96,8 +102,4 @@ class ProbeRunner:
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self.close()
-        except Exception:   # an actor that died with the error being raised has nothing to close
-            if exc[0] is None:
-                raise
+        self.close(graceful=exc[0] is None)

@@ -59,9 +59,10 @@ def judge(record: RunStore, probe: RunStore, rule: Rule, start: int, stop: int) 
     for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist()):
         if step in skipped or step > stop:
             continue
-        event = detector.update(step, float(loss))
+        fires = detector.is_spike(float(loss))[0]   # any firing step counts, also one of a spike under way
+        detector.update(step, float(loss))
         if step >= start:
             peak = max(peak, float(loss)) if math.isfinite(loss) else math.inf
-            if event and fired is None:
+            if fires and fired is None:
                 fired = step
     return Judgement(fired is None, fired, peak, baseline)

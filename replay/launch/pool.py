@@ -17,20 +17,11 @@ import os
 import selectors
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from replay.errors import ReplayError
 from replay.launch.ranks import _free_port
-
-
-def _die_with_parent() -> None:
-    """Linux: a rank is killed with the process that started it, so a killed bisect leaves no rank
-    writing into a replay that its resumed run is about to redo."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
 
 
 class RankPoolError(ReplayError):
@@ -61,11 +52,10 @@ class RankPool:
             read_fd, write_fd = os.pipe()
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
                    "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "REPLAY_REPLY_FD": str(write_fd)}
+                   "REPLAY_REPLY_FD": str(write_fd), "REPLAY_PARENT_PID": str(os.getpid())}
             env.pop("TORCHELASTIC_RUN_ID", None)
             proc = subprocess.Popen([sys.executable, "-m", "replay.launch.worker", "--serve"], env=env,
-                                    stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write_fd,),
-                                    preexec_fn=_die_with_parent)
+                                    stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write_fd,))
             os.close(write_fd)
             self._procs.append(proc)
             self._replies.append(read_fd)
@@ -98,8 +88,11 @@ class RankPool:
             selector.register(fd, selectors.EVENT_READ, rank)
         buffers = {rank: b"" for rank in range(self.world_size)}
         waiting, failures = set(buffers), []
-        while waiting and not failures:
-            for key, _ in selector.select(timeout=1.0):
+        deadline = None   # after a first failure, a moment for the others' (a dead rank's EOF comes first)
+        while waiting and (deadline is None or time.monotonic() < deadline):
+            if failures and deadline is None:
+                deadline = time.monotonic() + 2.0
+            for key, _ in selector.select(timeout=0.5):
                 rank = key.data
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
@@ -117,7 +110,7 @@ class RankPool:
                     if "error" in answer:
                         failures.append(f"rank {rank}: {answer['error']}")
         selector.close()
-        return failures
+        return sorted(failures, key=lambda f: "died" not in f)
 
     def close(self, kill: bool = False) -> None:
         """Let the ranks leave (end of their input), or kill them (a failed replay: some may be stuck)."""

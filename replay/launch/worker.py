@@ -37,6 +37,7 @@ def serve(train, reply_fd: int) -> int:
     process group between them."""
     import torch.distributed as dist
 
+    _exit_with_parent(int(os.environ["REPLAY_PARENT_PID"]))
     with os.fdopen(reply_fd, "w") as replies:
         for line in sys.stdin:
             request = json.loads(line)
@@ -48,6 +49,20 @@ def serve(train, reply_fd: int) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A warm rank ends when the process that started it is gone (killed with its bisect), so it never
+    keeps writing into a replay that a resumed bisect is about to redo."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _attempt(train, store: str, resume: bool, **kwargs) -> tuple[str | None, int]:

@@ -203,6 +203,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     outside = [s for s, _ in o.drop if not window[0] <= s <= window[1]]
     if outside:
         raise UsageError(f"--drop step {outside[0]} is outside the window {window[0]}..{window[1]}")
+    if o.drop and launcher == "deepspeed":
+        raise UsageError("--drop needs the local launcher (DeepSpeed scales the loss itself); use --skip")
     both = sorted({s for s, _ in o.drop} & set(o.skip))
     if both:
         raise UsageError(f"step {both[0]} is both skipped and has samples dropped; give it to one of --skip, --drop")

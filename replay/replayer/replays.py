@@ -102,6 +102,8 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
             if sample not in ids[step]:
                 raise UsageError(f"--drop {step}:{sample}: sample {sample} was not trained on at step {step} "
                                  f"(`replay batch {store_path} --step {step}` lists that step's samples)")
+            if set(np.asarray(ids[step]).ravel()) <= {s for t, s in req.overrides.drop if t == step}:
+                raise UsageError(f"--drop leaves no sample of step {step}; skip the step with --skip {step}")
     for rank in range(parent.manifest["world_size"]):   # a corrupted checkpoint is named before anything is written
         parent.read_shard(ckpt.step, rank)
 
@@ -129,7 +131,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         "config": cfg.to_dict(), "parent": "../..", "window": window, "start_checkpoint": ckpt.step,
         "start_checkpoint_kind": ckpt.kind, "checkpoint_every": req.checkpoint_every,
         "overrides": req.overrides.to_dict(), "skip": req.overrides.skip, "drop": req.overrides.drop,
-        "lr_scale": 1.0 if lr_scope else req.overrides.lr_scale or 1.0, "lr_scope": lr_scope,
+        "lr_scope": lr_scope,
         "world_size": parent.manifest["world_size"], "launcher": parent.manifest["launcher"],
         "data": parent.manifest["data"], "created": time.time(), "status": "running", "resumes": [],
     }, kind="replay", first_step=ckpt.step)

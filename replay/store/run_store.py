@@ -126,7 +126,8 @@ class RunStore:
     def bisect_sessions(self) -> list[dict[str, Any]]:
         if "bisect" not in self.root:
             return []
-        return [dict(group.attrs) for _, group in sorted(self.root["bisect"].groups())]
+        docs = [dict(group.attrs) for _, group in sorted(self.root["bisect"].groups())]
+        return [d for d in docs if "id" in d]   # a group whose first write was cut short holds nothing yet
 
     def write_bisect_session(self, session_id: str, doc: dict[str, Any]) -> None:
         """One write of the whole document (a crash leaves the previous one)."""

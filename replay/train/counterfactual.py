@@ -10,9 +10,19 @@ import torch
 
 
 def keep_mask(micro_ids: np.ndarray, dropped: frozenset[int]) -> torch.Tensor | None:
-    """Which samples of a micro-batch stay in the loss (None: all of them, the recorded computation)."""
+    """Which samples of a micro-batch stay in the loss (None: all of them, the recorded computation).
+
+    A step with left-out samples trains on the mean loss over its kept samples: each micro-batch's loss
+    counts the left-out ones as 0 and is scaled by (samples of the step) / (kept samples of the step),
+    so the usual averaging over micro-batches and ranks gives exactly that mean (and its gradient). A
+    rank's logged loss is its share of it on that scale."""
     keep = ~np.isin(micro_ids, list(dropped)) if dropped else None
     return None if keep is None or keep.all() else torch.from_numpy(keep)
+
+
+def kept_weight(step_ids: np.ndarray, dropped: frozenset[int]) -> float:
+    """(samples of the step, all ranks) / (kept samples): the scale of a step with left-out samples."""
+    return step_ids.size / int((~np.isin(step_ids, list(dropped))).sum()) if dropped else 1.0
 
 
 class ScopedUpdate:

@@ -41,14 +41,13 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT2LMHeadModel
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy in FP32 (logits are upcast under autocast); with `keep`, over the
-    kept samples only (0 when none is kept, so the micro-batch adds no gradient)."""
+    """Mean next-token cross-entropy in FP32 (logits are upcast under autocast); with `keep`, the left-out
+    samples count as 0 (the caller rescales to the mean over the step's kept samples)."""
     logits = model(input_ids=x).logits
     if keep is None:
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
     ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-    ce = ce.view(y.shape).masked_fill(~keep.to(y.device)[:, None], 0.0)
-    return ce.sum() / max(int(keep.sum()) * y.size(1), 1)
+    return ce.view(y.shape).masked_fill(~keep.to(y.device)[:, None], 0.0).sum() / y.numel()
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -24,7 +24,7 @@ from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.kernels.registry import AttentionPlan, apply_plan
-from replay.train.counterfactual import ScopedUpdate, keep_mask
+from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.model import build_model, lm_loss, lr_factor
 from replay.train.state import DeepSpeedTrainState, TorchTrainState
 
@@ -158,7 +158,9 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
             recorder.record_skipped(step, sample_ids=ids, lr=scheduler.get_last_lr()[0])
             scheduler.step()
             continue
-        loss, grad_norm, lr = step_fn(active, ids, schedule.drop.get(step, frozenset()), scoped)
+        dropped = schedule.drop.get(step, frozenset())
+        weight = kept_weight(schedule.recorded_ids[step], dropped) if dropped else 1.0
+        loss, grad_norm, lr = step_fn(active, ids, dropped, weight, scoped)
         event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
                                      tokens=ids.size * cfg.model.block_size)
         if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == schedule.stop):
@@ -182,7 +184,7 @@ def _switch_to_overrides(model, optimizer, scheduler, cfg: RunConfig, lr_scale: 
 
 
 def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray,
-                dropped: frozenset[int], scoped: ScopedUpdate | None) -> tuple[float, float, float]:
+                dropped: frozenset[int], weight: float, scoped: ScopedUpdate | None) -> tuple[float, float, float]:
     """One optimizer step over this rank's micro-batches: (mean loss, grad norm before clipping, lr)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -194,6 +196,7 @@ def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunC
         with (contextlib.nullcontext() if sync else model.no_sync()):
             with _autocast(cfg, r):
                 loss = lm_loss(model, x, y, keep_mask(micro, dropped))
+                loss = loss * weight if dropped else loss   # counterfactual.py: the mean over kept samples
             (loss / accum).backward()
         total += loss.detach()
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
@@ -234,13 +237,14 @@ def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
 
 
 def _deepspeed_step(engine, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray, dropped: frozenset[int],
-                    scoped: None) -> tuple[float, float, float]:
+                    weight: float, scoped: None) -> tuple[float, float, float]:
+    assert not dropped and scoped is None, "refused for DeepSpeed by replayer/overrides.py"
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=r.device)
     lr = engine.lr_scheduler.get_last_lr()[0]
     for micro in ids:
         x, y = (t.to(r.device) for t in data.batch(micro))
-        loss = lm_loss(engine, x, y, keep_mask(micro, dropped))
+        loss = lm_loss(engine, x, y)
         engine.backward(loss)   # DeepSpeed divides by the accumulation steps itself
         engine.step()           # steps the optimizer (and scheduler) at the accumulation boundary
         total += loss.detach()

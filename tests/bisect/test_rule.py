@@ -57,3 +57,11 @@ def test_the_history_before_the_window_comes_from_the_record(tmp_path):
     assert judge(record, probe, RULE, 20, 25).prevented   # 5.1 < 5.0 x 1.5
     low = _store(tmp_path / "run2", [1.0] * 40)
     assert not judge(low, _store(tmp_path / "b", [1.0, 1.0] + [5.1] * 8, first_step=18), RULE, 20, 25).prevented
+
+
+def test_a_spike_already_under_way_when_the_window_opens_counts(tmp_path):
+    """--spike on the second step of a spike: the detector fired at 20 (before the window) and still fires."""
+    record = _store(tmp_path / "run", _flat(40))
+    probe = _store(tmp_path / "a", _flat(2, 3) + [3.0] * 8, first_step=18)
+    found = judge(record, probe, RULE, 21, 25)
+    assert not found.prevented and found.spike_at == 21
