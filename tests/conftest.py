@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,18 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600) -> sub
     full_env = {k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {})
     return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=REPO)
+
+
+def killed_by_fault(fault: str, *args: str) -> None:
+    """Run `python -m replay ARGS` with the fault hook REPLAY_FAULT=fault, which SIGKILLs it, then kill
+    what it left behind (the local Ray processes it started share its new process group)."""
+    proc = subprocess.Popen([sys.executable, "-m", "replay", *args], env=os.environ | {"REPLAY_FAULT": fault},
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:

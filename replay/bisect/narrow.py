@@ -210,7 +210,11 @@ class Bisect:
     # -- the session -------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """The session, to its end; an error that ends it is stored with it (status "failed")."""
+        """The session, to its end; an error that ends it is stored with it (status "failed"). A session
+        that is complete already is answered from the store, without starting anything."""
+        if self.doc.get("status") == "complete":
+            self.say(f"bisect session {self.id} is complete ({len(self.doc['probes'])} probes): its answer")
+            return {**self.doc, "verdict": {**self.doc["verdict"], "new_probes": 0}}
         with _exclusive(self.record.path):
             try:
                 return self._run()

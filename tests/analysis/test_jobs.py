@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from replay.analysis.jobs import analyze
 from replay.analysis.results import METRICS, read_distances, read_metrics
-from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+from tests.conftest import error_line, killed_by_fault, replay_cli, tree_snapshot
 
 
 def _same_results(a, b) -> None:
@@ -53,14 +49,7 @@ def test_a_failed_task_is_retried_and_the_results_are_complete(fault, replayed_c
 
 def test_an_interrupted_analysis_resumes_without_recomputing(replayed_copy, analysed_store):
     """The driver is SIGKILLed after 2 finished items; the next run computes only the rest."""
-    proc = subprocess.Popen([sys.executable, "-m", "replay", "analyze", str(replayed_copy), "--workers", "1"],
-                            env=os.environ | {"REPLAY_FAULT": "analysis-driver-kill:2"}, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    assert proc.wait(timeout=300) == -signal.SIGKILL
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)     # the local Ray processes the killed driver left behind
-    except ProcessLookupError:
-        pass
+    killed_by_fault("analysis-driver-kill:2", "analyze", str(replayed_copy), "--workers", "1")
     result = replay_cli("analyze", str(replayed_copy), "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

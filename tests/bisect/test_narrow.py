@@ -4,12 +4,8 @@ real local Ray, replays in real Zarr stores."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -17,7 +13,7 @@ from replay.bisect.narrow import Bisect, BisectConfig
 from replay.errors import UsageError
 from replay.store import RunStore
 from tests.bisect.conftest import DATA_SPIKE_STEP, DEFECT
-from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+from tests.conftest import error_line, killed_by_fault, replay_cli, tree_snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -70,14 +66,7 @@ def test_layer_and_head_bisect_returns_the_planted_defective_head(planted_layer)
 def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, tmp_path):
     store = tmp_path / "spike"
     shutil.copytree(spike_store, store, ignore=shutil.ignore_patterns("replays", "bisect", "analysis"))
-    args = ["-m", "replay", "bisect", str(store), "--by", "layers", "--fix", "lr-scale=0.5", "--workers", "1"]
-    proc = subprocess.Popen([sys.executable, *args], env=os.environ | {"REPLAY_FAULT": "bisect-kill:2"}, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    assert proc.wait(timeout=300) == -signal.SIGKILL
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)     # the local Ray processes the killed driver left behind
-    except ProcessLookupError:
-        pass
+    killed_by_fault("bisect-kill:2", "bisect", str(store), "--by", "layers", "--fix", "lr-scale=0.5", "--workers", "1")
     killed = RunStore.open(store).bisect_sessions()
     assert len(killed) == 1 and killed[0]["status"] == "running" and len(killed[0]["probes"]) == 2
 
