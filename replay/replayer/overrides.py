@@ -52,12 +52,13 @@ class Overrides:
                 for head in (self.heads if self.heads is not None else range(n_head))]
 
     def lr_scope(self, n_layer: int, n_head: int) -> dict | None:
-        """Where a scoped lr_scale applies, for the trainer: whole layers, or (layer, head) units."""
+        """A scoped lr_scale, for the trainer (train/counterfactual.py): the scale, and whole layers or
+        (layer, head) units."""
         if self.lr_scale is None or not self.scoped:
             return None
         if self.units is None and self.heads is None:
-            return {"layers": list(self.layers)}
-        return {"units": [list(u) for u in self.scope(n_layer, n_head)]}
+            return {"scale": self.lr_scale, "layers": list(self.layers)}
+        return {"scale": self.lr_scale, "units": [list(u) for u in self.scope(n_layer, n_head)]}
 
     def with_scope(self, layers: list[int] | None = None, units: list[list[int]] | None = None) -> "Overrides":
         return dataclasses.replace(self, layers=layers, heads=None, units=units)
@@ -133,17 +134,13 @@ def parse_drop(text: str) -> list[list[int]]:
 
 def format_steps(steps: list[int]) -> str:
     """[5, 8, 9, 10] -> `5,8-10` (what parse_steps reads)."""
-    parts, run = [], []
+    runs: list[list[int]] = []
     for s in sorted(steps):
-        if run and s == run[-1] + 1:
-            run.append(s)
-            continue
-        if run:
-            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [s]
-    if run:
-        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(parts)
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def parse_steps(text: str, what: str = "--skip") -> list[int]:

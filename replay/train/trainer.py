@@ -107,11 +107,11 @@ class Schedule:
         drop: dict[int, set[int]] = {}
         for step, sample in m.get("drop", []):
             drop.setdefault(step, set()).add(sample)
-        scale = float(m["overrides"].get("lr_scale", 1.0))
-        return cls(stop, every, 0, parent, m["start_checkpoint"], ids, frozenset(m.get("skip", [])),
-                   1.0 if m.get("lr_scope") else scale, {k: frozenset(v) for k, v in drop.items()},
-                   {**m["lr_scope"], "scale": scale} if m.get("lr_scope") else None,
-                   m["window"]["from"], RunConfig.from_dict(parent.manifest["config"]))
+        scope = m.get("lr_scope")
+        return cls(stop, every, 0, parent=parent, start_checkpoint=m["start_checkpoint"], recorded_ids=ids,
+                   skip=frozenset(m.get("skip", [])), drop={k: frozenset(v) for k, v in drop.items()},
+                   lr_scale=1.0 if scope else float(m["overrides"].get("lr_scale", 1.0)), lr_scope=scope,
+                   override_from=m["window"]["from"], recorded_cfg=RunConfig.from_dict(parent.manifest["config"]))
 
     def ids(self, order: DataOrder, step: int, r: Rank, micro_batch_size: int) -> np.ndarray:
         if self.recorded_ids is None:
