@@ -1,4 +1,4 @@
-# Two entry points, each setting everything up first: `make demo` (the main job) and `make test`.
+# Entry points, each setting everything up first: `make demo` (the main job), `make test` and `make results`.
 # TORCH is installed before the package so pip never resolves an unpinned torch to the CUDA build;
 # on a GPU machine use e.g. `make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
 PYTHON ?= python3
@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench results clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The papers' headline results at laptop scale, with the product's own commands, into docs/results.md
+# (plots beside it); run stores go to runs/results and are reused by a rerun. About 13 minutes on 2 cores.
+results: setup
+	$(PY) -m results.make_results
 
 bench: setup
 	$(PY) benchmarks/bench_record.py

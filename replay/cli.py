@@ -68,11 +68,14 @@ def main(debug: bool) -> None:
 @click.option("--attention", help="Attention implementation (eager, sdpa).")
 @click.option("--checkpoint-every", type=int, help="Steps between committed checkpoints.")
 @click.option("--seed", type=int, help="Seed of the initialisation and of the data order.")
+@click.option("--numerics", is_flag=True, default=None,
+              help="Also record per-step attention numerics (tied maxima, delta error, W_Q gradient error) of "
+                   "the emulated flash backends; needs --attention reference-emu or fa2-emu.")
 @click.option("--resume", is_flag=True, help="Continue a stopped or crashed run from its last committed checkpoint.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config field, e.g. optim.lr=3e-3.")
 @_main_errors
 def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage, precision, attention,
-           checkpoint_every, seed, resume, sets) -> None:
+           checkpoint_every, seed, numerics, resume, sets) -> None:
     """Train the built-in GPT-2 and record the run into STORE.
 
     Every optimizer step records the sample ids of every micro-batch of every rank, per-rank and global
@@ -85,10 +88,10 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
 
     if ranks.under_outer_launcher():
         return _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision,
-                               attention, checkpoint_every, seed, sets)
+                               attention, checkpoint_every, seed, numerics, sets)
     if resume:
         given = [n for n, v in [("--preset", preset != "tiny"), ("--config", config_file), ("--data", data),
-                                ("--steps", steps), ("--set", sets), ("--seed", seed)] if v]
+                                ("--steps", steps), ("--set", sets), ("--seed", seed), ("--numerics", numerics)] if v]
         if given:
             raise ReplayError(f"--resume continues the recorded config; drop {', '.join(given)}")
         store_obj, cfg = ranks.prepare_resume(store, world_size=nproc or _recorded_world(store))
@@ -97,7 +100,7 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
     else:
         cfg = build_config(preset, config_file, list(sets), steps=steps, nproc=nproc, launcher=launcher,
                            zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
-                           seed=seed, data={"path": data} if data else None,
+                           seed=seed, numerics=numerics, data={"path": data} if data else None,
                            model={"attention": attention} if attention else None)
         ranks.prepare_new(store, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
         click.echo(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) "
@@ -114,7 +117,7 @@ def _recorded_world(store: str) -> int:
 
 
 def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision, attention,
-                    checkpoint_every, seed, sets) -> None:
+                    checkpoint_every, seed, numerics, sets) -> None:
     """Under torchrun / deepspeed (multi-node): rank 0 prepares the store, every rank trains."""
     from replay.config import build_config
     from replay.launch import ranks
@@ -129,7 +132,7 @@ def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, z
         else:
             cfg = build_config(preset, config_file, list(sets), steps=steps, nproc=world, launcher=launcher,
                                zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
-                               seed=seed, data={"path": data} if data else None,
+                               seed=seed, numerics=numerics, data={"path": data} if data else None,
                                model={"attention": attention} if attention else None)
             store_obj = ranks.prepare_new(store, cfg, world_size=world, local_world=local_world)
         store_obj.update_manifest(launch_id=launch_id)
@@ -189,6 +192,12 @@ def _print_info(store: str, as_json: bool) -> None:
         + ("" if not r['verification'] else ", bitwise" if r['verification']['bitwise']
            else f", diverges at step {r['verification']['divergence']['step']}")
         for r in shown))
+    if summary["numerics"]:
+        n = summary["numerics"]
+        per_layer = lambda key, fmt: ", ".join(format(v, fmt) for v in n[key])
+        click.echo(f"numerics    per layer: tied-maxima rate {per_layer('tied_rate_mean', '.4f')}; sum of delta "
+                   f"error {per_layer('delta_err_sum', '+.3e')}; median cosine of successive W_Q gradient errors "
+                   f"{per_layer('wq_err_cos_median', '+.3f')} (from tied rows: {per_layer('wq_tied_err_cos_median', '+.3f')})")
     click.echo(f"bisect      {len(summary['bisect'])} session(s)" + "".join(
         f"\n            {b['id']}: {b['status']}, {len(b['probes'])} probes"
         + (f"; {_verdict_line(b['verdict'])}" if b["verdict"] else "")

@@ -73,6 +73,7 @@ class RunConfig:
     snapshot_every: int = 5       # in-memory snapshot cadence (0 disables the pre-spike ring)
     snapshot_ring: int = 3        # snapshots kept in memory, flushed to the store when a spike fires
     log_every: int = 10
+    numerics: bool = False        # per-step attention numerics of the emulated backends (kernels/numerics.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -22,6 +22,7 @@ import torch
 
 from replay.analysis import metrics as M
 from replay.analysis import results as R
+from replay.analysis.names import DISTANCES
 from replay.config import RunConfig
 from replay.errors import StoreError, UsageError
 from replay.store import RunStore
@@ -166,7 +167,7 @@ def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
     a = RunStore.open(item.reference.path).read_shard(item.reference.step, 0, keys=item.tensors)
     b = RunStore.open(item.other.path).read_shard(item.other.step, 0, keys=item.tensors)
     rows = [M.tensor_distances(a[k].float().numpy(), b[k].float().numpy()) for k in item.tensors]
-    return {metric: np.array([r[metric] for r in rows]) for metric in M.DISTANCES}
+    return {metric: np.array([r[metric] for r in rows]) for metric in DISTANCES}
 
 
 def _inject_fault(item: MetricItem | DistanceItem) -> None:
@@ -404,7 +405,7 @@ def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, 
     entry = R.read_distances(a.path)[table]
     return {"reference": str(a.path), "other": str(b.path), "table": f"analysis/distances/{table}",
             "steps": entry["step"].tolist(), "tensors": entry["tensor"],
-            **{m: entry[m].tolist() for m in M.DISTANCES}, "computed": len(items), "reused": skipped}
+            **{m: entry[m].tolist() for m in DISTANCES}, "computed": len(items), "reused": skipped}
 
 
 def compare_table_name(a: RunStore, b: RunStore) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.analysis.metrics import HEAD_MATRICES, MATRICES
+from replay.analysis.names import HEAD_MATRICES, MATRICES
 
 # (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
 HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],

@@ -30,8 +30,7 @@ import scipy.sparse.linalg as sla
 import scipy.stats
 import torch
 
-MATRICES = ("q", "k", "v", "o", "fc", "proj")     # whole matrices of a layer
-HEAD_MATRICES = ("q", "k", "v", "o")              # per-head slices
+from replay.analysis.names import HEAD_MATRICES, MATRICES
 
 
 def spectral_norm(m: np.ndarray) -> float:
@@ -145,5 +144,3 @@ def tensor_distances(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
             "relative": fro / max(float(np.linalg.norm(a64)), 1e-30),
             "wasserstein": float(scipy.stats.wasserstein_distance(a64, b64))}
 
-
-DISTANCES = ("max_abs", "frobenius", "relative", "wasserstein")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from replay.analysis.localise import Localisation, localise_store
-from replay.analysis.metrics import HEAD_MATRICES
+from replay.analysis.names import HEAD_MATRICES
 from replay.analysis.results import read_distances, read_metrics
 from replay.replayer.replays import list_replays
 from replay.store import RunStore

@@ -23,7 +23,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from replay.analysis.metrics import DISTANCES, HEAD_MATRICES, MATRICES
+from replay.analysis.names import DISTANCES, HEAD_MATRICES, MATRICES
 
 SCHEMA = 1
 GROUP = "analysis"

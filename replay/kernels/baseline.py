@@ -26,7 +26,7 @@ def baseline_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype:
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     s = (q @ k.transpose(-1, -2)) * scale
-    keep = _keep(q.shape[-2], k.shape[-2], causal, mask, q.device)
+    keep = attended(q.shape[-2], k.shape[-2], causal, mask, q.device)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, dim=-1)
@@ -35,7 +35,8 @@ def baseline_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype:
     return p @ v
 
 
-def _keep(n_q: int, n_k: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor | None:
+def attended(n_q: int, n_k: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    """Where queries attend (bool [..., n_q, n_k]): the causal mask and `mask` combined; None: everywhere."""
     keep = causal_mask(n_q, n_k, device) if causal else None
     if mask is not None:
         keep = mask if keep is None else keep & mask

@@ -34,32 +34,44 @@ import math
 import torch
 
 from replay.errors import UsageError
-from replay.kernels.baseline import baseline_attention, causal_mask
+from replay.kernels import numerics
+from replay.kernels.baseline import attended, baseline_attention, causal_mask
 from replay.kernels.options import DTYPES, AttentionOptions, SafeSoftmaxFix
 
 LOG2E = math.log2(math.e)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions = AttentionOptions(),
-                    causal: bool = True, scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [..., N, d], k and v: [..., M, d]; `mask` (bool, True = attend) broadcasts to [..., N, M]."""
+                    causal: bool = True, scale: float | None = None, mask: torch.Tensor | None = None,
+                    site: tuple[int, list[int]] | None = None) -> torch.Tensor:
+    """q: [..., N, d], k and v: [..., M, d]; `mask` (bool, True = attend) broadcasts to [..., N, M].
+    `site`: (layer, heads) of a GPT-2's [B, H, N, d] inputs, reported to an active numerics probe."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _FlashEmulation.apply(q, k, v, opts, causal, scale, mask)
+    return _FlashEmulation.apply(q, k, v, opts, causal, scale, mask, site)
 
 
 class _FlashEmulation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, mask):
+    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, mask, site):
         in_dtype, lead = q.dtype, q.shape[:-2]
         lp = DTYPES[opts.dtype] if opts.dtype else in_dtype
         q3, k3, v3 = (t.to(lp).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
         mask3 = None if mask is None else mask.expand(*lead, q.shape[-2], k.shape[-2]).reshape(-1, q.shape[-2], k.shape[-2])
         forward = _fa2_forward if opts.placement == "fa2" else _reference_forward
         out, lse, o_hp = forward(q3, k3, v3, opts, causal, scale, mask3)
-        if opts.hp_delta and o_hp is None:   # reference placement: recompute O in FP32
-            o_hp = baseline_attention(q3.float(), k3.float(), v3.float(), torch.float32, causal, scale, mask3)
+        probe = numerics.active() if site is not None else None
+        o_fp32 = None
+        if (opts.hp_delta and o_hp is None) or probe:   # O in FP32 from the same low-precision inputs
+            o_fp32 = baseline_attention(q3.float(), k3.float(), v3.float(), torch.float32, causal, scale, mask3)
+            o_hp = o_fp32 if opts.hp_delta and o_hp is None else o_hp
         ctx.save_for_backward(q3, k3, v3, out, lse, o_hp, mask3)
         ctx.opts, ctx.causal, ctx.scale, ctx.in_dtype, ctx.shapes = opts, causal, scale, in_dtype, (q.shape, k.shape)
+        ctx.probe = None
+        if probe:
+            keep = attended(q3.shape[1], k3.shape[1], causal, mask3, q.device)
+            s = q3.float() @ k3.float().transpose(1, 2) if opts.placement == "fa2" else (q3 @ k3.transpose(1, 2)) * scale
+            ctx.probe, ctx.site, ctx.lead = probe, site, lead
+            ctx.tied, ctx.o_fp32 = probe.tied_rows(site[0], s, keep), o_fp32
         return out.reshape(q.shape).to(in_dtype)
 
     @staticmethod
@@ -67,10 +79,14 @@ class _FlashEmulation(torch.autograd.Function):
         q3, k3, v3, out, lse, o_hp, mask3 = ctx.saved_tensors
         do3 = dout.to(q3.dtype).reshape(out.shape)
         backward = _fa2_backward if ctx.opts.placement == "fa2" else _reference_backward
-        dq, dk, dv = backward(q3, k3, v3, out, lse, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, mask3)
+        dq, dk, dv, delta = backward(q3, k3, v3, out, lse, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, mask3)
+        if ctx.probe:
+            keep = attended(q3.shape[1], k3.shape[1], ctx.causal, mask3, q3.device)
+            delta_hp = (do3.float() * ctx.o_fp32).sum(-1)
+            ctx.probe.delta_error(*ctx.site, ctx.lead, q3, k3, keep, ctx.scale, delta, delta_hp, ctx.tied)
         q_shape, k_shape = ctx.shapes
         return (dq.reshape(q_shape).to(ctx.in_dtype), dk.reshape(k_shape).to(ctx.in_dtype),
-                dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None)
+                dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None)
 
 
 # -- shared tile helpers ---------------------------------------------------------------------------
@@ -194,7 +210,7 @@ def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal
             dk_acc += ds.transpose(1, 2) @ qf[:, r0:r1]
         dk[:, c0:c1] = (dk_acc * scale).to(lp)
         dv[:, c0:c1] = dv_acc.to(lp)
-    return (dq_acc * scale).to(lp), dk, dv
+    return (dq_acc * scale).to(lp), dk, dv, D
 
 
 # -- the reference placement -----------------------------------------------------------------------
@@ -254,4 +270,4 @@ def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, c
             dq[:, r0:r1] = dq[:, r0:r1] + (ds @ kj) * scale
             dk_j = dk_j + (ds.transpose(1, 2) @ q[:, r0:r1]) * scale
         dk[:, c0:c1], dv[:, c0:c1] = dk_j, dv_j
-    return dq, dk, dv
+    return dq, dk, dv, D

@@ -184,16 +184,18 @@ class LayerAttention:
         for head in range(n_head):
             groups.setdefault(plan.backend_for(layer, head), []).append(head)
         self.groups = [(spec, heads) for spec, heads in groups.items()]
-        self.n_head = n_head
+        self.layer, self.n_head = layer, n_head
 
     def __call__(self, module, q, k, v, keep: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """q, k, v: [B, H, N, d]; `keep`: bool [B, 1, N, M] (True = attend) or None for plain causal."""
         if len(self.groups) == 1:
-            return _run(self.groups[0][0], module, q, k, v, keep, scaling)
+            spec, heads = self.groups[0]
+            return _run(spec, module, q, k, v, keep, scaling, (self.layer, heads))
         out = torch.empty_like(q)
         for spec, heads in self.groups:
             idx = torch.tensor(heads, device=q.device)
-            out[:, idx] = _run(spec, module, q[:, idx], k[:, idx], v[:, idx], keep, scaling).to(out.dtype)
+            out[:, idx] = _run(spec, module, q[:, idx], k[:, idx], v[:, idx], keep, scaling,
+                               (self.layer, heads)).to(out.dtype)
         return out
 
 
@@ -215,7 +217,7 @@ def _defect(q, k, v, scaling: float) -> torch.Tensor:
     return out.masked_fill(broken, float("inf")).to(q.dtype)
 
 
-def _run(spec: BackendSpec, module, q, k, v, keep, scaling) -> torch.Tensor:
+def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, list[int]]) -> torch.Tensor:
     n, m = q.shape[-2], k.shape[-2]
     if spec.name == "defect":
         return _defect(q, k, v, scaling)
@@ -240,7 +242,7 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling) -> torch.Tensor:
             from replay.kernels.triton_fa2 import triton_flash_attention
 
             return triton_flash_attention(q, k, v, spec.options, causal=True, scale=scaling)
-        return flash_attention(q, k, v, spec.options, causal=True, scale=scaling, mask=keep)
+        return flash_attention(q, k, v, spec.options, causal=True, scale=scaling, mask=keep, site=site)
 
 
 def _replay_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

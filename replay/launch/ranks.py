@@ -43,7 +43,7 @@ def prepare_new(store_path: str, cfg: RunConfig, world_size: int, local_world: i
         data_meta = {**fingerprint_tokens(tokens), "embedded": True, "dtype": "uint8",
                      "source": "python stdlib *.py files (built-in corpus)"}
     _check_deepspeed(cfg)
-    cfg.model.attention = check_attention(cfg.model)
+    cfg.model.attention = check_attention(cfg.model, cfg.numerics)
     store = RunStore.create(path, {
         "config": cfg.to_dict(), "data": data_meta, "world_size": world_size, "launcher": cfg.launcher,
         "created": time.time(), "status": "running", "resumes": [],

@@ -130,8 +130,9 @@ class Recorder:
     # -- per step ----------------------------------------------------------------------------------
 
     def record_step(self, step: int, *, sample_ids: np.ndarray, loss: float, grad_norm: float, lr: float,
-                    tokens: int) -> SpikeEvent | None:
-        """Record optimizer step `step` (its state is now the one *after* the step)."""
+                    tokens: int, numerics: dict[str, np.ndarray] | None = None) -> SpikeEvent | None:
+        """Record optimizer step `step` (its state is now the one *after* the step). `numerics`: this
+        rank's per-layer attention numerics (replay.kernels.numerics), stored from rank 0 when given."""
         now = time.perf_counter()
         step_time, self._last_time = now - self._last_time, now
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
@@ -140,7 +141,7 @@ class Recorder:
         if self.coordinator:
             self._rows.append({"loss": global_loss, "rank_loss": rank_loss, "grad_norm": float(grad_norm),
                                "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
-                               "sample_ids": all_ids})
+                               "sample_ids": all_ids, **(numerics or {})})
         event = self.detector.update(step, global_loss)   # every rank sees the same gathered losses
         self._after_step(step)
         if event is not None:
@@ -153,14 +154,15 @@ class Recorder:
             self._flush_rows()
         return event
 
-    def record_skipped(self, step: int, *, sample_ids: np.ndarray, lr: float) -> None:
+    def record_skipped(self, step: int, *, sample_ids: np.ndarray, lr: float,
+                       numerics: dict[str, np.ndarray] | None = None) -> None:
         """A step whose batch was deliberately not trained on (a replay's --skip): a row of NaN metrics
         with sample ids -1, unseen by the spike detector; checkpoint cadence as usual."""
         if self.coordinator:
             self._last_time = time.perf_counter()
             self._rows.append({"loss": np.nan, "rank_loss": np.full(self.world, np.nan), "grad_norm": np.nan,
                                "lr": float(lr), "tokens": 0, "step_time": 0.0,
-                               "sample_ids": np.full((self.world, *np.shape(sample_ids)), -1)})
+                               "sample_ids": np.full((self.world, *np.shape(sample_ids)), -1), **(numerics or {})})
         self._after_step(step)
 
     def _after_step(self, step: int) -> None:

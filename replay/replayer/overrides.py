@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from replay.config import RunConfig
 from replay.errors import UsageError
+from replay.kernels.numerics import check_plan
 from replay.kernels.options import SafeSoftmaxFix
 from replay.kernels.registry import AttentionPlan, BackendSpec
 
@@ -187,6 +188,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
             heads[(layer, head)] = spec
         plan = _simplify(AttentionPlan(plan.default, dict(plan.layers), heads), cfg.model.n_layer, cfg.model.n_head)
         plan.validate(cfg.model.n_layer, cfg.model.n_head)
+        if cfg.numerics:
+            check_plan(plan, cfg.model.n_layer, cfg.model.n_head)
         cfg.model.attention = plan.canonical()
     if o.precision is not None:
         if o.precision not in ("bf16", "fp32"):

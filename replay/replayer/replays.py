@@ -14,16 +14,18 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from replay.config import RunConfig
-from replay.launch.pool import RankPool
 from replay.errors import StoreError, UsageError
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
+
+if TYPE_CHECKING:
+    from replay.launch.pool import RankPool
 
 COMPARED = ("loss", "rank_loss", "grad_norm")
 

@@ -56,7 +56,15 @@ STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tokens": ("int64", ("step",)),
     "step_time": ("float64", ("step",)),
     "sample_ids": ("int64", ("step", "rank", "micro", "sample")),
+    # only in runs recorded with --numerics (replay/kernels/numerics.py), measured on rank 0's batches:
+    "tied_rate": ("float64", ("step", "layer")),
+    "delta_err": ("float64", ("step", "layer")),
+    "delta_err_tied": ("float64", ("step", "layer")),
+    "wq_err_norm": ("float64", ("step", "layer")),
+    "wq_err_cos": ("float64", ("step", "layer")),
+    "wq_tied_err_cos": ("float64", ("step", "layer")),
 }
+NUMERICS_FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
 
 
 @dataclass
@@ -179,6 +187,8 @@ class RunStore:
         k = len(records["loss"])
         steps = self.root["steps"]
         for name, (dtype, dims) in STEP_FIELDS.items():
+            if name not in records and name in NUMERICS_FIELDS:
+                continue
             rows = np.asarray(records[name], dtype=dtype)
             assert rows.shape[0] == k, name
             if name not in steps:

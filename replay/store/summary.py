@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,23 @@ def summarize(path: str) -> dict[str, Any]:
         "resumes": m.get("resumes", []),
         "bisect": [{"id": b["id"], "status": b.get("status"), "params": b["params"], "probes": sorted(b["probes"]),
                     "verdict": b.get("verdict")} for b in store.bisect_sessions()],
+        "numerics": _numerics(store) if cfg.numerics else None,
     }
+
+
+def _numerics(store: RunStore) -> dict[str, list[float]] | None:
+    """Per layer, over the recorded steps (replay/kernels/numerics.py says what each is)."""
+    if not store.n_steps:
+        return None
+    s = store.read_steps(["tied_rate", "delta_err", "delta_err_tied", "wq_err_cos", "wq_tied_err_cos"])
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns (a layer without ties) give NaN
+        out = {"tied_rate_mean": np.nanmean(s["tied_rate"], axis=0),
+               "delta_err_sum": np.nansum(s["delta_err"], axis=0),
+               "delta_err_tied_mean": np.nanmean(s["delta_err_tied"], axis=0),
+               "wq_err_cos_median": np.nanmedian(s["wq_err_cos"], axis=0),
+               "wq_tied_err_cos_median": np.nanmedian(s["wq_tied_err_cos"], axis=0)}
+    return {k: [float(x) for x in v] for k, v in out.items()}
 
 
 def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
 from replay.train.data import DataOrder, TokenData, load_data
+from replay.kernels.numerics import NumericsProbe
 from replay.kernels.registry import AttentionPlan, apply_plan
 from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.model import build_model, lm_loss, lr_factor
@@ -143,6 +144,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
                                            snapshot_every=schedule.snapshot_every, snapshot_ring=cfg.snapshot_ring,
                                            spike=cfg.spike))
     start = recorder.start()
+    probe = NumericsProbe(model) if cfg.numerics else None
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
     scoped = None   # a scoped lr_scale, from `from` on
     t0 = time.perf_counter()
@@ -155,14 +157,17 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
                 scoped = ScopedUpdate(model, schedule.lr_scope)
         ids = schedule.ids(order, step, r, cfg.micro_batch_size)
         if step in schedule.skip:   # not trained on; the schedule moves on as if the batch had been seen
-            recorder.record_skipped(step, sample_ids=ids, lr=scheduler.get_last_lr()[0])
+            recorder.record_skipped(step, sample_ids=ids, lr=scheduler.get_last_lr()[0],
+                                    numerics=probe.skipped() if probe else None)
             scheduler.step()
             continue
         dropped = schedule.drop.get(step, frozenset())
         weight = kept_weight(schedule.recorded_ids[step], dropped) if dropped else 1.0
-        loss, grad_norm, lr = step_fn(active, ids, dropped, weight, scoped)
+        with probe.collecting() if probe else contextlib.nullcontext():
+            loss, grad_norm, lr = step_fn(active, ids, dropped, weight, scoped)
         event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
-                                     tokens=ids.size * cfg.model.block_size)
+                                     tokens=ids.size * cfg.model.block_size,
+                                     numerics=probe.end_step() if probe else None)
         if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == schedule.stop):
             rate = (step + 1 - start) / (time.perf_counter() - t0)
             note = f"  SPIKE (robust z {event.score:.1f})" if event else ""

@@ -1,0 +1,161 @@
+"""What every section of the results pipeline shares: the run's context, the `replay` command runner, and
+markdown helpers.
+
+A section is a function `section(ctx) -> Section`. It runs the product's own commands with `cli(...)`,
+which shows each command line exactly as a user would type it (collected in the section's `commands`),
+reads the numbers from what the commands printed or wrote, and writes its PNGs into `ctx.out`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def hardware() -> str:
+    """CPU model and core count, and the GPU if there is one (from nvidia-smi; no torch import)."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    gpu = "no GPU"
+    if shutil.which("nvidia-smi"):
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True).stdout.split("\n")
+        gpu = ", ".join(n.strip() for n in names if n.strip()) or gpu
+    return f"{model}, {os.cpu_count()} cores, {gpu}"
+
+
+@dataclass
+class Context:
+    out: Path                        # results.md and its PNGs
+    work: Path                       # run stores and the commands' outputs
+    quick: bool = False              # reduced sizes: the test's run, not the published numbers
+    story_store: Path | None = None  # quick mode: an existing `spike` recording to bisect instead of `replay demo`
+    hardware: str = field(default_factory=hardware)
+    date: str = field(default_factory=lambda: datetime.date.today().isoformat())
+    log: Path = field(init=False)    # every command's stderr, one file each
+    reused: list[str] = field(default_factory=list, init=False)   # outputs of an earlier pipeline run used again
+
+    def __post_init__(self):
+        self.log = self.work / "logs"
+
+
+@dataclass
+class Section:
+    title: str
+    body: str                        # markdown: tables, PNG links, the comparison with the paper
+    commands: list[str]              # the command lines that produced it, as a user types them
+
+
+class CommandFailed(RuntimeError):
+    pass
+
+
+def command_line(*args: Any) -> str:
+    return shlex.join(["replay", *map(str, args)])
+
+
+def cli(ctx: Context, *args: Any, as_json: bool = False, commands: list[str] | None = None,
+        cache: Path | None = None) -> Any:
+    """Run `replay ARGS` (this interpreter's, as `python -m replay`) and return its stdout, parsed when
+    `as_json`. The command line is appended to `commands`, the section's list of commands to show (leave it
+    out for bookkeeping such as a completeness check). With `cache`, stdout is kept in that file with the
+    command line as its first line, and a later call with the same command line reads it back instead of
+    running again. A non-zero exit raises CommandFailed with the end of the command's stderr."""
+    line = command_line(*args)
+    if commands is not None:
+        commands.append(line)
+    if cache is not None and cache.is_file():
+        first, _, stored = cache.read_text().partition("\n")
+        if first == f"$ {line}":
+            print(f"  (reused) $ {line}", file=sys.stderr)
+            ctx.reused.append(line)
+            return json.loads(stored) if as_json else stored
+    ctx.log.mkdir(parents=True, exist_ok=True)
+    log = ctx.log / f"{time.strftime('%H%M%S')}-{args[0]}-{os.urandom(3).hex()}.log"
+    print(f"  $ {line}", file=sys.stderr)
+    t0 = time.perf_counter()
+    with open(log, "w") as err:
+        proc = subprocess.run([sys.executable, "-m", "replay", *map(str, args)], stdout=subprocess.PIPE, stderr=err,
+                              text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        raise CommandFailed(f"`{line}` exited with {proc.returncode} (stderr in {log}):\n{tail}")
+    print(f"    done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if cache is not None:
+        tmp = cache.with_name(cache.name + ".tmp")
+        tmp.write_text(f"$ {line}\n{proc.stdout}")
+        tmp.replace(cache)
+    return json.loads(proc.stdout) if as_json else proc.stdout
+
+
+def cli_parallel(ctx: Context, arg_lists: list[list[Any]], jobs: int, **kwargs: Any) -> list[Any]:
+    """`cli` for several commands, `jobs` at a time; the command lines are recorded in the given order."""
+    commands = kwargs.pop("commands", None)
+    if commands is not None:
+        commands += [command_line(*args) for args in arg_lists]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(lambda args: cli(ctx, *args, **kwargs), arg_lists))
+
+
+def complete_store(ctx: Context, store: Path) -> bool:
+    """Whether `store` holds a finished recording (an earlier pipeline run's, to reuse). A partial one (an
+    interrupted run) is removed, so that it is recorded anew rather than trusted."""
+    if not store.exists():
+        return False
+    try:
+        done = cli(ctx, "info", store, "--json", as_json=True)["status"] == "complete"
+    except CommandFailed:
+        done = False
+    if done:
+        print(f"  (reused) {store}", file=sys.stderr)
+        ctx.reused.append(str(store))
+    else:
+        print(f"  {store} is incomplete: recording it anew", file=sys.stderr)
+        shutil.rmtree(store)
+    return done
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def sci(x: float) -> str:
+    """A deviation or distance in the doc: 3 significant digits, scientific."""
+    return f"{x:.2e}"
+
+
+def ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def save_figure(fig, ctx: Context, name: str) -> str:
+    """Write a matplotlib Figure into ctx.out as NAME and return its markdown image link."""
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(ctx.out / name, dpi=90)
+    return f"![{name}]({name})"
+
+
+def copy_png(ctx: Context, src: Path, name: str) -> str:
+    """Copy a PNG a command wrote into ctx.out as NAME and return its markdown image link."""
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, ctx.out / name)
+    return f"![{name}]({name})"
