@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ class Context:
     hardware: str = field(default_factory=hardware)
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
     log: Path = field(init=False)    # every command's stderr, one file each
-    reused: list[str] = field(default_factory=list, init=False)   # outputs of an earlier pipeline run used again
+    reused: list[tuple[str, str]] = field(default_factory=list, init=False)   # (section's thread, output) reused
 
     def __post_init__(self):
         self.log = self.work / "logs"
@@ -85,7 +86,7 @@ def cli(ctx: Context, *args: Any, as_json: bool = False, commands: list[str] | N
         first, _, stored = cache.read_text().partition("\n")
         if first == f"$ {line}":
             print(f"  (reused) $ {line}", file=sys.stderr)
-            ctx.reused.append(line)
+            ctx.reused.append((threading.current_thread().name, line))
             return json.loads(stored) if as_json else stored
     ctx.log.mkdir(parents=True, exist_ok=True)
     log = ctx.log / f"{time.strftime('%H%M%S')}-{args[0]}-{os.urandom(3).hex()}.log"
@@ -110,8 +111,14 @@ def cli_parallel(ctx: Context, arg_lists: list[list[Any]], jobs: int, **kwargs: 
     commands = kwargs.pop("commands", None)
     if commands is not None:
         commands += [command_line(*args) for args in arg_lists]
+    section = threading.current_thread().name   # what ctx.reused attributes to
+
+    def one(args):
+        threading.current_thread().name = section
+        return cli(ctx, *args, **kwargs)
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda args: cli(ctx, *args, **kwargs), arg_lists))
+        return list(pool.map(one, arg_lists))
 
 
 def complete_store(ctx: Context, store: Path) -> bool:
@@ -125,7 +132,7 @@ def complete_store(ctx: Context, store: Path) -> bool:
         done = False
     if done:
         print(f"  (reused) {store}", file=sys.stderr)
-        ctx.reused.append(str(store))
+        ctx.reused.append((threading.current_thread().name, str(store)))
     else:
         print(f"  {store} is incomplete: recording it anew", file=sys.stderr)
         shutil.rmtree(store)

@@ -142,7 +142,7 @@ JOBS = 2   # recordings at once, one torch thread each: two 2-thread runs at onc
 
 
 def weights(ctx: Context) -> Section:
-    steps, every = (20, 10) if ctx.quick else (2000, 200)
+    steps, every = (10, 5) if ctx.quick else (2000, 200)
     out = ctx.work / "weights"
     commands: list[str] = []
     stores = {name: out / f"{name}-{attention}-{precision}-seed{seed}-{steps}x{every}"

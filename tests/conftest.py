@@ -66,6 +66,36 @@ def spike_store(tmp_path_factory) -> Path:
     return store
 
 
+# The reference DeepSpeed recording (ZeRO-1, 2 ranks): its own tests read it, the replay test replays a copy.
+DS_ARGS = ["--steps", "12", "--nproc", "2", "--launcher", "deepspeed", "--zero-stage", "1", "--checkpoint-every", "4"]
+
+
+@pytest.fixture(scope="session")
+def zero1_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("ds") / "zero1"
+    result = replay_cli("record", "--store", str(store), *DS_ARGS)
+    assert result.returncode == 0, result.stderr
+    return store
+
+
+@pytest.fixture(scope="session")
+def reported_spike(spike_store, tmp_path_factory) -> Path:
+    """The spike run, a plain replay checkpointing every 2 steps up to the spike, analysed, reported
+    (shared by the report's test and the results pipeline's, which treat it as read-only)."""
+    from replay.store import RunStore
+
+    store = tmp_path_factory.mktemp("report") / "spike"
+    shutil.copytree(spike_store, store)
+    spike = int(RunStore.open(store).spikes[0]["step"])
+    result = replay_cli("run", str(store), "--from", str(spike - 20), "--to", str(spike - 1), "--checkpoint-every", "2",
+                        "--verify")
+    assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
+    for args in (("analyze", str(store), "--workers", "2"), ("report", str(store))):
+        result = replay_cli(*args)
+        assert result.returncode == 0, result.stderr
+    return store
+
+
 @pytest.fixture
 def store_copy(two_rank_store, tmp_path) -> Path:
     dst = tmp_path / "copy"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from results import golden, qiu_yao, story
@@ -53,12 +54,12 @@ def pair(cell: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def quick(spike_store, tmp_path_factory):
+def quick(reported_spike, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("results")
-    shutil.copytree(spike_store, tmp / "spike")
+    shutil.copytree(reported_spike, tmp / "spike")
     out, work = tmp / "docs", tmp / "work"
     proc = subprocess.run([sys.executable, "-m", "results.make_results", "--quick", "--out", str(out), "--work",
-                           str(work), "--story-store", str(tmp / "spike")], cwd=REPO, capture_output=True, text=True,
+                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "2"], cwd=REPO, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, work, (out / "results.md").read_text()
@@ -67,8 +68,7 @@ def quick(spike_store, tmp_path_factory):
 def test_sections_commands_and_figures(quick):
     out, work, doc = quick
     found = sections(doc)
-    titles = [golden.FORWARD_TITLE, golden.WEIGHTS_TITLE] + (
-        ["Qiu & Yao"] if (REPO / "results" / "qiu_yao.py").exists() else []) + [story.TITLE]
+    titles = [golden.FORWARD_TITLE, golden.WEIGHTS_TITLE, qiu_yao.TITLE, story.TITLE]
     assert [n for n, _, _ in found] == list(range(1, len(titles) + 1))
     assert all(title.startswith(want) for (_, title, _), want in zip(found, titles)), [t for _, t, _ in found]
     assert "Wall time:" in doc and "hardware:" in doc
@@ -125,7 +125,7 @@ def test_weight_distances_are_the_comparisons(quick):
     printed = {p: json.loads((work / "weights" / f"compare-{p}.json").read_text()) for p in "abc"}
     for metric, label in (("max_abs", "**max |difference|**"), ("wasserstein", "**Wasserstein-1**")):
         rows = table_after(text, label)
-        assert [int(r[0]) for r in rows] == printed["a"]["steps"] == [0, 10, 20]
+        assert [int(r[0]) for r in rows] == printed["a"]["steps"] == [0, 5, 10]
         for i, row in enumerate(rows):
             a, b, c = (max(printed[p][metric][i]) for p in "abc")
             assert close(row[1], a) and close(row[2], b) and close(row[3], c), row
@@ -155,7 +155,7 @@ def test_story_is_the_bisect_and_the_analysis(quick):
 
 def test_mechanism_numbers_are_the_microbench_and_the_numerics(quick):
     _, work, doc = quick
-    text = next(t for _, title, t in sections(doc) if title.startswith("Qiu & Yao"))
+    text = next(t for _, title, t in sections(doc) if title == qiu_yao.TITLE)
     with open(work / "microbench" / "mechanism" / "mechanism.csv", newline="") as f:
         bias = {(r["kernel"], int(r["n_tied"]), r["fix_beta"]): r for r in csv.DictReader(f)}
     cases = [("baseline", "")] + [(k, b) for k in ("reference-emu", "fa2-emu") for b in ("", "2", "7")]
@@ -175,9 +175,31 @@ def test_mechanism_numbers_are_the_microbench_and_the_numerics(quick):
         name, layer = qiu_yao.VARIANTS[i // n_layer][0], i % n_layer
         assert int(row[1]) == layer
         numerics = infos[name]["numerics"]
-        for cell, (key, _) in zip(row[2:7], qiu_yao.COLUMNS):
+        for cell, (key, spec) in zip(row[2:7], qiu_yao.COLUMNS):
             value = numerics[key][layer]
-            assert cell == "n/a" if value != value else close(cell, value), (name, key, cell, value)
+            assert cell == ("n/a" if value != value else format(value, spec)), (name, key, cell, value)
     # an FP32 delta has no error at all; the reference placement's does
     assert all(s == 0 for s in infos["hp-delta"]["numerics"]["delta_err_sum"])
     assert all(s != 0 for s in infos["recorded"]["numerics"]["delta_err_sum"])
+
+
+def test_numerics_are_stored_per_step_and_layer_and_need_an_emulated_backend(quick, tmp_path):
+    """`record --numerics` as the pipeline ran it: one value per step and layer; the replays start from the
+    same weights; a backend the probe cannot read is refused in one line, before anything is written."""
+    from replay.store import RunStore
+    from tests.conftest import error_line, replay_cli
+
+    _, work, _ = quick
+    store = work / "mechanism"
+    steps = RunStore.open(store).read_steps()
+    n = len(steps["step"])
+    assert steps["tied_rate"].shape == (n, 2) and np.isfinite(steps["delta_err"]).all()
+    assert np.isnan(steps["wq_err_cos"][0]).all() and np.isfinite(steps["wq_err_cos"][1:]).all()
+    replayed = RunStore.open(store / "replays" / "hp-delta").read_steps()
+    assert np.array_equal(replayed["tied_rate"][0], steps["tied_rate"][0])   # from checkpoint 0's weights
+    assert (replayed["delta_err"] == 0).all() and (replayed["wq_err_norm"] == 0).all()
+
+    refused = replay_cli("run", str(store), "--from", "3", "--to", "5", "--attention", "eager", "--layers", "1")
+    assert "layer 1 head 0 uses 'eager'" in error_line(refused)
+    line = error_line(replay_cli("record", "--store", str(tmp_path / "eager"), "--steps", "4", "--numerics"))
+    assert "--attention reference-emu" in line and not (tmp_path / "eager").exists()

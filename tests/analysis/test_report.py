@@ -19,27 +19,6 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 
 
-@pytest.fixture(scope="module")
-def reported_spike(spike_store, tmp_path_factory) -> Path:
-    """The spike run, a plain replay checkpointing every 2 steps up to the spike, analysed, reported."""
-    store = tmp_path_factory.mktemp("report") / "spike"
-    shutil.copytree(spike_store, store)
-    spike = spike_store_spike(store)
-    result = replay_cli("run", str(store), "--from", str(spike - 20), "--to", str(spike - 1), "--checkpoint-every", "2",
-                        "--verify")
-    assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
-    for args in (("analyze", str(store), "--workers", "2"), ("report", str(store))):
-        result = replay_cli(*args)
-        assert result.returncode == 0, result.stderr
-    return store
-
-
-def spike_store_spike(store: Path) -> int:
-    from replay.store import RunStore
-
-    return int(RunStore.open(store).spikes[0]["step"])
-
-
 def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
     return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
                           timeout=120)

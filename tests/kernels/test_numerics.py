@@ -140,29 +140,3 @@ def test_plans_the_probe_cannot_read_are_refused():
     numbers, _ = _step(model, NumericsProbe(model))
     assert np.isfinite(numbers["delta_err"]).all()
 
-
-def test_recorded_numerics_and_their_replays(tmp_path):
-    """Through the CLI: a BF16 run recorded with --numerics stores one value per step and layer; its
-    replay with --hp-delta has no delta error at all; the probe's preconditions fail in one line."""
-    from replay.store import RunStore
-    from tests.conftest import error_line, replay_cli
-
-    store = tmp_path / "run"
-    args = ["--steps", "6", "--checkpoint-every", "3", "--precision", "bf16"]
-    result = replay_cli("record", "--store", str(store), *args, "--attention", "reference-emu", "--numerics")
-    assert result.returncode == 0, result.stderr
-    steps = RunStore.open(store).read_steps()
-    assert steps["tied_rate"].shape == (6, 2) and np.isfinite(steps["delta_err"]).all()
-    assert np.isnan(steps["wq_err_cos"][0]).all() and np.isfinite(steps["wq_err_cos"][1:]).all()
-
-    result = replay_cli("run", str(store), "--from", "3", "--to", "5", "--hp-delta", "--name", "hp")
-    assert result.returncode == 0, result.stderr
-    replayed = RunStore.open(store / "replays" / "hp").read_steps()
-    assert (replayed["delta_err"] == 0).all() and (replayed["wq_err_norm"] == 0).all()
-    assert np.array_equal(replayed["tied_rate"][0], steps["tied_rate"][3])   # from the same weights
-
-    assert "uses 'eager'" in error_line(replay_cli("run", str(store), "--from", "3", "--to", "5",
-                                                   "--attention", "eager", "--layers", "1"))
-    assert "--attention reference-emu" in error_line(
-        replay_cli("record", "--store", str(tmp_path / "eager"), *args, "--numerics"))
-    assert not (tmp_path / "eager").exists()

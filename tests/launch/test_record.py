@@ -171,11 +171,8 @@ def test_resume_names_a_corrupted_checkpoint_tensor_and_changes_nothing(store_co
     assert tree_snapshot(store_copy) == before
 
 
-def test_spike_preset_spikes_and_flushes_its_pre_spike_snapshot(tmp_path):
-    store_path = tmp_path / "spike"
-    result = replay_cli("record", "--store", str(store_path), "--preset", "spike", "--nproc", "2")
-    assert result.returncode == 0, result.stderr
-    store = RunStore.open(store_path)
+def test_spike_preset_spikes_and_flushes_its_pre_spike_snapshot(spike_store):
+    store = RunStore.open(spike_store)   # `replay record --preset spike --nproc 2` (tests/conftest.py)
     spikes = store.spikes
     assert len(spikes) >= 1
     losses = store.read_steps()["loss"]

@@ -7,18 +7,9 @@ import pytest
 import torch
 
 from replay.store import RunStore
-from tests.conftest import error_line, replay_cli
+from tests.conftest import DS_ARGS, error_line, replay_cli
 
 pytestmark = pytest.mark.slow
-DS_ARGS = ["--steps", "12", "--nproc", "2", "--launcher", "deepspeed", "--zero-stage", "1", "--checkpoint-every", "4"]
-
-
-@pytest.fixture(scope="module")
-def zero1_store(tmp_path_factory):
-    store = tmp_path_factory.mktemp("ds") / "zero1"
-    result = replay_cli("record", "--store", str(store), *DS_ARGS)
-    assert result.returncode == 0, result.stderr
-    return store
 
 
 def test_zero1_optimizer_partitions_are_in_the_store(zero1_store):
