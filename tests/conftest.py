@@ -49,21 +49,22 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 TWO_RANK_ARGS = ["--steps", "30", "--nproc", "2", "--checkpoint-every", "10"]
 
 
-@pytest.fixture(scope="session")
-def two_rank_store(tmp_path_factory) -> Path:
-    store = tmp_path_factory.mktemp("runs") / "two_rank"
-    result = replay_cli("record", "--store", str(store), *TWO_RANK_ARGS)
+def _recorded(tmp_path_factory, name: str, *args: str) -> Path:
+    store = tmp_path_factory.mktemp("runs") / name
+    result = replay_cli("record", "--store", str(store), *args)
     assert result.returncode == 0, result.stderr
     return store
+
+
+@pytest.fixture(scope="session")
+def two_rank_store(tmp_path_factory) -> Path:
+    return _recorded(tmp_path_factory, "two_rank", *TWO_RANK_ARGS)
 
 
 @pytest.fixture(scope="session")
 def spike_store(tmp_path_factory) -> Path:
     """The `spike` preset on 2 ranks (400 steps, about 25 s): a real recorded loss spike."""
-    store = tmp_path_factory.mktemp("runs") / "spike"
-    result = replay_cli("record", "--store", str(store), "--preset", "spike", "--nproc", "2")
-    assert result.returncode == 0, result.stderr
-    return store
+    return _recorded(tmp_path_factory, "spike", "--preset", "spike", "--nproc", "2")
 
 
 # The reference DeepSpeed recording (ZeRO-1, 2 ranks): its own tests read it, the replay test replays a copy.
@@ -72,10 +73,7 @@ DS_ARGS = ["--steps", "12", "--nproc", "2", "--launcher", "deepspeed", "--zero-s
 
 @pytest.fixture(scope="session")
 def zero1_store(tmp_path_factory) -> Path:
-    store = tmp_path_factory.mktemp("ds") / "zero1"
-    result = replay_cli("record", "--store", str(store), *DS_ARGS)
-    assert result.returncode == 0, result.stderr
-    return store
+    return _recorded(tmp_path_factory, "zero1", *DS_ARGS)
 
 
 @pytest.fixture(scope="session")
