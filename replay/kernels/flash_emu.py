@@ -70,7 +70,7 @@ class _FlashEmulation(torch.autograd.Function):
         if probe:
             keep = attended(q3.shape[1], k3.shape[1], causal, mask3, q.device)
             s = q3.float() @ k3.float().transpose(1, 2) if opts.placement == "fa2" else (q3 @ k3.transpose(1, 2)) * scale
-            ctx.probe, ctx.site, ctx.lead = probe, site, lead
+            ctx.probe, ctx.site, ctx.lead, ctx.keep = probe, site, lead, keep
             ctx.tied, ctx.o_fp32 = probe.tied_rows(site[0], s, keep), o_fp32
         return out.reshape(q.shape).to(in_dtype)
 
@@ -81,9 +81,8 @@ class _FlashEmulation(torch.autograd.Function):
         backward = _fa2_backward if ctx.opts.placement == "fa2" else _reference_backward
         dq, dk, dv, delta = backward(q3, k3, v3, out, lse, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, mask3)
         if ctx.probe:
-            keep = attended(q3.shape[1], k3.shape[1], ctx.causal, mask3, q3.device)
             delta_hp = (do3.float() * ctx.o_fp32).sum(-1)
-            ctx.probe.delta_error(*ctx.site, ctx.lead, q3, k3, keep, ctx.scale, delta, delta_hp, ctx.tied)
+            ctx.probe.delta_error(*ctx.site, ctx.lead, q3, k3, ctx.keep, ctx.scale, delta, delta_hp, ctx.tied)
         q_shape, k_shape = ctx.shapes
         return (dq.reshape(q_shape).to(ctx.in_dtype), dk.reshape(k_shape).to(ctx.in_dtype),
                 dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None)

@@ -56,8 +56,8 @@ class NumericsProbe:
         blocks = model.transformer.h
         self.n_layer, self.n_embd = len(blocks), model.config.n_embd
         self._inputs: dict[int, torch.Tensor] = {}
-        self._hooks = [block.attn.c_attn.register_forward_pre_hook(self._keep_input(i))
-                       for i, block in enumerate(blocks)]
+        for i, block in enumerate(blocks):   # for as long as the model lives
+            block.attn.c_attn.register_forward_pre_hook(self._keep_input(i))
         self.last_wq_err: list[torch.Tensor | None] = [None] * self.n_layer   # the last step's, per layer
         self.last_wq_tied_err: list[torch.Tensor | None] = [None] * self.n_layer
         self._reset()
@@ -83,10 +83,6 @@ class NumericsProbe:
             yield self
         finally:
             _active = None
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
     # -- called by the flash emulation -------------------------------------------------------------
 
@@ -140,7 +136,6 @@ class NumericsProbe:
             self.last_wq_err[layer], self.last_wq_tied_err[layer] = self.wq_err[layer], self.wq_tied_err[layer]
         self._reset()
         return out
-
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor | None) -> float:
