@@ -51,6 +51,9 @@ def main(debug: bool) -> None:
     A run store (a Zarr directory) holds everything about one run: its config and environment, the
     exact samples of every step on every rank, metrics, spikes and committed checkpoints.
     """
+    from replay.launch.lifeline import follow_parent
+
+    follow_parent()   # started by a script of ours (launch/lifeline.py): end with it
     if debug:
         os.environ["REPLAY_DEBUG"] = "1"   # rank processes print tracebacks too
 
@@ -94,19 +97,16 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
                                 ("--steps", steps), ("--set", sets), ("--seed", seed), ("--numerics", numerics)] if v]
         if given:
             raise ReplayError(f"--resume continues the recorded config; drop {', '.join(given)}")
-        store_obj, cfg = ranks.prepare_resume(store, world_size=nproc or _recorded_world(store))
-        click.echo(f"resuming {store} from step {store_obj.n_steps} of {cfg.steps}", err=True)
-        ranks.run_ranks(store, cfg, cfg.nproc, resume=True)
+        ranks.record_resume(store, nproc or _recorded_world(store), progress=lambda m: click.echo(m, err=True))
     else:
         cfg = build_config(preset, config_file, list(sets), steps=steps, nproc=nproc, launcher=launcher,
                            zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
                            seed=seed, numerics=numerics, data={"path": data} if data else None,
                            model={"attention": attention} if attention else None)
-        ranks.prepare_new(store, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
         click.echo(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) "
                    f"({cfg.launcher}{f', ZeRO-{cfg.zero_stage}' if cfg.launcher == 'deepspeed' else ''}, "
                    f"{cfg.precision}) into {store}", err=True)
-        ranks.run_ranks(store, cfg, cfg.nproc, resume=False)
+        ranks.record_new(store, cfg)
     _print_info(store, as_json=False)
 
 
@@ -121,12 +121,17 @@ def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, z
     """Under torchrun / deepspeed (multi-node): rank 0 prepares the store, every rank trains."""
     from replay.config import build_config
     from replay.launch import ranks
+    from replay.store.lease import current_spec, writing
     from replay.train.trainer import train
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "launch")
-    if rank == 0:
+    if rank != 0:   # rank 0 holds the store's lease; the other ranks write under it
+        ranks.wait_for_prepared(store, launch_id)
+        train(store, current_spec(store), resume=resume)
+        return
+    with writing(store, f"replay record (rank 0 of {world})") as lease:
         if resume:
             store_obj, _ = ranks.prepare_resume(store, world_size=world)
         else:
@@ -136,9 +141,7 @@ def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, z
                                model={"attention": attention} if attention else None)
             store_obj = ranks.prepare_new(store, cfg, world_size=world, local_world=local_world)
         store_obj.update_manifest(launch_id=launch_id)
-    else:
-        ranks.wait_for_prepared(store, launch_id)
-    train(store, resume=resume)
+        train(store, lease.spec, resume=resume)
 
 
 @main.command()

@@ -95,9 +95,6 @@ def _record(store: Path, progress: Callable[[str], None]) -> None:
         if existing.manifest.get("status") == "complete":
             progress(f"      {store} already holds the recording: reusing it")
             return
-        _, cfg = ranks.prepare_resume(str(store), world_size=NPROC)
-        ranks.run_ranks(str(store), cfg, NPROC, resume=True)
+        ranks.record_resume(str(store), NPROC, command="replay demo")
         return
-    cfg = build_config(PRESET, None, [], nproc=NPROC)
-    ranks.prepare_new(str(store), cfg, world_size=NPROC, local_world=NPROC)
-    ranks.run_ranks(str(store), cfg, NPROC, resume=False)
+    ranks.record_new(str(store), build_config(PRESET, None, [], nproc=NPROC), command="replay demo")

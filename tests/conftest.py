@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +15,58 @@ import numpy as np
 import pytest
 import torch
 
+from replay.launch.lifeline import child_env, guarded
+from replay.processes import alive, descendants
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def replay_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `python -m replay ARGS` in a fresh process, as a user would."""
-    full_env = {k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {})
+    """Run `python -m replay ARGS` in a fresh process, as a user would (ending with the test run if it dies)."""
+    full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))
     return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray cluster, started once (about 3 s) and shared by the in-process tests that use Ray;
+    its processes end with the test run, however that ends (launch/lifeline.py)."""
+    import ray
+
+    with guarded():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        yield
+        ray.shutdown()
+
+
+def wait_for_descendants(pid: int, want, timeout: float = 120) -> dict[int, int]:
+    """Poll until the descendants of `pid` whose command line satisfies `want(cmdline)` are found; returns
+    every descendant then ({pid: start time})."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = descendants(pid)
+        if want([_cmdline(p) for p in found]):
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"the processes wanted never appeared under pid {pid}: {[_cmdline(p) for p in found]}")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def assert_gone(procs: dict[int, int], within: float = 2.0) -> None:
+    """Every one of `procs` ({pid: start time}) has ended within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(alive(p, s) for p, s in procs.items()):
+        time.sleep(0.02)
+    left = {p: _cmdline(p) for p, s in procs.items() if alive(p, s)}
+    assert not left, f"still running {within} s later: {left}"
 
 
 def killed_by_fault(fault: str, *args: str) -> None:

@@ -26,6 +26,7 @@ from replay.analysis.names import DISTANCES
 from replay.config import RunConfig
 from replay.errors import StoreError, UsageError
 from replay.store import RunStore
+from replay.store.lease import require, writing
 
 MODEL = "/state/replicated/model/"     # where every checkpoint keeps the model (rank 0's shard)
 LAYER_BLOCK = 4                         # layers per work item
@@ -53,6 +54,7 @@ class MetricItem:
     before: Source | None
     probe: list[list[int]]              # token rows of the probe batch (block_size + 1 tokens each)
     fault: str = ""
+    lease: str = ""                     # the spec of the driver's lease: checked before writing
 
     @property
     def label(self) -> str:
@@ -68,6 +70,7 @@ class DistanceItem:
     other: Source
     tensors: list[str]
     fault: str = ""
+    lease: str = ""
 
     @property
     def label(self) -> str:
@@ -90,10 +93,12 @@ def run_item(item: MetricItem | DistanceItem) -> str:
 
     torch.set_num_threads(1)
     _inject_fault(item)
+    result = compute_metrics(item) if isinstance(item, MetricItem) else compute_distances(item)
+    require(item.lease)   # a task of a driver that lost the store (it died, another took over) writes nothing
     if isinstance(item, MetricItem):
-        R.write_metrics(item.store, item.row, item.block, item.block_index, compute_metrics(item))
+        R.write_metrics(item.store, item.row, item.block, item.block_index, result)
     else:
-        R.write_distances(item.store, item.table, item.row, compute_distances(item))
+        R.write_distances(item.store, item.table, item.row, result)
     return ray.get_runtime_context().get_node_id()
 
 
@@ -370,7 +375,7 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
     if not run.checkpoints():
         raise UsageError(f"{store_path} has no committed checkpoint to analyse")
     fault = _task_fault()
-    with ray_session(address, workers) as slots:    # connect first: a bad address changes nothing
+    with writing(store_path, "replay analyze") as lease, ray_session(address, workers) as slots:
         items: list[Any] = []
         skipped = 0
         for store in [run, *replay_stores(run)]:
@@ -384,6 +389,8 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
         progress(f"{skipped} work items already done")
         # longest first (a block's probe runs every layer below it), so no long item is left for the end
         items.sort(key=lambda i: -i.block[1] if isinstance(i, MetricItem) else 0)
+        for item in items:
+            item.lease = lease.spec
         return execute(items, slots, progress, Summary(skipped=skipped))
 
 
@@ -399,8 +406,10 @@ def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, 
         raise UsageError(f"{a_path} and {b_path} have no checkpoint at a common step; record both with the "
                          "same --checkpoint-every")
     table = compare_table_name(a, b)
-    with ray_session(address, workers) as slots:
+    with writing(a_path, "replay compare") as lease, ray_session(address, workers) as slots:
         items, skipped, steps = plan_distances(a, table, a, b, _task_fault())
+        for item in items:
+            item.lease = lease.spec
         execute(items, slots, progress)
     entry = R.read_distances(a.path)[table]
     return {"reference": str(a.path), "other": str(b.path), "table": f"analysis/distances/{table}",

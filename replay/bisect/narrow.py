@@ -19,8 +19,6 @@ after every probe, so running the same command again resumes it without re-runni
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -29,7 +27,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,6 +36,7 @@ from replay.errors import ReplayError, UsageError
 from replay.replayer.overrides import Overrides, apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
 from replay.store import RunStore
+from replay.store.lease import Lease, writing
 from replay.bisect.probes import ProbeRunner, request
 from replay.bisect.rule import Rule, judge
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
@@ -138,6 +137,7 @@ class Bisect:
         self.resumed = previous is not None
         self.new_probes = 0
         self.started = False
+        self.lease: Lease | None = None
         self.runner: ProbeRunner | None = None
 
     def _pick_spike(self) -> int:
@@ -202,6 +202,7 @@ class Bisect:
 
     def save(self, **fields: Any) -> None:
         self.doc.update(fields)
+        self.lease.check()
         self.record_rw().write_bisect_session(self.id, self.doc)
 
     def record_rw(self) -> RunStore:
@@ -215,12 +216,12 @@ class Bisect:
         if self.doc.get("status") == "complete":
             self.say(f"bisect session {self.id} is complete ({len(self.doc['probes'])} probes): its answer")
             return {**self.doc, "verdict": {**self.doc["verdict"], "new_probes": 0}}
-        with _exclusive(self.record.path):
+        with writing(self.record.path, "replay bisect") as self.lease:   # one bisect at a time, like any writer
             try:
                 return self._run()
-            except ReplayError as e:
+            except BaseException as e:   # an interrupt too: the session is not left "running"
                 if self.started:
-                    self.save(status="failed", error=str(e))
+                    self.save(status="failed", error=str(e) or type(e).__name__)
                 raise
 
     def _run(self) -> dict[str, Any]:
@@ -237,7 +238,7 @@ class Bisect:
             world = int(self.record.manifest["world_size"])
             cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
             self.width = slots
-            with ProbeRunner(self.store_path, world, cpus, slots) as self.runner:
+            with ProbeRunner(self.store_path, world, cpus, slots, self.lease.spec) as self.runner:
                 self.say(f"probes run on {slots} Ray worker(s), each with {world} warm rank(s) on {cpus} CPU(s)")
                 phases = self.doc["phases"]
                 start = self.checkpoints[-1]
@@ -458,20 +459,6 @@ class Bisect:
             "bound": 1 + sum(p.get("bound", 0) for p in (steps, layers, heads, data)),
             "seconds": seconds, "workers": self.width,
         }
-
-
-@contextlib.contextmanager
-def _exclusive(store: Path) -> Iterator[None]:
-    """One bisect at a time per store: two would share probes (replays) and could redo each other's."""
-    with open(store / ".bisect.lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(f"another `replay bisect` is running on {store}; wait for it to finish") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _fault(new_probes: int) -> None:

@@ -33,16 +33,17 @@ class ProbeWorker:
         self.pool = RankPool(world_size, log=log)
         self.pool.start()   # every actor's ranks start at once, before the first probe
 
-    def run(self, store: str, req: ReplayRequest) -> dict[str, Any]:
+    def run(self, store: str, req: ReplayRequest, under: str) -> dict[str, Any]:
+        """One probe, written under `under`: the spec of the bisect's lease of the store (store/lease.py)."""
         import socket
 
         from replay.replayer.replays import run
 
         t0 = time.perf_counter()
         try:
-            result = run(store, req, pool=self.pool)
+            result = run(store, req, pool=self.pool, under=under, command="replay bisect (probe)")
         except RankPoolError:   # once more on fresh ranks (the interrupted probe is redone from scratch)
-            result = run(store, req, pool=self.pool)
+            result = run(store, req, pool=self.pool, under=under, command="replay bisect (probe)")
         v = result.verification
         return {"id": result.path.name, "ran": result.created, "seconds": time.perf_counter() - t0,
                 "bitwise": v.bitwise, "divergence": None if v.divergence is None else vars(v.divergence),
@@ -53,12 +54,13 @@ class ProbeWorker:
 
 
 class ProbeRunner:
-    """Runs batches of probe requests on `slots` actors of `cpus` CPUs each (inside an open ray_session)."""
+    """Runs batches of probe requests on `slots` actors of `cpus` CPUs each (inside an open ray_session),
+    under `lease`, the spec of the bisect's lease."""
 
-    def __init__(self, store: str | Path, world_size: int, cpus: int, slots: int):
+    def __init__(self, store: str | Path, world_size: int, cpus: int, slots: int, lease: str):
         import ray
 
-        self.store = str(store)
+        self.store, self.lease = str(store), lease
         actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1)(ProbeWorker)
         self.actors = [actor.remote(world_size) for _ in range(slots)]
 
@@ -72,7 +74,7 @@ class ProbeRunner:
             while queue and idle:
                 i, req = queue.pop(0)
                 worker = idle.pop()
-                pending[worker.run.remote(self.store, req)] = (i, worker)
+                pending[worker.run.remote(self.store, req, self.lease)] = (i, worker)
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 i, worker = pending.pop(ref)

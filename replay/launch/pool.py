@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from replay.errors import ReplayError
-from replay.launch.ranks import _free_port
+from replay.launch.ranks import free_port, rank_env
 
 
 class RankPoolError(ReplayError):
@@ -46,14 +46,11 @@ class RankPool:
             self._start()
 
     def _start(self) -> None:
-        port = _free_port()
+        port = free_port()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         for rank in range(self.world_size):
             read_fd, write_fd = os.pipe()
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                   "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "REPLAY_REPLY_FD": str(write_fd), "REPLAY_PARENT_PID": str(os.getpid())}
-            env.pop("TORCHELASTIC_RUN_ID", None)
+            env = {**rank_env(rank, self.world_size, port), "REPLAY_REPLY_FD": str(write_fd)}
             proc = subprocess.Popen([sys.executable, "-m", "replay.launch.worker", "--serve"], env=env,
                                     stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write_fd,))
             os.close(write_fd)
@@ -62,10 +59,11 @@ class RankPool:
         if log is not subprocess.DEVNULL:
             log.close()
 
-    def train(self, store_path: str | Path, resume: bool = False) -> None:
-        """Train the (already prepared) store on every rank; raises ReplayError if any rank fails."""
+    def train(self, store_path: str | Path, lease: str, resume: bool = False) -> None:
+        """Train the (already prepared) store on every rank, writing under `lease` (store/lease.py); raises
+        ReplayError if any rank fails."""
         self.start()
-        request = (json.dumps({"store": str(store_path), "resume": resume}) + "\n").encode()
+        request = (json.dumps({"store": str(store_path), "resume": resume, "lease": lease}) + "\n").encode()
         try:
             for proc in self._procs:
                 proc.stdin.write(request)

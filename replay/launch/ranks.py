@@ -1,25 +1,47 @@
 """Starting a recording: prepare the store once, then run the ranks.
 
-Local ranks are started with PyTorch's own elastic launcher (what `torchrun` runs), each rank a fresh
-`python -m replay.launch.worker STORE` process. Under an outer `torchrun`/`deepspeed` launcher (multi-node),
+Local ranks are fresh `python -m replay.launch.worker STORE` processes with torchrun's environment (env://
+rendezvous on loopback), started here so that each one dies with this process (launch/lifeline.py). Under an outer `torchrun`/`deepspeed` launcher (multi-node),
 `replay record` is itself a rank: rank 0 prepares the store and the other ranks wait for its go.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
+from typing import Callable
 
 from replay.config import RunConfig
 from replay.errors import ReplayError, StoreError, UsageError
+from replay.launch.lifeline import child_env
 from replay.store import RunStore
+from replay.store.lease import ENV as LEASE_ENV
+from replay.store.lease import writing
+from replay.store.run_store import is_empty_dir
 from replay.train.model import check_attention
 from replay.train.data import (builtin_corpus, cpu_count, fingerprint_file, fingerprint_tokens, make_data,
                                open_token_file)
+
+
+def record_new(store_path: str, cfg: RunConfig, command: str = "replay record") -> None:
+    """Record a new run on this machine's ranks, holding the store's lease throughout."""
+    with writing(store_path, command) as lease:
+        prepare_new(store_path, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
+        run_ranks(store_path, cfg, cfg.nproc, False, lease.spec)
+
+
+def record_resume(store_path: str, world_size: int, command: str = "replay record --resume",
+                  progress: Callable[[str], None] = lambda m: None) -> None:
+    """Continue a stopped or crashed run on this machine's ranks, holding the store's lease throughout."""
+    with writing(store_path, command) as lease:
+        store, cfg = prepare_resume(store_path, world_size)
+        progress(f"resuming {store_path} from step {store.n_steps} of {cfg.steps}")
+        run_ranks(store_path, cfg, cfg.nproc, True, lease.spec)
 
 
 def under_outer_launcher() -> bool:
@@ -31,7 +53,7 @@ def prepare_new(store_path: str, cfg: RunConfig, world_size: int, local_world: i
     if cfg.threads == 0:
         cfg.threads = max(1, cpu_count() // local_world)
     path = Path(store_path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if not is_empty_dir(path):
         RunStore.create(path, {})  # raises the "not empty" error
     if cfg.data.path:
         tokens = open_token_file(cfg)
@@ -84,44 +106,66 @@ def _check_deepspeed(cfg: RunConfig) -> None:
         raise UsageError(f"--launcher deepspeed needs DeepSpeed importable here: {e}") from None
 
 
-def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool) -> None:
-    """Run the ranks on this machine and wait; a failing rank fails the whole recording."""
+def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: str) -> None:
+    """Run the ranks on this machine, writing under `lease` (store/lease.py), and wait; a failing rank
+    fails the whole recording."""
     if nproc == 1 and cfg.launcher == "local":
         from replay.train.trainer import train
 
-        train(store_path, resume=resume)
+        train(store_path, lease, resume=resume)
         return
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"replay-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
-    )
-    args = ["-m", "replay.launch.worker", str(store_path)] + (["--resume"] if resume else [])
+    port = free_port()
+    args = [sys.executable, "-m", "replay.launch.worker", str(store_path)] + (["--resume"] if resume else [])
+    procs = [subprocess.Popen(args, env={**rank_env(rank, nproc, port), LEASE_ENV: lease}) for rank in range(nproc)]
+    failures = wait_for_ranks(procs)
+    if failures:
+        raise ReplayError(f"{failures}; their own messages are above (committed checkpoints are intact: "
+                          f"`replay record --store {store_path} --resume` continues)")
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun gives a rank on one machine (env:// rendezvous on loopback), and the lifeline."""
+    env = child_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    return env
+
+
+def wait_for_ranks(procs: list[subprocess.Popen], grace: float = 5.0) -> str | None:
+    """Wait for every rank. When one fails, the others get `grace` seconds to fail on their own (a peer
+    stuck in a collective with the dead rank usually errors out at once), then are killed. Returns the
+    failures in words, the first one first, or None. Whatever ends the wait, no rank outlives it."""
+    failed: list[tuple[int, int]] = []
+    deadline = None
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*args)
-    except ChildFailedError as e:
-        raise ReplayError(f"{_describe_failures(e.failures)}; their own messages are above (committed "
-                          f"checkpoints are intact: `replay record --store {store_path} --resume` continues)") from None
+        while any(p.poll() is None for p in procs):
+            new = [(rank, p.returncode) for rank, p in enumerate(procs)
+                   if p.returncode not in (None, 0) and rank not in dict(failed)]
+            failed += sorted(new, key=lambda f: f[1] >= 0)   # in one pass, a rank killed outright came first
+            if failed and deadline is None:
+                deadline = time.monotonic() + grace
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    for rank, p in enumerate(procs):
+        if p.returncode != 0 and rank not in dict(failed):
+            failed.append((rank, p.returncode))
+    if not failed:
+        return None
+    return ", then ".join(f"rank {rank} {_how(code)}" for rank, code in failed)
 
 
-def _describe_failures(failures: dict) -> str:
-    """Every failed rank, the likely cause first: the earliest, and among equals (timestamps are whole
-    seconds) a rank killed outright or exiting with its own error before one that aborted after it."""
-    import signal
-
-    def how(f) -> str:
-        if f.exitcode < 0:
-            return f"was killed by signal {-f.exitcode} ({signal.Signals(-f.exitcode).name})"
-        return f"exited with code {f.exitcode}"
-
-    order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode in (-6, -15)))
-    first_rank, first = order[0]
-    text = f"rank {first_rank} {how(first)}"
-    others = [f"rank {r} {how(f)}" for r, f in order[1:]]
-    return text + (f", then {', '.join(others)}" if others else "")
+def _how(code: int) -> str:
+    if code < 0:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
 
 
 def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> None:
@@ -137,7 +181,7 @@ def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> 
     raise StoreError(f"rank 0 did not prepare {store_path} within {timeout:.0f}s")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Callable, Iterable, Iterator
 
 from replay.errors import ReplayError, UsageError
+from replay.launch.lifeline import Guardian
 
 RETRIES = 3
 
@@ -29,6 +30,7 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
         raise UsageError(f"--workers must be >= 1, got {workers}")
     address = address or os.environ.get("RAY_ADDRESS") or None
     owned = not ray.is_initialized()
+    guardian = Guardian()
     if owned and address:
         _check_reachable(address)
     if owned:
@@ -37,10 +39,13 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
             kwargs["address"] = address
         else:
             kwargs["num_cpus"] = workers or os.cpu_count() or 1
+        if not address:   # the local cluster's processes must not outlive this one (launch/lifeline.py)
+            guardian.start()
         try:
             with _quiet_stderr():
                 ray.init(**kwargs)
         except Exception as e:   # ray raises ConnectionError, RuntimeError, AuthenticationError, ...
+            guardian.stop()
             where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
             if "auth" in f"{type(e).__name__} {e}".lower():
                 raise UsageError(f"{where} refused this client's authentication token: give it the cluster's "
@@ -54,6 +59,7 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
     finally:
         if owned:
             ray.shutdown()
+        guardian.stop()
 
 
 def cluster_cpus() -> tuple[int, int]:

@@ -13,9 +13,12 @@ import sys
 import traceback
 
 from replay.errors import ReplayError
+from replay.launch.lifeline import follow_parent
+from replay.store.lease import ENV as LEASE_ENV
 
 
 def main(argv: list[str]) -> int:
+    follow_parent()   # first: a rank never outlives the command that started it
     from replay.train.trainer import train
 
     rank = os.environ.get("RANK", "?")
@@ -26,7 +29,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
         return serve(train, int(os.environ["REPLAY_REPLY_FD"]))
     store, resume = argv[0], "--resume" in argv[1:]
-    error, code = _attempt(train, store, resume)
+    error, code = _attempt(train, store, resume, lease=os.environ[LEASE_ENV])
     if error:
         print(f"rank {rank}: {error}", file=sys.stderr, flush=True)
     return code
@@ -37,11 +40,11 @@ def serve(train, reply_fd: int) -> int:
     process group between them."""
     import torch.distributed as dist
 
-    _exit_with_parent(int(os.environ["REPLAY_PARENT_PID"]))
     with os.fdopen(reply_fd, "w") as replies:
         for line in sys.stdin:
             request = json.loads(line)
-            error, code = _attempt(train, request["store"], request["resume"], keep_group=True)
+            error, code = _attempt(train, request["store"], request["resume"], lease=request["lease"],
+                                   keep_group=True)
             replies.write(json.dumps({"error": error, "code": code} if error else {"ok": True}) + "\n")
             replies.flush()
             if error:
@@ -51,23 +54,9 @@ def serve(train, reply_fd: int) -> int:
     return 0
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A warm rank ends when the process that started it is gone (killed with its bisect), so it never
-    keeps writing into a replay that a resumed bisect is about to redo."""
-    import threading
-    import time
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _attempt(train, store: str, resume: bool, **kwargs) -> tuple[str | None, int]:
+def _attempt(train, store: str, resume: bool, lease: str, **kwargs) -> tuple[str | None, int]:
     try:
-        train(store, resume=resume, **kwargs)
+        train(store, lease, resume=resume, **kwargs)
     except ReplayError as e:
         return str(e), e.exit_code
     except Exception as e:  # e.g. a peer rank died and the collective broke

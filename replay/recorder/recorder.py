@@ -18,9 +18,12 @@ fires. Each rank writes its own shard; rank 0 commits once all shards are done.
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -33,6 +36,7 @@ from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
 from replay.recorder.writer import BackgroundWriter, fault_point
 from replay.store import RunStore
+from replay.store.lease import Lease, require
 from replay.store.tensors import Packed, pack
 
 
@@ -57,6 +61,11 @@ class RecorderConfig:
 def create_run_store(path: str, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
     """A new run store for a training loop of your own. `config` describes the run as far as it can
     (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
+    with Lease.acquire(path, "create_run_store"):
+        return _create(path, config, world_size, description)
+
+
+def _create(path: str, config: RunConfig, world_size: int, description: str) -> RunStore:
     return RunStore.create(path, {
         "config": config.to_dict(), "world_size": world_size, "launcher": "custom", "created": time.time(),
         "status": "running", "resumes": [],
@@ -66,8 +75,21 @@ def create_run_store(path: str, config: RunConfig, world_size: int = 1, descript
 
 
 class Recorder:
+    """`lease`: the spec of the lease this rank writes under (store/lease.py), when the command that
+    started it holds one; without it, rank 0 takes the store's lease itself (released by `close`)."""
+
     def __init__(self, store_path: str, state: TrainState, cfg: RecorderConfig, rank: int = 0,
-                 world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None):
+                 world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None,
+                 lease: str | None = None):
+        self._lease = None
+        if lease is not None:
+            require(lease)
+            guard = functools.partial(require, lease)
+        elif rank == 0:
+            self._lease = Lease.acquire(store_path, f"a Python Recorder ({Path(sys.argv[0]).name or 'python'})")
+            guard = self._lease.check
+        else:
+            guard = None
         self.store = RunStore.open(store_path, mode="a")
         self.state, self.cfg = state, cfg
         self.rank, self.world = rank, world_size
@@ -76,7 +98,7 @@ class Recorder:
         self.start_from = start_from
         self.detector = SpikeDetector(cfg.spike)
         self.ring: deque[tuple[int, Packed]] = deque(maxlen=max(1, cfg.snapshot_ring))
-        self.writer = BackgroundWriter(f"replay-writer-rank{rank}")
+        self.writer = BackgroundWriter(f"replay-writer-rank{rank}", guard)
         self._rows: list[dict[str, Any]] = []
         self._rows_start = 0
         self._last_time = time.perf_counter()
@@ -123,9 +145,13 @@ class Recorder:
 
     def close(self) -> None:
         """Flush everything and wait for the disk; the last step's checkpoint is written by the cadence."""
-        if self.coordinator:
-            self._flush_rows()
-        self.writer.close()
+        try:
+            if self.coordinator:
+                self._flush_rows()
+            self.writer.close()
+        finally:
+            if self._lease is not None:
+                self._lease.release()
 
     # -- per step ----------------------------------------------------------------------------------
 

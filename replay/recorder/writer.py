@@ -17,7 +17,10 @@ from replay.errors import StoreError
 
 
 class BackgroundWriter:
-    def __init__(self, name: str):
+    """`guard()` runs before every job and raises if this process may no longer write (a lost lease)."""
+
+    def __init__(self, name: str, guard: Callable[[], None] | None = None):
+        self._guard = guard
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -28,6 +31,8 @@ class BackgroundWriter:
         while (job := self._jobs.get()) is not None:
             try:
                 if self._error is None:
+                    if self._guard is not None:
+                        self._guard()
                     job()
             except BaseException as e:  # kept for the training thread; later jobs are skipped
                 self._error = e

@@ -10,6 +10,7 @@ restores its own shard and RNG states from the parent and trains on the parent's
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from replay.errors import StoreError, UsageError
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
+from replay.store.lease import writing
 
 if TYPE_CHECKING:
     from replay.launch.pool import RankPool
@@ -75,6 +77,9 @@ class Replay:
 
 
 def replay_id(req: ReplayRequest) -> str:
+    if req.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", req.name):
+        raise UsageError(f"--name {req.name!r} is not a replay name: use letters, digits, '.', '_' and '-' "
+                         "(one path component, at most 100 characters, not starting with '.' or '-')")
     tag = f"-{req.overrides.tag()}" if req.overrides.to_dict() else ""
     return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
@@ -140,22 +145,28 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     return path, cfg, True, False
 
 
-def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None) -> Replay:
+def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
+        command: str = "replay run") -> Replay:
     """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record.
     With a pool of warm ranks (launch/pool.py) of the recorded world size, a local-launcher replay runs
-    on them instead of on freshly started ranks."""
+    on them instead of on freshly started ranks. The store's lease is taken first, or, with `under` (a
+    bisect's probes), the lease of the process this one works for is checked; the replay's own lease
+    is taken in both cases (store/lease.py)."""
     from replay.launch.ranks import run_ranks
 
-    path, cfg, pending, resume = prepare(store_path, req)
-    world = RunStore.open(store_path).manifest["world_size"]
-    notes = environment_notes(RunStore.open(store_path).manifest.get("environment", {}))
-    if pending and pool is not None and cfg.launcher == "local" and pool.world_size == world:
-        pool.train(path, resume=resume)
-    elif pending:
-        run_ranks(str(path), cfg, cfg.nproc, resume=resume)
-    result = Replay(path, created=pending, environment_notes=notes)
-    result.verification = verify(RunStore.open(store_path), RunStore.open(path))
-    RunStore.open(path, mode="a").update_manifest(verification=result.verification.to_dict())
+    RunStore.open(store_path)   # a missing store is named before anything is made
+    with writing(Path(store_path) / "replays" / replay_id(req), command, under=under) as lease:
+        path, cfg, pending, resume = prepare(store_path, req)
+        world = RunStore.open(store_path).manifest["world_size"]
+        notes = environment_notes(RunStore.open(store_path).manifest.get("environment", {}))
+        if pending and pool is not None and cfg.launcher == "local" and pool.world_size == world:
+            pool.train(path, lease.spec, resume=resume)
+        elif pending:
+            run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec)
+        result = Replay(path, created=pending, environment_notes=notes)
+        result.verification = verify(RunStore.open(store_path), RunStore.open(path))
+        lease.check()
+        RunStore.open(path, mode="a").update_manifest(verification=result.verification.to_dict())
     return result
 
 

@@ -42,6 +42,12 @@ _CHUNK_BYTES = 16 << 20     # checkpoint bytes per Zarr chunk: the unit of a par
 _CHUNKS_PER_WRITE = 8
 
 
+def is_empty_dir(path: Path) -> bool:
+    """Nothing there yet, or an empty directory (the lease of the command about to create a store there
+    does not count: store/lease.py)."""
+    return not path.exists() or (path.is_dir() and all(p.name == "leases" for p in path.iterdir()))
+
+
 def _ckpt_name(step: int) -> str:
     return f"{step:08d}"
 
@@ -89,14 +95,14 @@ class RunStore:
     def create(cls, path: str | Path, manifest: dict[str, Any], kind: str = "run", first_step: int = 0) -> "RunStore":
         """A new store: a recorded run, or a replay (whose step log starts at `first_step`)."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if not is_empty_dir(path):
             raise StoreError(
                 f"store {path} is not empty: pass --resume to continue the run recorded there, "
                 "or choose a new --store directory"
             )
         path.mkdir(parents=True, exist_ok=True)
         attrs = {"replay": {"schema": SCHEMA_VERSION, "kind": kind}, **manifest}
-        zarr.open_group(LocalStore(path), mode="w-", attributes=attrs)
+        zarr.create_group(LocalStore(path), attributes=attrs)   # refuses to overwrite a group
         store = cls(path, mode="a")
         store.root.create_group("steps").update_attributes({"n_steps": 0, "first_step": first_step})
         store.root.create_group("spikes").attrs["events"] = []

@@ -22,6 +22,7 @@ from replay.config import RunConfig
 from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
+from replay.store.lease import require
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.kernels.numerics import NumericsProbe
 from replay.kernels.registry import AttentionPlan, apply_plan
@@ -58,7 +59,10 @@ def init_distributed(r: Rank, cfg: RunConfig) -> None:
         dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo", device_id=None)
 
 
-def train(store_path: str, resume: bool = False, keep_group: bool = False) -> None:
+def train(store_path: str, lease: str, resume: bool = False, keep_group: bool = False) -> None:
+    """Train (or resume, or replay) the run in `store_path` as this rank, writing under `lease` (the spec of
+    the launching command's lease: store/lease.py)."""
+    require(lease)
     store = RunStore.open(store_path, mode="a")
     cfg = RunConfig.from_dict(store.manifest["config"])
     r = Rank.from_env(cfg)
@@ -72,7 +76,7 @@ def train(store_path: str, resume: bool = False, keep_group: bool = False) -> No
         else:
             store.update_manifest(environment=env)
     try:
-        _train(store, cfg, r, resume)
+        _train(store, cfg, r, resume, lease)
     finally:
         if dist.is_initialized() and not keep_group:
             dist.destroy_process_group()
@@ -120,7 +124,7 @@ class Schedule:
         return self.recorded_ids[step, r.rank]
 
 
-def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
+def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -> None:
     schedule = Schedule.for_store(store, cfg)
     data = load_data(cfg, schedule.parent or store)
     active = schedule.recorded_cfg or cfg   # a replay fast-forwards as recorded, then switches at `from`
@@ -140,6 +144,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool) -> None:
 
     start_from = (schedule.parent, schedule.start_checkpoint) if schedule.parent and not resume else None
     recorder = Recorder(str(store.path), state, rank=r.rank, world_size=r.world, resume=resume, start_from=start_from,
+                        lease=lease,
                         cfg=RecorderConfig(total_steps=schedule.stop, checkpoint_every=schedule.checkpoint_every,
                                            snapshot_every=schedule.snapshot_every, snapshot_ring=cfg.snapshot_ring,
                                            spike=cfg.spike))

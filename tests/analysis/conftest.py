@@ -1,4 +1,4 @@
-"""Analysis fixtures: one real local Ray cluster for the session, and one analysed store."""
+"""Analysis fixtures: a replayed store and its analysed copy."""
 
 from __future__ import annotations
 
@@ -12,16 +12,6 @@ from tests.conftest import replay_cli
 # A replay that leaves the record (learning rate doubled from step 10) and ends with a checkpoint at
 # step 20, where the run has one too: its weight distances against the run are non-zero there.
 DIVERGING_REPLAY = ["--from", "10", "--to", "19", "--lr-scale", "2", "--name", "lr2"]
-
-
-@pytest.fixture(scope="session")
-def ray_local():
-    """A real local Ray cluster, started once (about 3 s) and shared by the in-process analysis tests."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,334 @@
+"""One writer per store: a lease that names its holder, taken before anything is written.
+
+Every command that writes a run store (`record`, `record --resume`, `run`, `bisect`, `analyze`, `compare`,
+a Python `Recorder`) first takes the lease of the run: `STORE/leases/run.json`. Processes working for
+the holder (its ranks, a bisect's probes, an analysis's Ray tasks) write under that lease: they are given
+its token and check it is still held with that token before each write, so a process whose holder lost
+the lease stops instead of writing. A replay is also written under a lease of its own,
+`STORE/leases/replays/<id>.json`, so that two of a bisect's parallel probes never write one replay.
+Readers (`info`, `batch`, `report`) take nothing.
+
+The lease file is written once, whole, and then made visible with an atomic exclusive create (a hard
+link of a complete temporary file): it holds who (command, pid, host, process start time), since when,
+and a random token. The holder's heartbeat is the file's modification time, touched every
+`timeout / 6` seconds through an open descriptor (so it only ever touches its own file). A lease whose
+holder is gone is taken over, and the takeover is reported:
+
+- same host: the pid no longer runs, or runs another process (a different start time);
+- another host: no heartbeat for `timeout` seconds (REPLAY_LEASE_TIMEOUT, default 60).
+
+A takeover first creates `<lease>.takeover-<token of the dead lease>` exclusively, so that of several
+processes taking over one dead lease exactly one wins; the winner checks the lease still holds that
+token before replacing it.
+
+What this assumes of a shared filesystem (NFS, Lustre): exclusive create by hard link, and unlink, are
+atomic at the server; a file opened on one host shows what another host wrote and closed before
+(close-to-open consistency); modification times set by a client stay as set; and the hosts' clocks
+agree to well within the timeout (NTP). A holder that is frozen (SIGSTOP, a suspended VM) for longer
+than the timeout on another host than its challenger loses its lease and stops at its next check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from replay.errors import StoreError
+from replay.processes import alive, start_time
+
+ENV = "REPLAY_LEASE"   # {"file": ..., "token": ...} of the lease a child process writes under
+
+
+def lease_timeout() -> float:
+    return float(os.environ.get("REPLAY_LEASE_TIMEOUT", "60"))
+
+
+def lease_file(store: str | Path, scope: str = "run") -> Path:
+    return Path(store) / "leases" / f"{scope}.json"
+
+
+@dataclass
+class Holder:
+    command: str
+    pid: int
+    host: str
+    since: float
+    token: str
+    start: int | None = None          # the pid's start time (clock ticks since boot), where /proc has it
+    took_over: dict | None = None     # the dead holder this one replaced
+
+    def describe(self) -> str:
+        return (f"`{self.command}` (pid {self.pid} on {self.host} since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))})")
+
+    def alive(self, heartbeat: float, timeout: float) -> bool:
+        if self.host != socket.gethostname():
+            return time.time() - heartbeat < timeout
+        if self.start is not None and os.path.isdir("/proc"):
+            return alive(self.pid, self.start)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def read_holder(path: Path) -> tuple[Holder, float, tuple[int, int]] | None:
+    """The lease at `path`: its holder, heartbeat (mtime) and identity (device, inode); None if there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)   # after open(): fresh attributes even on NFS
+        raw = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    try:
+        holder = Holder(**json.loads(raw))
+    except (ValueError, TypeError) as e:
+        raise StoreError(f"the lease file {path} is damaged ({e}); if no command is writing the store, delete it") \
+            from None
+    return holder, st.st_mtime, (st.st_dev, st.st_ino)
+
+
+def holder_of(store: str | Path, scope: str = "run") -> Holder | None:
+    """Who holds the lease now, if anyone living does (for `replay info`)."""
+    found = read_holder(lease_file(store, scope))
+    if found is None:
+        return None
+    holder, beat, _ = found
+    return holder if holder.alive(beat, lease_timeout()) else None
+
+
+class Lease:
+    """A held lease. `acquire` refuses with one line naming the living holder, or takes over a dead one."""
+
+    _held: dict[tuple[str, str], "Lease"] = {}   # this process's leases, by (store, scope): re-entrant
+    _lock = threading.Lock()
+
+    def __init__(self, store: Path, scope: str, holder: Holder, fd: int, created_dir: bool):
+        self.store, self.scope, self.holder = store, scope, holder
+        self.path = lease_file(store, scope)
+        self._fd, self._created_dir = fd, created_dir
+        self._count = 1
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"lease-{scope}", daemon=True)
+        self._beat.start()
+
+    @property
+    def token(self) -> str:
+        return self.holder.token
+
+    @property
+    def spec(self) -> str:
+        """What a child process needs to write under this lease (the ENV variable's value)."""
+        return json.dumps({"file": str(self.path), "token": self.token})
+
+    # -- taking ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def acquire(cls, store: str | Path, command: str, scope: str = "run",
+                report: Callable[[str], None] | None = None) -> "Lease":
+        store = Path(store)
+        key = (str(store.resolve()), scope)
+        with cls._lock:
+            held = cls._held.get(key)
+            if held is not None and held._fd is not None:
+                held._count += 1
+                return held
+            created_dir = not store.exists()
+            path = lease_file(store, scope)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            holder = Holder(command=command, pid=os.getpid(), host=socket.gethostname(), since=time.time(),
+                            token=uuid.uuid4().hex, start=start_time(os.getpid()))
+            try:
+                fd = cls._take(store, path, holder, report or _report)
+            except BaseException:
+                _remove_empty(store, created_dir)
+                raise
+            lease = cls(store, scope, holder, fd, created_dir)
+            cls._held[key] = lease
+            return lease
+
+    @classmethod
+    def _take(cls, store: Path, path: Path, holder: Holder, report: Callable[[str], None]) -> int:
+        timeout = lease_timeout()
+        taken: str | None = None
+        for _ in range(200):
+            fd = _create_exclusive(path, holder)
+            if fd is not None:
+                if taken:
+                    report(taken)
+                return fd
+            found = read_holder(path)
+            if found is None:
+                continue                       # released a moment ago: try again
+            current, beat, _ = found
+            if current.alive(beat, timeout):
+                gone = f"; last heartbeat {time.time() - beat:.0f} s ago" if current.host != holder.host else ""
+                raise StoreError(f"{store} is being written by {current.describe()}{gone}: wait for it or stop it")
+            if cls._take_over(path, current, holder, timeout):
+                why = "" if current.host == holder.host else f" (no heartbeat for {time.time() - beat:.0f} s)"
+                taken = f"{store}: took over the lease of {current.describe()}, which is no longer running{why}"
+                holder.took_over = asdict(current)
+        raise StoreError(f"could not take the lease {path}: it keeps changing hands; try again")
+
+    @staticmethod
+    def _take_over(path: Path, dead: Holder, me: Holder, timeout: float) -> bool:
+        """Remove the dead holder's lease, if this process is the one taking it over; True if removed."""
+        marker = path.with_name(f"{path.name}.takeover-{dead.token}")
+        if _create_exclusive(marker, me, keep_open=False) is None:
+            found = read_holder(marker)        # another process is taking it over right now ...
+            if found is not None and not found[0].alive(found[1], timeout):
+                with contextlib.suppress(FileNotFoundError):
+                    marker.unlink()            # ... or was, and died doing it
+            time.sleep(0.05)
+            return False
+        try:
+            found = read_holder(path)
+            if found is None or found[0].token != dead.token:
+                return False                   # someone else replaced it already
+            path.unlink()
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                marker.unlink()
+
+    # -- holding -----------------------------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        period = lease_timeout() / 6
+        while not self._stop.wait(period):
+            self._check_ownership()
+
+    def _check_ownership(self) -> None:
+        if self._lost or self._fd is None:
+            return
+        try:
+            os.utime(self._fd)
+            mine = os.fstat(self._fd)
+            now = os.stat(self.path)
+            same = (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+        except FileNotFoundError:
+            same = False
+        if not same:
+            found = read_holder(self.path)
+            self._lost = found[0].describe() if found else "nobody (the lease file was removed)"
+
+    def check(self) -> None:
+        """Raise if this lease was taken over (this process must stop writing)."""
+        self._check_ownership()
+        if self._lost:
+            raise StoreError(f"{self.store}: this process lost its lease to {self._lost}, which took over the "
+                             "store (this process was considered dead); it stops writing")
+
+    def release(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count > 0 or self._fd is None:
+                return
+            self._stop.set()
+            with contextlib.suppress(OSError):
+                mine, now = os.fstat(self._fd), os.stat(self.path)
+                if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                    self.path.unlink()
+            os.close(self._fd)
+            self._fd = None
+            self._held.pop((str(self.store.resolve()), self.scope), None)
+            _remove_empty(self.store, self._created_dir)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def current_spec(store: str | Path) -> str:
+    """The spec of the lease `store` is held under now (for ranks of an outer launcher, whose rank 0 took it)."""
+    found = read_holder(lease_file(store))
+    if found is None:
+        raise StoreError(f"nobody holds the lease of {store}: its writer is gone")
+    return json.dumps({"file": str(lease_file(store)), "token": found[0].token})
+
+
+def require(spec: str) -> None:
+    """In a process writing for a lease holder (ENV): refuse unless that lease is still held with its token."""
+    want = json.loads(spec)
+    found = read_holder(Path(want["file"]))
+    if found is None or found[0].token != want["token"]:
+        now = f"now held by {found[0].describe()}" if found else "no longer held"
+        raise StoreError(f"the lease this process writes under ({want['file']}) is {now}: the command that "
+                         "started it is gone or was taken over; it stops writing")
+
+
+def _create_exclusive(path: Path, holder: Holder, keep_open: bool = True) -> int | None:
+    """Make `path` hold `holder`, atomically, only if it does not exist. Returns a descriptor of it (-1
+    with keep_open=False), or None if it exists."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, json.dumps(asdict(holder)).encode())
+        os.fsync(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+        except OSError:
+            if os.fstat(fd).st_nlink != 2:   # NFS: the link may be made although its reply was lost
+                os.close(fd)
+                raise
+        if keep_open:
+            return fd
+        os.close(fd)
+        return -1
+    finally:
+        tmp.unlink()
+
+
+def _remove_empty(store: Path, created: bool) -> None:
+    """Remove the lease directories once empty, and the store directory if taking the lease made it."""
+    for d in [store / "leases" / "replays", store / "leases"] + ([store] if created else []):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _report(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def writing(store: str | Path, command: str, under: str | None = None,
+            report: Callable[[str], None] | None = None) -> Iterator[Lease]:
+    """Hold what a writer of `store` must hold, and yield the lease its helpers write under: the run's
+    lease (or, with `under`, the spec of the lease of the process this one works for, checked), and for
+    a replay (`RUN/replays/<id>`), the replay's own lease as well."""
+    store = Path(store)
+    is_replay = store.parent.name == "replays" and (store.parent.parent / "zarr.json").is_file()
+    run = store.parent.parent if is_replay else store
+    if run.exists() and not run.is_dir():
+        raise StoreError(f"{run} is not a directory")
+    with contextlib.ExitStack() as stack:
+        if under is not None:
+            require(under)
+            lease = None
+        else:
+            lease = stack.enter_context(Lease.acquire(run, command, report=report))
+        if is_replay:
+            lease = stack.enter_context(Lease.acquire(run, command, scope=f"replays/{store.name}", report=report))
+        assert lease is not None, "a helper writes into a replay of the run it works for"
+        yield lease

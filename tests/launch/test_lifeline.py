@@ -1,0 +1,86 @@
+"""Every process the tool starts dies with the process that started it (launch/lifeline.py): real SIGKILLs,
+then every process of that run is checked by pid (and start time, so a reused pid cannot pass)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from replay.store import RunStore
+from tests.conftest import REPO, assert_gone, wait_for_descendants
+
+pytestmark = pytest.mark.slow
+
+
+def _start(*args: str) -> subprocess.Popen:
+    """A `replay` command in its own process group (so that the test can kill the group)."""
+    return subprocess.Popen([sys.executable, "-m", "replay", *args], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _ranks(n: int, serve: bool = False):
+    needle = "replay.launch.worker --serve" if serve else "replay.launch.worker"
+    return lambda cmdlines: sum(needle in c for c in cmdlines) >= n
+
+
+def _kill(proc: subprocess.Popen, whole_group: bool) -> None:
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("moment, whole_group", [("start-up", False), ("training", False), ("training", True)])
+def test_ranks_die_with_their_record(tmp_path, moment, whole_group):
+    store = tmp_path / "run"
+    proc = _start("record", "--store", str(store), "--steps", "100000", "--nproc", "2", "--checkpoint-every", "5")
+    try:
+        found = wait_for_descendants(proc.pid, _ranks(2))   # start-up: the ranks are still importing torch
+        if moment == "training":
+            while len(RunStore.open(store).checkpoints()) < 2:
+                found = wait_for_descendants(proc.pid, _ranks(2))
+        _kill(proc, whole_group)
+        assert_gone(found, within=2.0)
+    finally:
+        _cleanup(proc)
+
+
+def test_a_warm_pool_dies_with_the_ray_worker_that_holds_it(ray_local):
+    import ray
+
+    from replay.bisect.probes import ProbeWorker
+
+    actor = ray.remote(num_cpus=1)(ProbeWorker).remote(2)
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    ranks = wait_for_descendants(pid, _ranks(2, serve=True))
+    os.kill(pid, signal.SIGKILL)
+    assert_gone(ranks, within=2.0)
+    ray.kill(actor)
+
+
+def test_a_killed_bisect_leaves_no_ray_process_and_no_rank(spike_store, tmp_path):
+    store = tmp_path / "spike"
+    shutil.copytree(spike_store, store)
+    proc = _start("bisect", str(store), "--fix", "lr-scale=0.5", "--by", "steps")
+    try:
+        found = wait_for_descendants(proc.pid, lambda cmds: _ranks(2, serve=True)(cmds)
+                                     and any("raylet" in c for c in cmds) and any("Agent" in c for c in cmds))
+        _kill(proc, whole_group=False)
+        assert_gone(found, within=2.0)   # the GCS, raylet, agents, workers, the actor's warm ranks
+    finally:
+        _cleanup(proc)
+
+
+def _cleanup(proc: subprocess.Popen) -> None:
+    """Whatever a failed assertion left behind."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
