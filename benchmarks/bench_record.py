@@ -11,10 +11,22 @@
    time (the view for a machine whose cores the training already fills). The final wait in
    `Recorder.close()` is reported apart.
 2. Checkpoint throughput. The state {"model": ..., "optimizer": ...} after one AdamW step, written and read
-   through the run store (write_shard + commit_checkpoint; read_shard, which verifies checksums) and
-   through torch.save / torch.load(weights_only=True), in the same temporary directory, 3 times each,
-   alternating; median MB/s (10^6 bytes of state tensors per second). Neither side fsyncs (zarr's local
-   store does not, nor does torch.save), and reads come right after writes, so mostly from the page cache.
+   through the run store (write_shard + commit_checkpoint; read_shard, which verifies every chunk's
+   CRC-32C and every JSON checksum), through torch.save / torch.load(weights_only=True; and with
+   mmap=True) and through
+   torch.distributed.checkpoint (dcp.save / dcp.load into preallocated tensors, one process), in one
+   temporary directory, rounds alternating the order; median seconds per operation and their ratio.
+   The page cache's dirty data is flushed (os.sync) before every timed operation, untimed, so that no
+   operation pays for another's writeback. Two lines per size: without fsync (the store with
+   durable=False; torch.save as is), and with it (the store's default: chunks, JSON and commit on disk
+   before the commit; torch.save followed by an fsync). Reads follow writes, mostly from the page cache.
+   The store's read maps the chunk files (copy-on-write) rather than copying them, as torch.load does
+   with mmap=True; a plain torch.load copies into new memory, freed back to the system (malloc_trim)
+   before every operation, as a fresh process would start.
+3. The training thread's share of a checkpoint: the recorder copies the state into one buffer and
+   writes it in the background; the copy is what training waits for. Timed cold (a new buffer) and
+   warm (a buffer of an earlier checkpoint, which the recorder reuses), against torch.save, which
+   blocks for its whole write.
 
 Run from the repository root; the full run takes a few minutes, --quick (50 steps at batch 4, no GPT-2
 small) under a minute:
@@ -25,6 +37,7 @@ small) under a minute:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import os
 import platform
@@ -32,8 +45,10 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from replay.config import build_config
@@ -41,11 +56,13 @@ from replay.launch.ranks import prepare_new
 from replay.recorder.environment import configure_determinism
 from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
+from replay.store.tensors import pack
 from replay.train.data import DataOrder
 from replay.train.model import build_model, lr_factor
 from replay.train.state import TorchTrainState
 from replay.train.trainer import Rank, _torch_step, load_data
 
+_LIBC = ctypes.CDLL(None)
 SMALL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=128"]
 LARGE = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024",
          "model.vocab_size=50304"]  # GPT-2 small
@@ -81,7 +98,9 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, warmup: int = 10
                                 eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
-        return functools.partial(_torch_step, model, opt, sched, cfg, data, r), TorchTrainState(model, opt, sched)
+        step = functools.partial(_torch_step, model, opt, sched, data, r, cfg, dropped=frozenset(), weight=1.0,
+                                 scoped=None)
+        return step, TorchTrainState(model, opt, sched)
 
     plain_step, _ = make_step()
     rec_step, state = make_step()
@@ -170,39 +189,117 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_throughput(workdir: Path, sets: list[str], label: str, repeats: int = 3) -> None:
+def bench_throughput(workdir: Path, sets: list[str], label: str, repeats: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
     tree, params = trained_state(sets)
     nbytes = tree_bytes(tree)
-    store = RunStore.create(workdir / f"store-{label}", {})
-    torch_file = workdir / f"torch-{label}.pt"
-    secs = {name: [] for name in ("store write", "store read", "torch write", "torch read")}
-    on_disk = {}
+    store = RunStore.create(workdir / f"store-{label[:8]}", {})
+    files = {name: workdir / f"{name}-{label[:8]}" for name in ("torch", "torch-fsync", "dcp")}
+    secs: dict[str, list[float]] = {}
 
-    def store_round(step: int) -> None:
-        secs["store write"].append(timed(lambda: (store.write_shard(step, 0, tree),
-                                                  store.commit_checkpoint(step, "regular", 1))))
-        secs["store read"].append(timed(lambda: store.read_shard(step, 0)))
-        shard = store.path / "checkpoints" / f"{step:08d}"
-        on_disk["store"] = disk_bytes(shard)
-        shutil.rmtree(shard)
+    def timed(name: str, fn) -> None:
+        os.sync()
+        _LIBC.malloc_trim(0)   # no operation reuses memory the allocator kept from another's
+        t0 = time.perf_counter()
+        fn()
+        secs.setdefault(name, []).append(time.perf_counter() - t0)
 
-    def torch_round(_step: int) -> None:
-        secs["torch write"].append(timed(lambda: torch.save(tree, torch_file)))
-        secs["torch read"].append(timed(lambda: torch.load(torch_file, weights_only=True)))
-        on_disk["torch"] = disk_bytes(torch_file)
-        torch_file.unlink()
+    def store_write(step: int, durable: bool) -> None:
+        store.durable = durable
+        store.write_shard(step, 0, tree)
+        store.commit_checkpoint(step, "regular", 1)
 
-    for rep in range(repeats):   # alternate which goes first
-        for fn in ((store_round, torch_round) if rep % 2 == 0 else (torch_round, store_round)):
-            fn(rep + 1)
+    def torch_save_fsync() -> None:
+        with open(files["torch-fsync"], "wb") as f:
+            torch.save(tree, f)
+            f.flush()
+            os.fsync(f.fileno())
 
-    rate = {name: nbytes / MB / statistics.median(s) for name, s in secs.items()}
+    def store_round(rep: int) -> None:
+        timed("store write", lambda: store_write(2 * rep + 1, durable=False))
+        timed("store write, fsync", lambda: store_write(2 * rep + 2, durable=True))
+        timed("store read", lambda: store.read_shard(2 * rep + 1, 0))
+        for step in (2 * rep + 1, 2 * rep + 2):
+            shutil.rmtree(store.path / "checkpoints" / f"{step:08d}")
+
+    def torch_round(_rep: int) -> None:
+        timed("torch.save", lambda: torch.save(tree, files["torch"]))
+        timed("torch.save, fsync", torch_save_fsync)
+        timed("torch.load", lambda: torch.load(files["torch"], weights_only=True))
+        timed("torch.load(mmap=True)", lambda: torch.load(files["torch"], weights_only=True, mmap=True))
+        for name in ("torch", "torch-fsync"):
+            files[name].unlink()
+
+    def dcp_round(_rep: int) -> None:
+        empty = _like(tree)   # dcp.load fills tensors it is given
+        timed("DCP save", lambda: dcp.save({"state": tree}, checkpoint_id=files["dcp"]))
+        timed("DCP load", lambda: dcp.load({"state": empty}, checkpoint_id=files["dcp"]))
+        shutil.rmtree(files["dcp"])
+
+    rounds = [store_round, torch_round, dcp_round]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # DCP warns that no process group is initialised: one process
+        for rep in range(repeats):
+            for fn in rounds[rep % 3:] + rounds[:rep % 3]:
+                fn(rep)
+
+    med = {name: statistics.median(s) for name, s in secs.items()}
     size = f"{params / 1e6:.0f}M params" if params >= 10e6 else f"{params / 1e6:.1f}M params"
-    for op, torch_op in (("write", "torch.save"), ("read", "torch.load")):
-        print(f"checkpoint {op}, {size}: store {rate[f'store {op}']:.0f} MB/s vs {torch_op} "
-              f"{rate[f'torch {op}']:.0f} MB/s ({rate[f'store {op}'] / rate[f'torch {op}']:.2f}x)", flush=True)
-    print(f"  ({label}: state {nbytes / MB:.0f} MB of tensors; on disk store {on_disk['store'] / MB:.0f} MB, "
-          f"torch {on_disk['torch'] / MB:.0f} MB; median of {repeats}; no fsync on either side)", flush=True)
+    print(f"checkpoint of {size} ({label}: {nbytes / MB:.0f} MB of tensors), median of {repeats} rounds:", flush=True)
+    for op, ours, others in (("write", "store write", ("torch.save", "DCP save")),
+                             ("write with fsync", "store write, fsync", ("torch.save, fsync",)),
+                             ("read", "store read", ("torch.load", "torch.load(mmap=True)", "DCP load"))):
+        vs = "; ".join(f"{o} {med[o]:.3f} s (the store at {med[o] / med[ours]:.2f}x its speed)" for o in others)
+        print(f"  {op}: store {med[ours]:.3f} s ({nbytes / MB / med[ours]:.0f} MB/s) vs {vs}", flush=True)
+
+
+def _like(tree):
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    if isinstance(tree, dict):
+        return {k: _like(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_like(v) for v in tree)
+    return tree
+
+
+def bench_blocking(sets: list[str], repeats: int) -> None:
+    """What the training thread waits for per checkpoint: the copy into the recorder's buffer."""
+    tree, params = trained_state(sets)
+    t0 = time.perf_counter()
+    spare = pack(tree).buffer
+    cold = time.perf_counter() - t0
+    warm = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pack(tree, into=spare)
+        warm.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:
+        save = []
+        for _ in range(repeats):
+            os.sync()
+            t0 = time.perf_counter()
+            torch.save(tree, Path(tmp) / "t.pt")
+            save.append(time.perf_counter() - t0)
+    print(f"training thread blocked per checkpoint ({params / 1e6:.0f}M params + AdamW state): "
+          f"{statistics.median(warm):.3f} s (the copy into a reused buffer; {cold:.3f} s for the first, into a "
+          f"new one) vs {statistics.median(save):.3f} s for torch.save, which blocks for its whole write", flush=True)
+
+
+def warm_memory(fraction: float = 0.6) -> None:
+    """Touch most of the free memory once. On a fresh VM the first touch of each guest page costs far more
+    than any later one (measured here: 2-4 s per 1.6 GB the first time, 0.16 s after), and which operation
+    of a benchmark happens to draw untouched pages would otherwise decide its result."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    block = 256 << 20
+    held = []
+    for _ in range(int(available * fraction) // block):
+        a = np.empty(block, dtype=np.uint8)
+        a[::4096] = 1
+        held.append(a)
+    del held
 
 
 def main() -> None:
@@ -213,12 +310,14 @@ def main() -> None:
 
     configure_determinism(os.cpu_count())
     print(hardware(), flush=True)
+    warm_memory()
     with tempfile.TemporaryDirectory(prefix="bench-record-", dir=args.dir) as tmp:
         workdir = Path(tmp)
         bench_overhead(workdir, timed_steps=50 if args.quick else 300, batch=4 if args.quick else 16)
-        bench_throughput(workdir, SMALL, "4 layers x 128")
+        bench_throughput(workdir, SMALL, "4 layers x 128", repeats=3 if args.quick else 5)
         if not args.quick:
-            bench_throughput(workdir, LARGE, "GPT-2 small: 12 layers x 768, seq 1024, vocab 50304")
+            bench_throughput(workdir, LARGE, "GPT-2 small: 12 layers x 768, seq 1024, vocab 50304", repeats=5)
+            bench_blocking(LARGE, repeats=5)
 
 
 if __name__ == "__main__":

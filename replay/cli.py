@@ -121,6 +121,7 @@ def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, z
     """Under torchrun / deepspeed (multi-node): rank 0 prepares the store, every rank trains."""
     from replay.config import build_config
     from replay.launch import ranks
+    from replay.store import RunStore
     from replay.store.lease import current_spec, writing
     from replay.train.trainer import train
 
@@ -129,11 +130,12 @@ def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, z
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "launch")
     if rank != 0:   # rank 0 holds the store's lease; the other ranks write under it
         ranks.wait_for_prepared(store, launch_id)
-        train(store, current_spec(store), resume=resume)
+        train(store, current_spec(store), resume=resume and bool(RunStore.open(store).checkpoints()))
         return
     with writing(store, f"replay record (rank 0 of {world})") as lease:
         if resume:
-            store_obj, _ = ranks.prepare_resume(store, world_size=world)
+            prepared = ranks.prepare_resume(store, world_size=world)
+            store_obj, resume = prepared.store, prepared.start is not None
         else:
             cfg = build_config(preset, config_file, list(sets), steps=steps, nproc=world, launcher=launcher,
                                zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
@@ -185,7 +187,8 @@ def _print_info(store: str, as_json: bool) -> None:
         if isinstance(e['score'], (int, float)) else f"\n            step {e['step']}: loss {e['loss']} (non-finite)"
         for e in sp))
     probes = {key for b in summary["bisect"] for key in b["probes"]}
-    shown = [r for r in summary["replays"] if r["id"] not in probes]
+    shown = [r for r in summary["replays"] if r["id"] not in probes and "error" not in r]
+    unreadable = [r for r in summary["replays"] if "error" in r]
     click.echo(f"replays     {len(summary['replays'])}"
                + (f" ({len(summary['replays']) - len(shown)} of them bisect probes, not listed)" if probes else "")
                + "".join(
@@ -194,7 +197,7 @@ def _print_info(store: str, as_json: bool) -> None:
         + (f", overrides {r['overrides']}" if r['overrides'] else "")
         + ("" if not r['verification'] else ", bitwise" if r['verification']['bitwise']
            else f", diverges at step {r['verification']['divergence']['step']}")
-        for r in shown))
+        for r in shown) + "".join(f"\n            {r['id']}: cannot be read: {r['error']}" for r in unreadable))
     if summary["numerics"]:
         n = summary["numerics"]
         per_layer = lambda key, fmt: ", ".join(format(v, fmt) for v in n[key])
@@ -500,7 +503,7 @@ def report(store, out) -> None:
     ranking, per-head spectral-norm heatmaps and weight distances (PNGs embedded; no server needed)."""
     from replay.analysis.report import write_report
 
-    click.echo(f"wrote {write_report(store, out)}")
+    click.echo(f"wrote {write_report(store, out, warn=lambda m: click.echo(f'warning: {m}', err=True))}")
 
 
 @main.command()

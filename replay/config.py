@@ -94,10 +94,13 @@ class RunConfig:
             raise UsageError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.nproc < 1:
             raise UsageError(f"nproc must be >= 1, got {self.nproc}")
-        if self.checkpoint_every < 1:
-            raise UsageError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        for key in ("checkpoint_every", "log_every", "batch_size", "micro_batch_size", "snapshot_ring"):
+            if getattr(self, key) < 1:
+                raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.snapshot_every < 0:
+            raise UsageError(f"snapshot_every must be >= 0 (0: no pre-spike snapshots), got {self.snapshot_every}")
         per_pass = self.micro_batch_size * self.nproc
-        if self.micro_batch_size < 1 or self.batch_size % per_pass:
+        if self.batch_size % per_pass:
             raise UsageError(
                 f"batch_size {self.batch_size} is not a multiple of micro_batch_size x nproc = {per_pass}; "
                 "change --set batch_size=... or --set micro_batch_size=..."
@@ -176,10 +179,17 @@ def _apply_mapping(obj: Any, mapping: dict[str, Any], prefix: str) -> None:
             setattr(obj, key, _coerce(name, value, type(current)))
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
 def _coerce(name: str, value: Any, typ: type) -> Any:
+    if isinstance(value, str) and typ is bool:
+        if value.strip().lower() not in _BOOLS:
+            raise UsageError(f"config key {name!r} expects true or false, got {value!r}")
+        return _BOOLS[value.strip().lower()]
     if isinstance(value, str) and typ is not str:
         try:
-            value = json.loads(value) if typ is not bool else value.lower() in ("1", "true", "yes", "on")
+            value = json.loads(value)
         except json.JSONDecodeError:
             raise UsageError(f"config key {name!r} expects a {typ.__name__}, got {value!r}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):

@@ -7,8 +7,8 @@ class ReplayError(Exception):
     exit_code = 2
 
 
-class UsageError(ReplayError):
-    """Bad arguments, config keys or values."""
+class UsageError(ReplayError, ValueError):
+    """Bad arguments, config keys or values (a ValueError to Python callers of the API)."""
 
 
 class StoreError(ReplayError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -146,15 +147,20 @@ def store_copy(two_rank_store, tmp_path) -> Path:
     return dst
 
 
-def corrupt_tensor(store_path: Path, step: int, rank: int, key: str, byte: int = 100) -> None:
-    """Flip one bit of one stored tensor in place, behind the store's back (as a bad disk would)."""
+def corrupt_tensor(store_path: Path, step: int, rank: int, key: str, byte: int = 100) -> str:
+    """Flip one bit of one stored tensor in place, behind the store's back (as a bad disk would); returns
+    the damaged chunk's path relative to the store."""
     from replay.store import RunStore
 
-    offset = RunStore.open(store_path).shard_index(step, rank)[key]["offset"]
-    chunk = store_path / f"checkpoints/{step:08d}/rank{rank}/tensors/c/0"
-    data = bytearray(chunk.read_bytes())
-    data[offset + byte] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    store = RunStore.open(store_path)
+    offset = store.shard_index(step, rank)[key]["offset"] + byte
+    chunk_bytes = json.loads((store_path / f"checkpoints/{step:08d}/rank{rank}/zarr.json").read_text())[
+        "attributes"]["chunk_bytes"]
+    chunk = f"checkpoints/{step:08d}/rank{rank}/tensors/c/{offset // chunk_bytes}"
+    data = bytearray((store_path / chunk).read_bytes())
+    data[offset % chunk_bytes] ^= 0x01
+    (store_path / chunk).write_bytes(bytes(data))
+    return chunk
 
 
 def tree_snapshot(path: Path) -> dict[str, tuple[int, int]]:

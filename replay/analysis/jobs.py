@@ -299,14 +299,17 @@ def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunS
     return items, len(steps) - len(items), steps
 
 
-def replay_stores(store: RunStore) -> list[RunStore]:
+def replay_stores(store: RunStore, progress: Callable[[str], None] = lambda s: None) -> list[RunStore]:
+    """The run's replays that can be read; each one that cannot is named through `progress`."""
     root = store.path / "replays"
     out = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if not path.is_dir():
+            continue
         try:
             out.append(RunStore.open(path))
-        except StoreError:
-            continue
+        except StoreError as e:
+            progress(f"warning: replay {path.name} cannot be read, so it is not analysed: {e}")
     return out
 
 
@@ -372,13 +375,14 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
     run = RunStore.open(store_path)
     if run.kind != "run":
         raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
+    run.check_rebuildable("replay analyze")
     if not run.checkpoints():
         raise UsageError(f"{store_path} has no committed checkpoint to analyse")
     fault = _task_fault()
     with writing(store_path, "replay analyze") as lease, ray_session(address, workers) as slots:
         items: list[Any] = []
         skipped = 0
-        for store in [run, *replay_stores(run)]:
+        for store in [run, *replay_stores(run, progress)]:
             new, done = plan_metrics(RunStore.open(store.path, mode="a"), fault)
             items += new
             skipped += done
@@ -400,6 +404,8 @@ def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, 
     from replay.launch.ray_cluster import ray_session
 
     a, b = RunStore.open(a_path), RunStore.open(b_path)
+    for store in (a, b):
+        store.check_rebuildable("replay compare")
     if a.path.resolve() == b.path.resolve():
         raise UsageError("compare needs two different stores")
     if not {c.step for c in a.checkpoints()} & {c.step for c in b.checkpoints()}:

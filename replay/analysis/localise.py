@@ -135,7 +135,7 @@ def localise_store(store_path) -> list[Localisation | int]:
 
     trajectories = [("run", read_metrics(store_path))]
     for r in list_replays(store_path):
-        if not r["overrides"] and r["status"] == "complete" and (r["verification"] or {}).get("bitwise"):
+        if "error" not in r and not r["overrides"] and r["status"] == "complete" and (r["verification"] or {}).get("bitwise"):
             trajectories.append((r["id"], read_metrics(Path(store_path) / "replays" / r["id"])))
     out: list[Localisation | int] = []
     for event in RunStore.open(store_path).spikes:

@@ -12,7 +12,7 @@ import html
 import io
 import time
 from pathlib import Path
-from typing import Any
+from typing import Callable, Any
 
 import numpy as np
 
@@ -191,7 +191,8 @@ document.querySelectorAll('img.figure').forEach(function(i){if(i.complete&&i.nat
 document.body.setAttribute('data-figures-rendered',String(n));});</script>"""
 
 
-def write_report(store_path: str | Path, out: str | Path | None = None, top: int = 10) -> Path:
+def write_report(store_path: str | Path, out: str | Path | None = None, top: int = 10,
+                 warn: Callable[[str], None] = lambda m: None) -> Path:
     run = RunStore.open(store_path)
     out = Path(out) if out else run.path / "report.html"
     m = run.manifest
@@ -199,7 +200,11 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
     spikes = [int(e["step"]) for e in run.spikes]
     sessions = run.bisect_sessions()
     probes = {key for b in sessions for key in b["probes"]}
-    replays = [r for r in list_replays(store_path) if r["id"] not in probes]   # probes: in the bisect section
+    listed = list_replays(store_path)
+    unreadable = [r for r in listed if "error" in r]
+    for r in unreadable:
+        warn(f"replay {r['id']} cannot be read and is left out of the report: {r['error']}")
+    replays = [r for r in listed if "error" not in r and r["id"] not in probes]   # probes: in the bisect section
     table = read_metrics(store_path)
     found = localise_store(store_path)
     figures = []
@@ -208,6 +213,8 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
              f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m['world_size']} ranks "
              f"({m['launcher']}); {run.n_steps} steps recorded; spikes at {spikes or 'none'}. "
              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
+             *[f"<p class=warning>Replay {html.escape(r['id'])} cannot be read and is left out: "
+               f"{html.escape(r['error'])}</p>" for r in unreadable],
              "<h2>Loss and grad norm</h2><p>The run in black, its replays overlaid (with their overrides); "
              "red lines mark detected spikes.</p>"]
     figures.append(_curves(run, replays, spikes))

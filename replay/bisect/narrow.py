@@ -102,6 +102,7 @@ class Bisect:
         self.record = RunStore.open(store_path)
         if self.record.kind != "run":
             raise UsageError(f"{store_path} is a replay; bisect the run it belongs to")
+        self.record.check_rebuildable("replay bisect")
         if cfg.by not in PHASES:
             raise UsageError(f"--by must be one of {', '.join(PHASES)}, got {cfg.by!r}")
         if cfg.horizon < 1:

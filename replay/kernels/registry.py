@@ -141,6 +141,9 @@ class AttentionPlan:
                 default = BackendSpec.parse(entry)
                 continue
             layer, h1, h2 = match.groups()
+            if h2 is not None and int(h2) < int(h1):
+                raise UsageError(f"attention plan entry {entry!r}: the head range {h1}-{h2} runs backwards; "
+                                 f"write it {layer}.{h2}-{h1}")
             backend = BackendSpec.parse(spec)
             if h1 is None:
                 layers[int(layer)] = backend

@@ -13,19 +13,21 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from replay.config import RunConfig
-from replay.errors import ReplayError, StoreError, UsageError
+from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.launch.lifeline import child_env
 from replay.store import RunStore
-from replay.store.lease import ENV as LEASE_ENV
-from replay.store.lease import writing
+from replay.store.lease import ENV as LEASE_ENV, writing
 from replay.store.run_store import is_empty_dir
 from replay.train.model import check_attention
-from replay.train.data import (builtin_corpus, cpu_count, fingerprint_file, fingerprint_tokens, make_data,
-                               open_token_file)
+from replay.train.data import (DataOrder, TokenData, builtin_corpus, cpu_count, fingerprint_file,
+                               fingerprint_tokens, load_data, make_data, open_token_file)
 
 
 def record_new(store_path: str, cfg: RunConfig, command: str = "replay record") -> None:
@@ -38,10 +40,14 @@ def record_new(store_path: str, cfg: RunConfig, command: str = "replay record") 
 def record_resume(store_path: str, world_size: int, command: str = "replay record --resume",
                   progress: Callable[[str], None] = lambda m: None) -> None:
     """Continue a stopped or crashed run on this machine's ranks, holding the store's lease throughout."""
-    with writing(store_path, command) as lease:
-        store, cfg = prepare_resume(store_path, world_size)
-        progress(f"resuming {store_path} from step {store.n_steps} of {cfg.steps}")
-        run_ranks(store_path, cfg, cfg.nproc, True, lease.spec)
+    with writing(store_path, command, report=lambda m: progress(f"note: {m}")) as lease:
+        r = prepare_resume(store_path, world_size)
+        for note in r.notes:
+            progress(f"warning: the environment differs from the recording's: {note} (bitwise continuation is "
+                     "not guaranteed)")
+        progress(f"resuming {store_path} from step {r.start} of {r.cfg.steps}" if r.start is not None else
+                 f"{store_path} has no committed checkpoint (it stopped while starting): recording it from step 0")
+        run_ranks(store_path, r.cfg, r.cfg.nproc, r.start is not None, lease.spec)
 
 
 def under_outer_launcher() -> bool:
@@ -75,26 +81,90 @@ def prepare_new(store_path: str, cfg: RunConfig, world_size: int, local_world: i
     return store
 
 
-def prepare_resume(store_path: str, world_size: int) -> tuple[RunStore, RunConfig]:
-    """Check the store can be resumed by this launch, then cut it back to its last committed checkpoint."""
+@dataclass
+class Resume:
+    store: RunStore
+    cfg: RunConfig
+    start: int | None   # the committed checkpoint the run continues from; None: nothing was committed, start over
+    notes: list[str]    # how this machine differs from the recording's (bitwise continuation not guaranteed)
+
+
+def prepare_resume(store_path: str, world_size: int) -> Resume:
+    """Check the store can be continued bit for bit by this launch (refusing, untouched, where it cannot),
+    then cut it back to its last committed checkpoint, or to its start if nothing was committed."""
     path = Path(store_path)
     if not path.exists():
         raise StoreError(f"--resume: {path} does not exist; record without --resume to start a run")
     store = RunStore.open(path, mode="a")
-    cfg = RunConfig.from_dict(store.manifest["config"])
-    recorded = store.manifest["world_size"]
-    if world_size != recorded:
-        raise UsageError(f"--resume with {world_size} ranks, but {path} was recorded with {recorded}; "
-                         f"resume with --nproc {recorded} (bitwise continuation needs the same world size)")
+    if store.kind != "run":
+        raise UsageError(f"{path} is a replay: continue it with `replay run` and its window, plus --resume")
+    store.check_rebuildable("replay record --resume")
+    m = store.manifest
+    cfg = RunConfig.from_dict(m["config"])
+    if world_size != m["world_size"]:
+        raise UsageError(f"--resume with {world_size} ranks, but {path} was recorded with {m['world_size']}; "
+                         f"resume with --nproc {m['world_size']} (bitwise continuation needs the same world size)")
     if cfg.data.path:
         now = fingerprint_file(Path(cfg.data.path)) if Path(cfg.data.path).is_file() else None
-        if now is None or now["digest"] != store.manifest["data"]["digest"]:
+        if now is None or now["digest"] != m["data"]["digest"]:
             raise UsageError(f"data file {cfg.data.path} is missing or changed since the run was recorded; "
                              "restore the original file to resume")
-    last = store.rewind(verify_world_size=world_size)
-    store.update_manifest(status="running", resumes=[*store.manifest["resumes"],
-                                                     {"from_step": last, "time": time.time()}])
-    return store, cfg
+    notes = _environment_check(m)
+    committed = store.checkpoints()
+    start = committed[-1].step if committed else None
+    data = _data(store, cfg, m["data"], start)
+    if start:
+        _check_data_order(store, cfg, data, start)
+    if store.rewind(verify_world_size=world_size) != start:
+        raise StoreError(f"{path} changed while it was being resumed")   # the lease makes this impossible
+    store.update_manifest(status="running", resumes=[*m["resumes"], {"from_step": start or 0, "time": time.time()}])
+    return Resume(store, cfg, start, notes)
+
+
+def _environment_check(m: dict) -> list[str]:
+    """What differs from the environment the run last ran in; a refusal where the run cannot go on here."""
+    import torch
+
+    from replay.recorder.environment import environment_notes
+
+    recorded = next((r["environment"] for r in reversed(m["resumes"]) if r.get("environment")),
+                    m.get("environment", {}))
+    if not recorded:   # killed before its ranks had started: nothing ran anywhere yet
+        return []
+    if recorded.get("device", "cpu").startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"the run was recorded on {recorded['device']} ({recorded.get('cuda', {}).get('gpu')}) and "
+                         "this machine has no CUDA device: resume it on a machine like the one it ran on")
+    return environment_notes(recorded)
+
+
+def _data(store: RunStore, cfg: RunConfig, meta: dict, start: int | None) -> TokenData:
+    """The run's data, checked. Embedded data a crash cut short before the first commit is written again
+    (the built-in corpus is rebuilt and must match the recorded digest)."""
+    if cfg.data.path or start is not None:
+        return load_data(cfg, store)
+    try:
+        return load_data(cfg, store)
+    except ChecksumError:
+        tokens = builtin_corpus(cfg.data.corpus_bytes)
+        if fingerprint_tokens(tokens)["digest"] != meta["digest"]:
+            raise UsageError("the built-in corpus embedded in the store was cut short, and this Python's standard "
+                             "library gives other bytes than the recording's: record the run anew") from None
+        store.write_tokens(tokens)
+        return make_data(cfg, tokens)
+
+
+def _check_data_order(store: RunStore, cfg: RunConfig, data: TokenData, start: int) -> None:
+    """The samples of steps 0..start-1 recomputed here must be the recorded ones: the same order is what
+    the steps from `start` on will be drawn from."""
+    recorded = store.read_steps(["sample_ids"])["sample_ids"][:start]             # (step, rank, micro, sample)
+    order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed).steps_ids(0, start)   # (step, batch)
+    world, accum, micro = recorded.shape[1:]
+    now = order.reshape(start, accum, world, micro).transpose(0, 2, 1, 3)
+    if not np.array_equal(now, recorded):
+        step, rank = (int(x) for x in np.argwhere(now != recorded)[0][:2])
+        raise UsageError(f"the data order recomputed here differs from the recorded one at step {step} (rank {rank}: "
+                         f"{recorded[step, rank].ravel().tolist()} recorded, {now[step, rank].ravel().tolist()} "
+                         "now; a different numpy?): resuming could not continue the run bit for bit")
 
 
 def _check_deepspeed(cfg: RunConfig) -> None:

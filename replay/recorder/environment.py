@@ -54,6 +54,21 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
     return fp
 
 
+def environment_notes(recorded: dict[str, Any]) -> list[str]:
+    """What differs from the recording's environment, and so may break bitwise equality."""
+    if not recorded:
+        return ["the record has no environment fingerprint; bitwise equality is not guaranteed"]
+    now = fingerprint(torch.device(recorded.get("device", "cpu")))
+    notes = []
+    for key in ("python", "machine", "processor", "device"):
+        if recorded.get(key) != now.get(key):
+            notes.append(f"{key}: recorded {recorded.get(key)}, now {now.get(key)}")
+    for pkg, version in recorded.get("packages", {}).items():
+        if now["packages"].get(pkg) != version:
+            notes.append(f"{pkg}: recorded {version}, now {now['packages'].get(pkg)}")
+    return notes
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

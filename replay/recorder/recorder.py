@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from replay.config import RunConfig, SpikeConfig
-from replay.errors import StoreError
+from replay.errors import StoreError, UsageError
 from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
 from replay.recorder.writer import BackgroundWriter, fault_point
@@ -56,6 +56,13 @@ class RecorderConfig:
     snapshot_ring: int = 3
     flush_every: int = 50          # step-log rows buffered before a write (always flushed at checkpoints)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("total_steps", "checkpoint_every", "snapshot_ring", "flush_every"):
+            if getattr(self, key) < 1:
+                raise UsageError(f"RecorderConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if self.snapshot_every < 0:
+            raise UsageError(f"RecorderConfig.snapshot_every must be >= 0 (0: no snapshots), got {self.snapshot_every}")
 
 
 def create_run_store(path: str, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
@@ -98,6 +105,7 @@ class Recorder:
         self.start_from = start_from
         self.detector = SpikeDetector(cfg.spike)
         self.ring: deque[tuple[int, Packed]] = deque(maxlen=max(1, cfg.snapshot_ring))
+        self._spare: deque[np.ndarray] = deque()   # buffers of written checkpoints, reused by the next capture
         self.writer = BackgroundWriter(f"replay-writer-rank{rank}", guard)
         self._rows: list[dict[str, Any]] = []
         self._rows_start = 0
@@ -196,9 +204,15 @@ class Recorder:
         nxt = step + 1
         if nxt % self.cfg.checkpoint_every == 0 or nxt == self.cfg.total_steps:
             self._checkpoint(nxt, "regular")
-            self.ring.clear()
+            self._clear_ring()
         elif self.cfg.snapshot_every and nxt % self.cfg.snapshot_every == 0:
+            if len(self.ring) == self.ring.maxlen:
+                self._give_back(self.ring.popleft()[1])
             self.ring.append((nxt, self._capture()))
+
+    def _clear_ring(self) -> None:
+        while self.ring:
+            self._give_back(self.ring.popleft()[1])
 
     def _gather(self, loss: float, ids: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         if self.world == 1:
@@ -214,8 +228,15 @@ class Recorder:
     # -- checkpoints -------------------------------------------------------------------------------
 
     def _capture(self) -> Packed:
-        """This rank's state, copied into one CPU buffer now, so later optimizer steps cannot reach it."""
-        return pack({"state": self.state.state_dict(self.rank), "rng": rng_state()})
+        """This rank's state, copied into one CPU buffer now, so later optimizer steps cannot reach it. The
+        buffer is one a finished write gave back, when there is one: its memory is mapped already, and
+        the copy (the time the training thread is blocked) runs at memory speed."""
+        spare = self._spare.pop() if self._spare else None
+        return pack({"state": self.state.state_dict(self.rank), "rng": rng_state()}, into=spare)
+
+    def _give_back(self, packed: Packed) -> None:
+        buffer = packed.buffer if packed.buffer.base is None else packed.buffer.base
+        self._spare.append(buffer)
 
     def _checkpoint(self, step: int, kind: str, packed: Packed | None = None) -> None:
         packed = self._capture() if packed is None else packed
@@ -226,6 +247,7 @@ class Recorder:
         def write() -> None:
             store.write_shard(step, rank, packed, after_chunk=lambda i, n: i == max(1, n // 2) and fault_point(
                 "shard-half", step, rank))
+            self._give_back(packed)
             fault_point("before-commit", step, rank)
 
         self.writer.submit(write)

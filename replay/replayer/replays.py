@@ -90,6 +90,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     parent = RunStore.open(store_path, mode="a")
     if parent.kind != "run":
         raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
+    parent.check_rebuildable("replay run")
     if req.stop < req.start:
         raise UsageError(f"--to {req.stop} is before --from {req.start}")
     if req.start < 0 or req.stop >= parent.end_step:
@@ -153,6 +154,7 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
     bisect's probes), the lease of the process this one works for is checked; the replay's own lease
     is taken in both cases (store/lease.py)."""
     from replay.launch.ranks import run_ranks
+    from replay.recorder.environment import environment_notes
 
     RunStore.open(store_path)   # a missing store is named before anything is made
     with writing(Path(store_path) / "replays" / replay_id(req), command, under=under) as lease:
@@ -190,25 +192,6 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
     return Verification(steps, True)
 
 
-def environment_notes(recorded: dict[str, Any]) -> list[str]:
-    """What differs from the recording's environment, and so may break bitwise equality."""
-    import torch
-
-    from replay.recorder.environment import fingerprint
-
-    if not recorded:
-        return ["the record has no environment fingerprint; bitwise equality is not guaranteed"]
-    now = fingerprint(torch.device(recorded.get("device", "cpu")))
-    notes = []
-    for key in ("python", "machine", "processor", "device"):
-        if recorded.get(key) != now.get(key):
-            notes.append(f"{key}: recorded {recorded.get(key)}, now {now.get(key)}")
-    for pkg, version in recorded.get("packages", {}).items():
-        if now["packages"].get(pkg) != version:
-            notes.append(f"{pkg}: recorded {version}, now {now['packages'].get(pkg)}")
-    return notes
-
-
 def spike_outcome(recorded: list[int], replayed: list[int], window: dict[str, int]) -> str:
     """In words: did the replay reproduce, prevent or add spikes, against the record's in the window?"""
     in_window = [s for s in recorded if window["from"] <= s <= window["to"]]
@@ -222,17 +205,22 @@ def spike_outcome(recorded: list[int], replayed: list[int], window: dict[str, in
 
 
 def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
+    """Every replay of the run; one that cannot be read is listed as {"id", "error"}, not left out."""
     root = Path(store_path) / "replays"
     recorded = [e["step"] for e in RunStore.open(store_path).spikes]
-    out = []
+    out: list[dict[str, Any]] = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if not path.is_dir():
+            continue
         try:
             store = RunStore.open(path)
-        except StoreError:
+            m = store.manifest
+            spikes = [e["step"] for e in store.spikes]
+        except StoreError as e:
+            out.append({"id": path.name, "error": str(e)})
             continue
-        m = store.manifest
         out.append({"id": path.name, "window": m.get("window"), "start_checkpoint": m.get("start_checkpoint"),
                     "overrides": m.get("overrides", {}), "status": m.get("status"),
-                    "spikes": [e["step"] for e in store.spikes], "verification": m.get("verification"),
-                    "outcome": spike_outcome(recorded, [e["step"] for e in store.spikes], m.get("window"))})
+                    "spikes": spikes, "verification": m.get("verification"),
+                    "outcome": spike_outcome(recorded, spikes, m.get("window"))})
     return out

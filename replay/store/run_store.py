@@ -3,43 +3,52 @@
 Layout (all arrays plus JSON attributes; no pickle anywhere):
 
     zarr.json                       root attributes: the manifest (schema, config, environment, data, ...)
+    leases/                         who is writing the store now (store/lease.py); not part of the Zarr group
     data/tokens                     the built-in corpus, embedded so the store is self-contained
     steps/<field>                   per-step records over (step[, rank[, micro, sample]])
     steps                .attrs     {"n_steps": N}: rows [0, N) are valid; explicit done-ness
     spikes               .attrs     {"events": [...]}: what the online detector fired on
-    checkpoints/<step>/rank<r>/tensors   each rank's own tensors, packed in one byte array; its
-                                    .attrs {"done", "index", "skeleton", "checksums"} written last
-    checkpoints/<step>   .attrs     {"commit": {...checksums of every array...}} written last, by one
-                                    coordinator, once every rank is done: readers ignore the rest
+    checkpoints/<step>/rank<r>/tensors   each rank's own tensors, packed in one byte array (store/chunks.py)
+    checkpoints/<step>/rank<r>  .attrs   {"done", "index", "skeleton", "size", "chunks", ...}, written last
+    checkpoints/<step>   .attrs     {"commit": {...}} written last, by one coordinator, once every rank is
+                                    done: readers ignore the rest
     replays/<id>/                   replays of this run, each a run store of its own (kind "replay")
     bisect/<id>          .attrs     a bisect session: its parameters, probes, phases and verdict
     analysis/                       per-checkpoint metrics and weight distances (replay/analysis)
 
 Checkpoint <step> holds the state *before* step <step> runs (checkpoint 0 is the initial state).
+Integrity (store/integrity.py): every array chunk carries a CRC-32C; the manifest, the step log's and
+spikes' attributes and a commit record carry the CRC-32C of their own JSON; a commit record holds the
+CRC-32C of every other JSON file of its checkpoint. All are verified on read. With `durable` (the
+default), a commit is written only once everything before it is on disk (fsync), so even a machine
+crash leaves every committed checkpoint readable.
 Concurrency: every rank writes only its own `rank<r>` subtree; the step log, spikes, commits and the
-manifest have a single writer (the coordinator, rank 0). Arrays are written through Zarr's local store,
-which writes each file to a temporary name and renames it into place.
+manifest have a single writer (the coordinator, rank 0), and a store has one writer command at a time
+(store/lease.py).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
-from replay.errors import ChecksumError, StoreError
-from replay.store.tensors import Packed, as_tensor, checksum, entry_view, pack, unflatten
+from replay.errors import ChecksumError, StoreError, UsageError
+from replay.store.chunks import chunking, read_chunks, write_chunks
+from replay.store.integrity import (crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal,
+                                    write_file)
+from replay.store.tensors import Packed, as_tensor, entry_view, layout, unflatten
 
-SCHEMA_VERSION = 1
-_CHUNK_BYTES = 16 << 20     # checkpoint bytes per Zarr chunk: the unit of a partial read
-_CHUNKS_PER_WRITE = 8
+SCHEMA_VERSION = 2
+_COMPRESSORS = (ZstdCodec(), Crc32cCodec())   # the step log and embedded data: compressed, then checksummed
 
 
 def is_empty_dir(path: Path) -> bool:
@@ -82,10 +91,12 @@ class CheckpointInfo:
 
 
 class RunStore:
-    """A run store opened from a directory. Cheap to open; every read goes to disk."""
+    """A run store opened from a directory. Cheap to open; every read goes to disk. Writing assumes the
+    caller holds the store's lease (store/lease.py)."""
 
-    def __init__(self, path: str | Path, mode: str):
+    def __init__(self, path: str | Path, mode: str, durable: bool = True):
         self.path = Path(path)
+        self.durable = durable   # commits only once everything before them is on disk
         self._zstore = LocalStore(self.path, read_only=(mode == "r"))
         self.root = zarr.open_group(self._zstore, mode="r" if mode == "r" else "r+")
 
@@ -101,11 +112,11 @@ class RunStore:
                 "or choose a new --store directory"
             )
         path.mkdir(parents=True, exist_ok=True)
-        attrs = {"replay": {"schema": SCHEMA_VERSION, "kind": kind}, **manifest}
+        attrs = seal({"replay": {"schema": SCHEMA_VERSION, "kind": kind}, **manifest})
         zarr.create_group(LocalStore(path), attributes=attrs)   # refuses to overwrite a group
         store = cls(path, mode="a")
-        store.root.create_group("steps").update_attributes({"n_steps": 0, "first_step": first_step})
-        store.root.create_group("spikes").attrs["events"] = []
+        store.root.create_group("steps", attributes=seal({"n_steps": 0, "first_step": first_step}))
+        store.root.create_group("spikes", attributes=seal({"events": []}))
         store.root.create_group("checkpoints")
         return store
 
@@ -118,22 +129,31 @@ class RunStore:
         try:
             store = cls(path, mode=mode)
         except Exception as e:  # a damaged zarr.json: name it rather than show a zarr traceback
-            raise StoreError(f"{path} cannot be opened as a Zarr store: {e}") from None
+            raise StoreError(f"{path} cannot be opened as a Zarr store: {str(e).splitlines()[0]}") from None
         meta = store.root.attrs.get("replay")
         if not isinstance(meta, dict) or meta.get("kind") not in ("run", "replay"):
             raise StoreError(f"{path} is a Zarr group but not a replay run store")
         if meta.get("schema") != SCHEMA_VERSION:
-            raise StoreError(f"{path} has store schema {meta.get('schema')}; this replay reads {SCHEMA_VERSION}")
+            raise StoreError(f"{path} has store schema {meta.get('schema')}, written by another version of replay; "
+                             f"this one reads schema {SCHEMA_VERSION}: record the run again")
+        store.manifest   # its checksum, verified
         return store
 
     # -- manifest ----------------------------------------------------------------------------------
 
     @property
     def manifest(self) -> dict[str, Any]:
-        return dict(self.root.attrs)
+        return unseal(dict(self.root.attrs), f"{self.path}: the manifest (zarr.json)")
 
     def update_manifest(self, **fields: Any) -> None:
-        self.root.update_attributes(fields)
+        self.root.update_attributes(seal({**self.manifest, **fields}))
+
+    def check_rebuildable(self, command: str) -> None:
+        """Refuse, in one line, what needs the built-in trainer to rebuild the run (replays, bisect, analysis)."""
+        if self.manifest.get("launcher") == "custom":
+            raise UsageError(f"{self.path} was recorded by a training loop of your own (the Python Recorder API); "
+                             f"`{command}` rebuilds runs of the built-in GPT-2 trainer and cannot re-run yours: "
+                             "`replay info`, `batch` and `spikes` read it")
 
     # -- bisect sessions (replay/bisect) ------------------------------------------------------------
 
@@ -151,39 +171,49 @@ class RunStore:
     # -- embedded data -----------------------------------------------------------------------------
 
     def write_tokens(self, tokens: np.ndarray) -> None:
+        """Embed the corpus (again, over what a crash left of it)."""
         arr = self.root.create_array(
             "data/tokens", shape=tokens.shape, dtype=tokens.dtype, chunks=(min(len(tokens), 1 << 22),),
-            dimension_names=("token",), fill_value=0,
+            dimension_names=("token",), fill_value=0, compressors=_COMPRESSORS, overwrite=True,
         )
         arr[...] = tokens
-        arr.attrs["checksum"] = checksum(tokens)
 
     def read_tokens(self) -> np.ndarray:
-        arr = self.root["data/tokens"]
-        tokens = arr[...]
-        if checksum(tokens) != arr.attrs["checksum"]:
-            raise ChecksumError(f"{self.path}: data/tokens does not match its checksum; the store is corrupted")
-        return tokens
+        return self._read_array("data/tokens", slice(None))
+
+    def _read_array(self, name: str, rows: slice) -> np.ndarray:
+        """Rows of an array, every chunk's checksum verified by Zarr's crc32c codec."""
+        try:
+            return self.root[name][rows]
+        except Exception as e:   # the codec's mismatch, a truncated or missing chunk, undecodable bytes
+            raise ChecksumError(f"{self.path}: {name} is damaged ({str(e).splitlines()[0]}); the store is "
+                                "corrupted there") from None
 
     # -- step log ----------------------------------------------------------------------------------
 
     @property
     def kind(self) -> str:
-        return self.root.attrs["replay"]["kind"]
+        return self.manifest["replay"]["kind"]
+
+    def _steps_attrs(self) -> dict[str, Any]:
+        return unseal(dict(self.root["steps"].attrs), f"{self.path}: the step log's attributes (steps/zarr.json)")
 
     @property
     def n_steps(self) -> int:
         """Rows in the step log: steps [first_step, first_step + n_steps)."""
-        return int(self.root["steps"].attrs["n_steps"])
+        return int(self._steps_attrs()["n_steps"])
 
     @property
     def first_step(self) -> int:
-        return int(self.root["steps"].attrs.get("first_step", 0))
+        return int(self._steps_attrs()["first_step"])
 
     @property
     def end_step(self) -> int:
         """One past the last step logged."""
         return self.first_step + self.n_steps
+
+    def _set_n_steps(self, n: int) -> None:
+        self.root["steps"].update_attributes(seal({**self._steps_attrs(), "n_steps": n}))
 
     def append_steps(self, start: int, records: dict[str, np.ndarray]) -> None:
         """Write steps [start, start + k) of every step field, then move the done-ness counter."""
@@ -200,25 +230,25 @@ class RunStore:
             if name not in steps:
                 chunks = (256, *rows.shape[1:])
                 steps.create_array(name, shape=(0, *rows.shape[1:]), dtype=dtype, chunks=chunks,
-                                   dimension_names=dims, fill_value=0)
+                                   dimension_names=dims, fill_value=0, compressors=_COMPRESSORS)
             arr = steps[name]
             arr.resize((row + k, *arr.shape[1:]))
             arr[row:row + k] = rows
-        steps.attrs["n_steps"] = row + k
+        self._set_n_steps(row + k)
 
     def read_steps(self, fields: list[str] | None = None) -> dict[str, np.ndarray]:
         n = self.n_steps
         steps = self.root["steps"]
         out = {"step": np.arange(self.first_step, self.first_step + n)}
         for name in fields or list(STEP_FIELDS):
-            out[name] = steps[name][:n] if name in steps else np.zeros((0,))
+            out[name] = self._read_array(f"steps/{name}", slice(0, n)) if name in steps else np.zeros((0,))
         return out
 
     def truncate_steps(self, end_step: int) -> None:
         """Keep steps before `end_step`."""
         n = max(0, end_step - self.first_step)
         steps = self.root["steps"]
-        steps.attrs["n_steps"] = min(n, self.n_steps)
+        self._set_n_steps(min(n, self.n_steps))
         for name in STEP_FIELDS:
             if name in steps and steps[name].shape[0] > n:
                 steps[name].resize((n, *steps[name].shape[1:]))
@@ -227,146 +257,209 @@ class RunStore:
 
     @property
     def spikes(self) -> list[dict[str, Any]]:
-        return list(self.root["spikes"].attrs["events"])
+        return list(unseal(dict(self.root["spikes"].attrs), f"{self.path}: the spikes (spikes/zarr.json)")["events"])
 
     def add_spike(self, event: dict[str, Any]) -> None:
-        self.root["spikes"].attrs["events"] = [*self.spikes, event]
+        self.root["spikes"].update_attributes(seal({"events": [*self.spikes, event]}))
 
     def truncate_spikes(self, before_step: int) -> None:
-        self.root["spikes"].attrs["events"] = [e for e in self.spikes if e["step"] < before_step]
+        self.root["spikes"].update_attributes(seal({"events": [e for e in self.spikes if e["step"] < before_step]}))
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _ckpt_groups(self) -> Iterator[tuple[int, Any]]:
-        for name, group in sorted(self.root["checkpoints"].groups()):
-            yield int(name), group
+    def _ckpt_dir(self, step: int) -> Path:
+        return self.path / "checkpoints" / _ckpt_name(step)
+
+    def _scan(self) -> list[tuple[int, str, Any]]:
+        """Every checkpoint directory: (step, "committed" | "uncommitted" | "damaged", its commit or why)."""
+        root = self.path / "checkpoints"
+        out = []
+        for entry in sorted(root.iterdir()) if root.is_dir() else []:
+            if not (entry.is_dir() and entry.name.isdigit()):
+                continue
+            step = int(entry.name)
+            try:
+                commit = self._read_commit(step)
+            except ChecksumError as e:
+                out.append((step, "damaged", str(e)))
+                continue
+            out.append((step, "committed", commit) if commit else (step, "uncommitted", None))
+        return out
+
+    def _read_commit(self, step: int) -> dict[str, Any] | None:
+        """The verified commit record of checkpoint `step`, or None if it has none (yet)."""
+        path = self._ckpt_dir(step) / "zarr.json"
+        if not path.is_file():
+            return None
+        what = f"checkpoint {step}: its commit record"
+        _, attrs = read_group_attributes(path, what)
+        if not attrs:
+            return None
+        if set(attrs) != {"commit"} or not isinstance(attrs["commit"], dict):
+            raise ChecksumError(f"{what} ({path}) is damaged: unexpected attributes {sorted(attrs)}")
+        return unseal(attrs["commit"], f"{what} ({path})")
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first. Uncommitted ones (a crash mid-write) do not exist."""
-        out = []
-        for step, group in self._ckpt_groups():
-            commit = group.attrs.get("commit")
-            if commit:
-                out.append(CheckpointInfo(step, commit["kind"], commit["world_size"], commit["time"]))
-        return out
+        return [CheckpointInfo(step, c["kind"], c["world_size"], c["time"])
+                for step, state, c in self._scan() if state == "committed"]
 
     def uncommitted_checkpoints(self) -> list[int]:
         """Steps of checkpoints started but never committed (a crash mid-write); `rewind` removes them."""
-        return [step for step, group in self._ckpt_groups() if not group.attrs.get("commit")]
+        return [step for step, state, _ in self._scan() if state == "uncommitted"]
+
+    def damaged_checkpoints(self) -> list[tuple[int, str]]:
+        """Checkpoints whose commit record does not match its checksum: (step, what is wrong)."""
+        return [(step, why) for step, state, why in self._scan() if state == "damaged"]
 
     def write_shard(self, step: int, rank: int, state: Packed | Any, after_chunk=None) -> None:
         """Write one rank's part of checkpoint `step`: its bytes first, its done marker last.
 
-        `state` is a packed tree (what the recorder captures) or a plain one. `after_chunk(i, n)` is
-        called after each of the n chunks is on disk (progress, fault-injection tests)."""
-        packed = state if isinstance(state, Packed) else pack(state)
-        prefix = f"checkpoints/{_ckpt_name(step)}/rank{rank}"
-        group = zarr.open_group(self._zstore, path=prefix, mode="w")
-        with ThreadPoolExecutor(1) as pool:   # checksums overlap the writes (both release the GIL)
-            sums_future = pool.submit(packed.checksums)
-            self._write_bytes(group, packed.buffer, after_chunk)
-            sums = sums_future.result()
-        # one write of the whole document (attrs.update() would write key by key, "done" maybe first)
-        group.update_attributes({"done": True, "skeleton": packed.skeleton, "index": packed.index,
-                                 "checksums": sums})
-
-    @staticmethod
-    def _write_bytes(group, buffer: np.ndarray, after_chunk) -> None:
-        n = max(1, len(buffer))
-        # write_empty_chunks: Zarr otherwise compares every chunk with the fill value before writing it
-        # (8-10x slower here), to skip chunks we never want skipped: done-ness is the marker below.
-        arr = group.create_array("tensors", shape=(n,), dtype="uint8", chunks=(min(n, _CHUNK_BYTES),),
-                                 compressors=None, fill_value=0, dimension_names=("byte",),
-                                 config={"write_empty_chunks": True})
-        bounds = list(range(0, len(buffer), _CHUNK_BYTES * _CHUNKS_PER_WRITE))
-        for i, start in enumerate(bounds):   # a few chunks per call: Zarr writes those concurrently
-            stop = min(len(buffer), start + _CHUNK_BYTES * _CHUNKS_PER_WRITE)
-            arr[start:stop] = buffer[start:stop]
-            if after_chunk:
-                after_chunk(i + 1, len(bounds))
+        `state` is a packed tree (what the recorder captures) or a plain one (written straight from its
+        tensors' memory). `after_chunk(i, n)` is called after each of the n chunks is on disk (progress,
+        fault-injection tests)."""
+        if isinstance(state, Packed):
+            skeleton, index, size, segments = state.skeleton, state.index, len(state.buffer), [(0, state.buffer)]
+        else:
+            lay = layout(state)
+            skeleton, index, size, segments = lay.skeleton, lay.index, lay.size, lay.segments()
+        n, chunk = chunking(size)
+        shard = self._ckpt_dir(step) / f"rank{rank}"
+        (shard / "tensors").mkdir(parents=True, exist_ok=True)
+        # Everything before the shard's document is plain writes: until that document (renamed into place)
+        # says done, and the commit after it, nothing of this shard is read.
+        write_file(shard / "tensors" / "zarr.json", _bytes_array_json(n * chunk, chunk), self.durable, atomic=False)
+        write_chunks(shard / "tensors", segments, n, chunk, self.durable, after_chunk)
+        write_file(shard / "zarr.json", group_json({"done": True, "skeleton": skeleton, "index": index,
+                                                     "size": size, "chunks": n, "chunk_bytes": chunk}),
+                   self.durable)
 
     def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
                           should_stop=lambda: False) -> None:
-        """Wait until every rank's shard is done, then write the commit marker (checksums inside)."""
-        name = _ckpt_name(step)
+        """Wait until every rank's shard is done, then write the commit record (checksums inside)."""
         deadline = time.monotonic() + timeout
-        sums: dict[str, dict[str, str]] = {}
+        files: dict[str, str] = {}
         for rank in range(world_size):
+            shard = self._ckpt_dir(step) / f"rank{rank}"
             while True:
-                attrs = self._shard_attrs(name, rank)
-                if attrs.get("done"):
-                    sums[str(rank)] = attrs["checksums"]
+                raw = _done_shard(shard / "zarr.json")
+                if raw is not None:
+                    files[f"rank{rank}/zarr.json"] = f"{crc32c(raw):08x}"
+                    files[f"rank{rank}/tensors/zarr.json"] = f"{crc32c((shard / 'tensors' / 'zarr.json').read_bytes()):08x}"
                     break
                 if should_stop() or time.monotonic() > deadline:
                     raise StoreError(f"checkpoint {step}: rank {rank} never finished its shard")
                 time.sleep(0.01)
-        group = zarr.open_group(self._zstore, path=f"checkpoints/{name}", mode="r+")
-        group.attrs["commit"] = {"step": step, "kind": kind, "world_size": world_size,
-                                 "time": time.time(), "checksums": sums}
+        if self.durable:   # the step log and every shard reach the disk before the commit that vouches for them
+            sync_filesystem(self.path)
+        commit = seal({"step": step, "kind": kind, "world_size": world_size, "time": time.time(), "files": files})
+        write_file(self._ckpt_dir(step) / "zarr.json", group_json({"commit": commit}), self.durable)
 
-    def _shard_attrs(self, name: str, rank: int) -> dict[str, Any]:
+    def _shard_doc(self, step: int, rank: int) -> dict[str, Any]:
+        """One rank's shard document of a committed checkpoint, checked against the commit record."""
+        commit = self._commit(step)
+        key = f"rank{rank}/zarr.json"
+        if key not in commit["files"]:
+            raise StoreError(f"{self.path}: checkpoint {step} has no shard for rank {rank}")
+        shard = self._ckpt_dir(step) / f"rank{rank}"
+        what = f"checkpoint {step} rank {rank}: its index and non-tensor state"
         try:
-            return dict(zarr.open_group(self._zstore, path=f"checkpoints/{name}/rank{rank}", mode="r").attrs)
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
-            return {}
+            raw, attrs = read_group_attributes(shard / "zarr.json", what)
+        except FileNotFoundError:
+            raise ChecksumError(f"{what} ({shard / 'zarr.json'}) is missing: the store is corrupted there") from None
+        if f"{crc32c(raw):08x}" != commit["files"][key]:
+            raise ChecksumError(f"{what} ({shard / 'zarr.json'}) does not match its checksum: the store is "
+                                "corrupted there")
+        meta = shard / "tensors" / "zarr.json"
+        try:
+            meta_ok = f"{crc32c(meta.read_bytes()):08x}" == commit["files"][f"rank{rank}/tensors/zarr.json"]
+        except FileNotFoundError:
+            meta_ok = False
+        if not meta_ok:
+            raise ChecksumError(f"checkpoint {step} rank {rank}: the metadata of its array tensors ({meta}) does "
+                                "not match its checksum: the store is corrupted there")
+        return attrs
 
     def read_shard(self, step: int, rank: int, keys: list[str] | None = None) -> Any:
-        """One rank's state tree of a committed checkpoint, every tensor's checksum verified.
+        """One rank's state tree of a committed checkpoint, every byte's checksum verified.
 
-        With `keys`, only those tensors are read (by byte range) and returned as {key: tensor}."""
-        commit = self._commit(step)
-        if str(rank) not in commit["checksums"]:
-            raise StoreError(f"{self.path}: checkpoint {step} has no shard for rank {rank}")
-        group = self.root[f"checkpoints/{_ckpt_name(step)}/rank{rank}"]
-        index, expected = group.attrs["index"], commit["checksums"][str(rank)]
-        arr = group["tensors"]
-        if keys is None:
-            buffer, base, wanted = arr[...], 0, list(index)
+        With `keys`, only those tensors are read (the chunks holding them) and returned as {key: tensor}."""
+        doc = self._shard_doc(step, rank)
+        index, chunk = doc["index"], doc["chunk_bytes"]
+        wanted = list(index) if keys is None else keys
+        unknown = sorted(set(wanted) - set(index))
+        if unknown:
+            raise StoreError(f"checkpoint {step} rank {rank} has no tensor {unknown[0]}")
+        if keys is None:   # every chunk, so that every byte is verified
+            first, last = 0, doc["chunks"] - 1
         else:
-            unknown = sorted(set(keys) - set(index))
-            if unknown:
-                raise StoreError(f"checkpoint {step} rank {rank} has no tensor {unknown[0]}")
-            lo = min(index[k]["offset"] for k in keys)
-            hi = max(index[k]["offset"] + index[k]["nbytes"] for k in keys)
-            buffer, base, wanted = arr[lo:hi], lo, keys
-        tensors = {}
-        for key in wanted:
-            a = entry_view(buffer, index[key], base)
-            if checksum(a) != expected[key]:
-                raise ChecksumError(
-                    f"checkpoint {step} rank {rank} tensor {key.strip('/')} does not match its checksum: "
-                    f"the store at {self.path} is corrupted; restore an earlier checkpoint or re-record")
-            tensors[key] = as_tensor(a, index[key]["dtype"])
-        return tensors if keys is not None else unflatten(group.attrs["skeleton"], tensors)
+            lo = min((index[k]["offset"] for k in wanted), default=0)
+            hi = max((index[k]["offset"] + index[k]["nbytes"] for k in wanted), default=0)
+            first, last = lo // chunk, max(lo, hi - 1) // chunk
+        buffer = read_chunks(self._ckpt_dir(step) / f"rank{rank}" / "tensors", first, last, chunk,
+                             f"checkpoint {step} rank {rank}: array tensors",
+                             contents=lambda i: _chunk_contents(index, i * chunk, (i + 1) * chunk))
+        tensors = {key: as_tensor(entry_view(buffer, index[key], first * chunk), index[key]["dtype"]) for key in wanted}
+        return tensors if keys is not None else unflatten(doc["skeleton"], tensors)
 
     def shard_index(self, step: int, rank: int) -> dict[str, dict[str, Any]]:
         """What one rank's shard holds: {key: dtype, shape, offset, nbytes} (no tensor is read)."""
-        self._commit(step)
-        return dict(self.root[f"checkpoints/{_ckpt_name(step)}/rank{rank}"].attrs["index"])
+        return dict(self._shard_doc(step, rank)["index"])
 
     def _commit(self, step: int) -> dict[str, Any]:
-        try:
-            commit = self.root[f"checkpoints/{_ckpt_name(step)}"].attrs.get("commit")
-        except KeyError:
-            commit = None
+        commit = self._read_commit(step) if self._ckpt_dir(step).is_dir() else None
         if not commit:
             raise StoreError(f"{self.path}: no committed checkpoint at step {step}")
         return commit
 
-    def rewind(self, verify_world_size: int) -> int:
-        """Cut the run back to its last committed checkpoint, for a resume; returns that step.
+    def rewind(self, verify_world_size: int) -> int | None:
+        """Cut the run back to its last committed checkpoint, for a resume; returns that step. With no
+        committed checkpoint (a run stopped while it started), back to nothing, and returns None.
 
-        Its shards are read and checksummed first, so a corrupted checkpoint is named before anything
-        changes. Then uncommitted checkpoints go, and the step log and spikes are truncated to it."""
-        ckpts = self.checkpoints()
-        if not ckpts:
-            raise StoreError(f"{self.path} has no committed checkpoint to resume from; delete it and record anew")
-        last = ckpts[-1].step
-        for rank in range(verify_world_size):
+        The shards are read and checksummed first, so a corrupted checkpoint is named before anything
+        changes (a damaged commit record too: resuming would discard that checkpoint). Then uncommitted
+        checkpoints go, and the step log and spikes are truncated to it."""
+        scan = self._scan()
+        for step, state, why in scan:
+            if state == "damaged":
+                raise ChecksumError(f"{why}; resuming would discard it: move checkpoints/{_ckpt_name(step)} "
+                                    "out of the store to resume from the checkpoint before it")
+        committed = [step for step, state, _ in scan if state == "committed"]
+        last = committed[-1] if committed else None
+        for rank in range(verify_world_size if last is not None else 0):
             self.read_shard(last, rank)
-        for step, group in self._ckpt_groups():
-            if step > last or not group.attrs.get("commit"):
-                shutil.rmtree(self.path / "checkpoints" / _ckpt_name(step))
-        self.truncate_steps(last)
-        self.truncate_spikes(last)
+        for step, state, _ in scan:
+            if last is None or step > last or state != "committed":
+                shutil.rmtree(self._ckpt_dir(step))
+        self.truncate_steps(last or 0)
+        self.truncate_spikes(last or 0)
         return last
+
+
+def _chunk_contents(index: dict[str, dict[str, Any]], lo: int, hi: int) -> str:
+    """Which tensors have bytes in [lo, hi), for an error message."""
+    keys = [k.strip("/") for k, e in index.items() if e["offset"] < hi and e["offset"] + e["nbytes"] > lo]
+    if not keys:
+        return " (padding)"
+    return f" (holding {', '.join(keys[:3])}{f' and {len(keys) - 3} more tensors' if len(keys) > 3 else ''})"
+
+
+def _done_shard(path: Path) -> bytes | None:
+    """The raw shard document once its rank has written it whole, else None."""
+    try:
+        raw = path.read_bytes()
+        return raw if json.loads(raw)["attributes"].get("done") else None
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+
+
+def _bytes_array_json(nbytes: int, chunk: int) -> bytes:
+    """The Zarr v3 metadata of a 1-D uint8 array of `nbytes` in chunks of `chunk`, each followed by its
+    CRC-32C (codecs bytes, crc32c): what zarr.create_array writes for it."""
+    return json.dumps({
+        "shape": [nbytes], "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0, "codecs": [{"name": "bytes"}, {"name": "crc32c"}], "attributes": {},
+        "dimension_names": ["byte"], "zarr_format": 3, "node_type": "array", "storage_transformers": [],
+    }, indent=2).encode()

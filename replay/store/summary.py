@@ -64,20 +64,26 @@ def _numerics(store: RunStore) -> dict[str, list[float]] | None:
 
 
 def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, Any]]:
+    """The samples of `step` as recorded in `path` (a run, or a replay: its own steps, which start at its
+    start checkpoint), with their text where the store can name it."""
     from replay.train.data import load_data
 
     store = RunStore.open(path)
-    if not 0 <= step < store.n_steps:
-        raise UsageError(f"step {step} is not recorded in {path}: it holds steps 0..{store.n_steps - 1}")
-    ids = np.asarray(store.root["steps/sample_ids"][step])   # (rank, micro, sample)
+    if not store.first_step <= step < store.end_step:
+        held = f"steps {store.first_step}..{store.end_step - 1}" if store.n_steps else "no steps yet"
+        raise UsageError(f"step {step} is not recorded in {path}: it holds {held}")
+    ids = np.asarray(store.read_steps(["sample_ids"])["sample_ids"][step - store.first_step])   # (rank, micro, sample)
     if rank is not None and not 0 <= rank < ids.shape[0]:
         raise UsageError(f"rank {rank} out of range: the run had {ids.shape[0]} ranks")
-    cfg = RunConfig.from_dict(store.manifest["config"])
-    data = load_data(cfg, store)
+    m = store.manifest
+    run = RunStore.open(store.path / m["parent"]) if store.kind == "replay" else store
+    data = None if m["launcher"] == "custom" else load_data(RunConfig.from_dict(m["config"]), run)
     rows = []
     for r in range(ids.shape[0]) if rank is None else [rank]:
-        for m in range(ids.shape[1]):
-            for sid in ids[r, m]:
-                rows.append({"step": step, "rank": r, "micro": m, "sample_id": int(sid),
-                             "text": data.describe(int(sid))})
+        for micro in range(ids.shape[1]):
+            for sid in ids[r, micro]:
+                text = ("(skipped: this step was not trained on)" if sid < 0 else
+                        "(the data of a training loop of your own is not in the store)" if data is None else
+                        data.describe(int(sid)))
+                rows.append({"step": step, "rank": r, "micro": micro, "sample_id": int(sid), "text": text})
     return rows

@@ -14,7 +14,6 @@ tensor, and any single tensor can still be read alone by its byte range.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,29 +25,40 @@ _STORABLE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.
 _ALIGN = 64   # byte alignment of every tensor in the buffer
 
 
-def checksum(a: np.ndarray) -> str:
-    """CRC-32 of the array's bytes in C order, with dtype and shape so a reshaped array cannot pass."""
-    a = np.asarray(a)
-    head = f"{a.dtype.str}{a.shape}".encode()
-    return f"crc32:{zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), zlib.crc32(head)):08x}"
+@dataclass
+class Layout:
+    """Where every tensor of a tree goes in its byte buffer, without copying anything yet."""
+
+    skeleton: Any                      # the tree with {"__tensor__": key} where tensors were
+    index: dict[str, dict[str, Any]]   # key -> {"dtype", "shape", "offset", "nbytes"}
+    size: int                          # bytes of the buffer
+    tensors: dict[str, torch.Tensor]   # key -> the tensor whose bytes go at its offset (one per storage)
+
+    def segments(self) -> list[tuple[int, np.ndarray]]:
+        """(offset, bytes) of every tensor, as uint8 views of CPU memory (a copy only where a tensor is
+        on another device or not contiguous)."""
+        out = []
+        for key, t in self.tensors.items():
+            if t.numel():
+                flat = t.detach().to("cpu").contiguous().reshape(-1)
+                out.append((self.index[key]["offset"], flat.view(torch.uint8).numpy()))
+        return out
 
 
 @dataclass
 class Packed:
-    skeleton: Any                      # the tree with {"__tensor__": key} where tensors were
-    index: dict[str, dict[str, Any]]   # key -> {"dtype", "shape", "offset", "nbytes"}
+    """A tree copied into one CPU buffer: what the recorder keeps, so later optimizer steps cannot reach it."""
+
+    skeleton: Any
+    index: dict[str, dict[str, Any]]
     buffer: np.ndarray                 # uint8, every tensor's bytes at its offset
 
     def view(self, key: str) -> np.ndarray:
         """One tensor's stored bits as a numpy array (a view, no copy)."""
         return entry_view(self.buffer, self.index[key], base=0)
 
-    def checksums(self) -> dict[str, str]:
-        return {key: checksum(self.view(key)) for key in self.index}
 
-
-def pack(tree: Any) -> Packed:
-    """Copy every tensor of `tree`, from any device, into one new CPU buffer."""
+def layout(tree: Any) -> Layout:
     tensors: dict[str, torch.Tensor] = {}
     index: dict[str, dict[str, Any]] = {}
     seen: dict[tuple, str] = {}
@@ -91,13 +101,20 @@ def pack(tree: Any) -> Packed:
         raise TypeError(f"cannot store a {type(node).__name__} at {path or '/'}: only tensors, arrays and scalars")
 
     skeleton = walk(tree, "")
-    buffer = np.empty(size, dtype=np.uint8)
-    for path, t in tensors.items():
-        entry = index[path]
+    return Layout(skeleton, index, size, tensors)
+
+
+def pack(tree: Any, into: np.ndarray | None = None) -> Packed:
+    """Copy every tensor of `tree`, from any device, into one CPU buffer: `into` if it is large enough
+    (a buffer used before: its pages are already mapped, so the copy runs at memory speed), else a new one."""
+    lay = layout(tree)
+    buffer = into[:lay.size] if into is not None and len(into) >= lay.size else np.empty(lay.size, dtype=np.uint8)
+    for path, t in lay.tensors.items():
+        entry = lay.index[path]
         if t.numel():
             dst = torch.from_numpy(buffer[entry["offset"]: entry["offset"] + entry["nbytes"]])
             dst.view(t.dtype).view(t.shape).copy_(t)
-    return Packed(skeleton, index, buffer)
+    return Packed(lay.skeleton, lay.index, buffer)
 
 
 def unpack(packed: Packed) -> Any:

@@ -136,8 +136,17 @@ class DataOrder:
         return self._perm
 
     def step_ids(self, step: int) -> np.ndarray:
-        positions = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
-        return np.array([self._permutation(p // self.n)[p % self.n] for p in positions], dtype=np.int64)
+        return self.steps_ids(step, step + 1)[0]
+
+    def steps_ids(self, start: int, stop: int) -> np.ndarray:
+        """The global ids of steps start..stop-1: [steps, batch_size]."""
+        positions = np.arange(start * self.batch_size, stop * self.batch_size, dtype=np.int64)
+        epochs = positions // self.n
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            at = epochs == epoch
+            out[at] = self._permutation(int(epoch))[positions[at] % self.n]
+        return out.reshape(stop - start, self.batch_size)
 
     def rank_ids(self, step: int, rank: int, world: int, micro_batch_size: int) -> np.ndarray:
         """This rank's [accum, micro_batch_size] ids: micro-batch m of all ranks is one contiguous slice."""

@@ -1,11 +1,13 @@
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from replay.errors import ChecksumError, StoreError
-from replay.store import STEP_FIELDS, RunStore
+from replay.store import STEP_FIELDS, RunStore, chunks
 from tests.conftest import tensors_equal
 
 
@@ -60,8 +62,8 @@ def test_commit_waits_for_every_rank(tmp_path):
     with pytest.raises(StoreError, match="rank 1 never finished"):
         store.commit_checkpoint(5, "regular", world_size=2, timeout=0.2)
     assert store.checkpoints() == []
-    with pytest.raises(StoreError, match="no committed checkpoint"):
-        store.rewind(verify_world_size=2)
+    assert store.rewind(verify_world_size=2) is None                  # back to nothing: resume starts over
+    assert store.uncommitted_checkpoints() == [] and store.n_steps == 0
 
 
 def test_rewind_cuts_back_to_the_last_committed_checkpoint(tmp_path):
@@ -77,23 +79,82 @@ def test_rewind_cuts_back_to_the_last_committed_checkpoint(tmp_path):
     assert not (tmp_path / "s/checkpoints/00000007").exists()
 
 
-def _flip_a_byte(shard_dir, at):
-    chunk = next(p for p in (shard_dir / "tensors").rglob("*") if p.is_file() and p.name != "zarr.json")
-    data = bytearray(chunk.read_bytes())
-    data[at] ^= 0xFF
-    chunk.write_bytes(bytes(data))
+def _flip(path, at, mask=0x01):
+    data = bytearray(path.read_bytes())
+    data[at] ^= mask
+    path.write_bytes(bytes(data))
 
 
-def test_corrupted_tensor_is_named_on_read(tmp_path):
+def test_a_damaged_chunk_is_named_with_the_tensors_it_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 4096)   # 16 KiB tensors: several chunks each
     store = RunStore.create(tmp_path / "s", {})
-    store.write_shard(0, 0, {"model": {"h.0.weight": torch.randn(8, 8), "h.1.weight": torch.randn(8, 8)}})
+    store.write_shard(0, 0, {"model": {"h.0.weight": torch.randn(64, 64), "h.1.weight": torch.randn(64, 64)}})
     store.commit_checkpoint(0, "regular", 1)
-    offset = store.shard_index(0, 0)["/model/h.1.weight"]["offset"]
-    _flip_a_byte(tmp_path / "s/checkpoints/00000000/rank0", offset + 17)
-    with pytest.raises(ChecksumError, match="tensor model/h.1.weight does not match its checksum"):
+    index = store.shard_index(0, 0)
+    chunk = index["/model/h.1.weight"]["offset"] // 4096 + 1          # inside h.1.weight
+    _flip(tmp_path / f"s/checkpoints/00000000/rank0/tensors/c/{chunk}", 17)
+    with pytest.raises(ChecksumError, match=rf"checkpoint 0 rank 0: array tensors chunk {chunk} \(holding "
+                                            r"model/h.1.weight\) does not match its checksum"):
         store.read_shard(0, 0)
-    # the intact tensor alone still reads, by its byte range
-    assert store.read_shard(0, 0, keys=["/model/h.0.weight"])["/model/h.0.weight"].shape == (8, 8)
+    # the intact tensor alone still reads: its chunks are whole
+    assert store.read_shard(0, 0, keys=["/model/h.0.weight"])["/model/h.0.weight"].shape == (64, 64)
+
+
+def test_checkpoint_chunks_are_a_zarr_array_that_zarr_verifies(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    tree = {"w": torch.randn(100, 3), "b": torch.arange(7)}
+    store.write_shard(4, 0, tree)
+    store.commit_checkpoint(4, "regular", 1)
+    arr = zarr.open_array(str(tmp_path / "s/checkpoints/00000004/rank0/tensors"), mode="r")
+    index = store.shard_index(4, 0)
+    w = arr[index["/w"]["offset"]: index["/w"]["offset"] + index["/w"]["nbytes"]].view(np.float32).reshape(100, 3)
+    assert np.array_equal(w, tree["w"].numpy())
+    _flip(tmp_path / "s/checkpoints/00000004/rank0/tensors/c/0", 3)
+    with pytest.raises(ValueError, match="checksum"):   # zarr's own crc32c codec refuses it too
+        arr[:]
+
+
+def test_a_flipped_bit_in_a_shards_json_is_refused(tmp_path):
+    """One bit of the optimizer's lr in rank 0's JSON: 0.000914 -> 0.001914 would still parse."""
+    store = RunStore.create(tmp_path / "s", {})
+    store.write_shard(20, 0, {"optimizer": {"param_groups": [{"lr": 0.000914}]}, "w": torch.ones(3)})
+    store.commit_checkpoint(20, "regular", 1)
+    doc = tmp_path / "s/checkpoints/00000020/rank0/zarr.json"
+    _flip(doc, doc.read_bytes().index(b"0.000914") + 4)
+    assert b"0.001914" in doc.read_bytes()
+    with pytest.raises(ChecksumError, match="checkpoint 20 rank 0: its index and non-tensor state .* does not "
+                                            "match its checksum"):
+        store.read_shard(20, 0)
+
+
+def test_a_damaged_commit_record_is_named_and_never_discarded(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    for step in (0, 5):
+        store.write_shard(step, 0, {"w": torch.full((2,), float(step))})
+        store.commit_checkpoint(step, "regular", 1)
+    commit = tmp_path / "s/checkpoints/00000005/zarr.json"
+    _flip(commit, commit.read_bytes().index(b'"regular"') + 3)
+    assert [c.step for c in store.checkpoints()] == [0]
+    assert [step for step, _ in store.damaged_checkpoints()] == [5]
+    with pytest.raises(ChecksumError, match="checkpoint 5: its commit record .* does not match its checksum"):
+        store.read_shard(5, 0)
+    with pytest.raises(ChecksumError, match="resuming would discard it"):
+        store.rewind(verify_world_size=1)
+    assert commit.exists()
+
+
+def test_the_manifest_and_step_log_are_checksummed(tmp_path):
+    store = RunStore.create(tmp_path / "s", {"config": {"optim": {"lr": 0.003}}})
+    store.append_steps(0, _rows(3))
+    root = tmp_path / "s/zarr.json"
+    _flip(root, root.read_bytes().index(b"0.003") + 4)             # 0.003 -> 0.002: still valid JSON
+    with pytest.raises(ChecksumError, match="the manifest"):
+        RunStore.open(tmp_path / "s")
+    _flip(root, root.read_bytes().index(b"0.002") + 4)             # undone
+    chunk = tmp_path / "s/steps/loss/c/0"
+    _flip(chunk, 2)
+    with pytest.raises(ChecksumError, match="steps/loss is damaged"):
+        RunStore.open(tmp_path / "s").read_steps(["loss"])
 
 
 def test_single_tensors_read_by_byte_range(tmp_path):
@@ -105,3 +166,16 @@ def test_single_tensors_read_by_byte_range(tmp_path):
     assert set(got) == {"/w4", "/w2"} and torch.equal(got["/w4"], tree["w4"])
     with pytest.raises(StoreError, match="no tensor /w9"):
         store.read_shard(3, 0, keys=["/w9"])
+
+
+def test_tensors_read_are_private_copies_on_write_of_the_files(tmp_path):
+    store = RunStore.create(tmp_path / "s", {})
+    tree = {"w": torch.randn(300, 300), "b": torch.ones(5)}
+    store.write_shard(1, 0, tree)
+    store.commit_checkpoint(1, "regular", 1)
+    first = store.read_shard(1, 0)
+    first["w"].mul_(2)                                   # what an optimizer step does to a restored state
+    assert torch.equal(store.read_shard(1, 0)["w"], tree["w"])   # the file did not change (nor its checksum)
+    second = store.read_shard(1, 0)
+    shutil.rmtree(tmp_path / "s/checkpoints")            # a rewind or a discarded replay removes files
+    assert torch.equal(second["w"], tree["w"]) and torch.equal(first["w"], tree["w"] * 2)

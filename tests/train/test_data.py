@@ -45,3 +45,12 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
     cfg.data.path = "train.bin"
     with pytest.raises(UsageError, match="token id 300"):
         make_data(cfg, np.full(10_000, 300, dtype=np.uint16))
+
+
+def test_many_steps_at_once_are_the_steps_one_by_one():
+    order = DataOrder(n_samples=50, batch_size=8, seed=3)   # step 6 (positions 48..55) straddles two epochs
+    many = order.steps_ids(0, 13)
+    perms = [np.random.default_rng([3, epoch]).permutation(50) for epoch in range(3)]   # the documented order
+    expected = [[perms[p // 50][p % 50] for p in range(s * 8, s * 8 + 8)] for s in range(13)]
+    assert many.tolist() == expected
+    assert np.array_equal(order.step_ids(6), many[6]) and np.array_equal(order.steps_ids(5, 7), many[5:7])
