@@ -167,6 +167,8 @@ def _print_info(store: str, as_json: bool) -> None:
     cfg, ck = summary["config"], summary["checkpoints"]
     m = cfg["model"]
     click.echo(f"run store   {summary['path']}  ({summary['status']})")
+    if summary["writer"]:
+        click.echo(f"writer      {summary['writer']} is writing it now")
     click.echo(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
                f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
     click.echo(f"ranks       {summary['world_size']} ({summary['launcher']}"

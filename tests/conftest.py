@@ -171,9 +171,9 @@ def tree_snapshot(path: Path) -> dict[str, tuple[int, int]]:
 
 def tensors_equal(a: Any, b: Any) -> bool:
     """Bitwise equality of two state trees (used by tests and verification)."""
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor):   # by their bits (NaN equals NaN, -0.0 does not equal 0.0)
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
-            torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b))
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):

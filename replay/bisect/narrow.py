@@ -26,7 +26,6 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np

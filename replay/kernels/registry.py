@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replay.config import ModelConfig
 from replay.errors import UsageError
 from replay.kernels.baseline import baseline_attention, causal_mask
 from replay.kernels.flash_emu import flash_attention
@@ -295,3 +296,15 @@ def apply_plan(model, plan: AttentionPlan) -> None:
     for block in model.transformer.h:
         block.attn.replay_attention = LayerAttention(plan, block.attn.layer_idx, cfg.n_head)
     model.set_attn_implementation("replay")
+
+
+def check_attention(cfg: ModelConfig, numerics: bool = False) -> str:
+    """Fail early, in the launching process, on an attention plan that cannot run on this model (or
+    that the numerics probe cannot measure); returns the plan in canonical form (what the manifest records)."""
+    from replay.kernels.numerics import check_plan
+
+    plan = AttentionPlan.parse(cfg.attention)
+    plan.validate(cfg.n_layer, cfg.n_head)
+    if numerics:
+        check_plan(plan, cfg.n_layer, cfg.n_head)
+    return plan.canonical()

@@ -25,7 +25,7 @@ from replay.launch.lifeline import child_env
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV, writing
 from replay.store.run_store import is_empty_dir
-from replay.train.model import check_attention
+from replay.kernels.registry import check_attention
 from replay.train.data import (DataOrder, TokenData, builtin_corpus, cpu_count, fingerprint_file,
                                fingerprint_tokens, load_data, make_data, open_token_file)
 

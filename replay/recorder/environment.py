@@ -80,6 +80,14 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global generators from the run's seed: two recordings with one seed
+    hold the same RNG states, whatever a training step draws from."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from, as a storable tree."""
     version, mt, gauss = random.getstate()

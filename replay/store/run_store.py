@@ -292,12 +292,15 @@ class RunStore:
         if not path.is_file():
             return None
         what = f"checkpoint {step}: its commit record"
-        _, attrs = read_group_attributes(path, what)
+        raw, attrs = read_group_attributes(path, what)
         if not attrs:
             return None
         if set(attrs) != {"commit"} or not isinstance(attrs["commit"], dict):
             raise ChecksumError(f"{what} ({path}) is damaged: unexpected attributes {sorted(attrs)}")
-        return unseal(attrs["commit"], f"{what} ({path})")
+        commit = unseal(attrs["commit"], f"{what} ({path})")
+        if raw != group_json(attrs):   # e.g. 1e-05 -> 1E-05 parses the same: it must be byte for byte what we write
+            raise ChecksumError(f"{what} ({path}) does not match its checksum: the store is corrupted there")
+        return commit
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first. Uncommitted ones (a crash mid-write) do not exist."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from replay.config import RunConfig
 from replay.errors import UsageError
+from replay.store.lease import holder_of
 from replay.store.run_store import RunStore
 
 
@@ -19,6 +20,7 @@ def summarize(path: str) -> dict[str, Any]:
     store = RunStore.open(path)
     m = store.manifest
     cfg = RunConfig.from_dict(m["config"])
+    writer = holder_of(path)
     steps = store.read_steps(["loss"])
     committed = store.checkpoints()
     data = m["data"]
@@ -42,10 +44,18 @@ def summarize(path: str) -> dict[str, Any]:
         "spikes": store.spikes,
         "replays": list_replays(path),
         "resumes": m.get("resumes", []),
-        "bisect": [{"id": b["id"], "status": b.get("status"), "params": b["params"], "probes": sorted(b["probes"]),
-                    "verdict": b.get("verdict")} for b in store.bisect_sessions()],
+        "writer": writer.describe() if writer else None,
+        "bisect": [{"id": b["id"], "status": _session_status(b, writer), "params": b["params"],
+                    "probes": sorted(b["probes"]), "verdict": b.get("verdict")} for b in store.bisect_sessions()],
         "numerics": _numerics(store) if cfg.numerics else None,
     }
+
+
+def _session_status(session: dict[str, Any], writer) -> str | None:
+    """A session marked running while no bisect holds the store was killed (SIGKILL leaves no trace)."""
+    status = session.get("status")
+    running = writer is not None and writer.command == "replay bisect"
+    return "interrupted (run the same bisect again to resume it)" if status == "running" and not running else status
 
 
 def _numerics(store: RunStore) -> dict[str, list[float]] | None:

@@ -10,18 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 from replay.config import ModelConfig, OptimConfig
-from replay.kernels.numerics import check_plan
 from replay.kernels.registry import AttentionPlan, apply_plan
-
-
-def check_attention(cfg: ModelConfig, numerics: bool = False) -> str:
-    """Fail early, in the launching process, on an attention plan that cannot run on this model (or
-    that the numerics probe cannot measure); returns the plan in canonical form (what the manifest records)."""
-    plan = AttentionPlan.parse(cfg.attention)
-    plan.validate(cfg.n_layer, cfg.n_head)
-    if numerics:
-        check_plan(plan, cfg.n_layer, cfg.n_head)
-    return plan.canonical()
 
 
 def gpt2_config(cfg: ModelConfig, vocab_size: int, n_layer: int | None = None) -> GPT2Config:

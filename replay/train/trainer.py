@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from replay.config import RunConfig
-from replay.recorder.environment import configure_determinism, fingerprint
+from replay.recorder.environment import configure_determinism, fingerprint, seed_everything
 from replay.recorder.recorder import Recorder, RecorderConfig
 from replay.store import RunStore
 from replay.store.lease import require
@@ -67,6 +67,7 @@ def train(store_path: str, lease: str, resume: bool = False, keep_group: bool = 
     cfg = RunConfig.from_dict(store.manifest["config"])
     r = Rank.from_env(cfg)
     configure_determinism(cfg.threads)
+    seed_everything(cfg.seed)
     init_distributed(r, cfg)
     if r.rank == 0:
         env = fingerprint(r.device)

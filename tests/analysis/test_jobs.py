@@ -83,3 +83,15 @@ def test_info_shows_what_is_analysed(analysed_store):
     assert out["analysis"]["checkpoints"] == [0, 10, 20, 30]
     text = replay_cli("info", str(analysed_store)).stdout
     assert "analysis    4 checkpoints analysed" in text
+
+
+def test_a_replay_that_cannot_be_read_is_named_not_skipped(replayed_copy, ray_local):
+    (replayed_copy / "replays/lr2/zarr.json").write_text('{"broken')
+    info = replay_cli("info", str(replayed_copy))
+    assert info.returncode == 0 and "lr2: cannot be read:" in info.stdout
+    said = []
+    analyze(replayed_copy, progress=said.append)
+    assert any(m.startswith("warning: replay lr2 cannot be read, so it is not analysed") for m in said), said
+    report = replay_cli("report", str(replayed_copy))
+    assert report.returncode == 0 and "warning: replay lr2 cannot be read and is left out of the report" in report.stderr
+    assert "Replay lr2 cannot be read" in (replayed_copy / "report.html").read_text()

@@ -4,8 +4,13 @@ real local Ray, replays in real Zarr stores."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -13,7 +18,7 @@ from replay.bisect.narrow import Bisect, BisectConfig
 from replay.errors import UsageError
 from replay.store import RunStore
 from tests.bisect.conftest import DATA_SPIKE_STEP, DEFECT
-from tests.conftest import error_line, killed_by_fault, replay_cli, tree_snapshot
+from tests.conftest import REPO, error_line, killed_by_fault, replay_cli, tree_snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +74,8 @@ def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, tmp_path):
     killed_by_fault("bisect-kill:2", "bisect", str(store), "--by", "layers", "--fix", "lr-scale=0.5", "--workers", "1")
     killed = RunStore.open(store).bisect_sessions()
     assert len(killed) == 1 and killed[0]["status"] == "running" and len(killed[0]["probes"]) == 2
+    info = json.loads(replay_cli("info", str(store), "--json").stdout)
+    assert info["bisect"][0]["status"].startswith("interrupted")   # no bisect holds the store: it was killed
 
     session = _bisect(store, "--by", "layers", "--fix", "lr-scale=0.5", "--workers", "1")
     v = session["verdict"]
@@ -81,6 +88,27 @@ def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, tmp_path):
         fewer = [x for x in v["layers"] if x != layer]   # [] is the plain replay: the baseline
         tried = [p for p in probes if p["overrides"].get("layers", []) == fewer and "skip" not in p["overrides"]]
         assert tried and not any(p["prevented"] for p in tried)
+
+
+def test_an_interrupted_bisect_is_marked_failed(spike_store, tmp_path):
+    store = tmp_path / "spike"
+    shutil.copytree(spike_store, store, ignore=shutil.ignore_patterns("replays", "bisect", "analysis"))
+    proc = subprocess.Popen([sys.executable, "-m", "replay", "bisect", str(store), "--by", "steps", "--fix",
+                             "lr-scale=0.5", "--workers", "1"], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not [b for b in RunStore.open(store).bisect_sessions() if b.get("status") == "running"]:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)   # Ctrl-C: an exception that is not the tool's own
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and "interrupted" in stderr
+    session = RunStore.open(store).bisect_sessions()[0]
+    assert session["status"] == "failed" and session["error"] == "KeyboardInterrupt"
 
 
 def test_no_spike_is_its_own_exit_code_and_bad_fixes_are_one_line(two_rank_store, spike_store):

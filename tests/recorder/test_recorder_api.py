@@ -1,12 +1,16 @@
 """The recorder's Python API driven by a training loop written here, as a user with their own loop would."""
 
+import json
+
 import numpy as np
+import pytest
 import torch
 
 from replay.config import RunConfig
 from replay.recorder import Recorder, RecorderConfig, SpikeEvent, create_run_store
 from replay.store import RunStore
 from replay.train.state import TorchTrainState
+from tests.conftest import error_line, replay_cli, tree_snapshot
 
 
 def _loop_parts(seed=0):
@@ -93,3 +97,30 @@ def test_own_loop_resumes_from_the_last_committed_checkpoint(tmp_path):
     a, b = RunStore.open(path).read_steps(), RunStore.open(ref_path).read_steps()
     assert np.array_equal(a["loss"], b["loss"]) and np.array_equal(a["grad_norm"], b["grad_norm"])
     assert all(torch.equal(p, q) for p, q in zip(model2.parameters(), model3.parameters()))
+
+
+def test_bad_recorder_settings_are_value_errors():
+    for bad in ({"checkpoint_every": 0}, {"total_steps": 0}, {"snapshot_every": -1}, {"snapshot_ring": 0}):
+        with pytest.raises(ValueError, match=f"RecorderConfig.{next(iter(bad))} must be"):
+            RecorderConfig(**{"total_steps": 10, **bad})
+
+
+def test_a_store_of_an_own_loop_is_read_but_never_rebuilt(tmp_path):
+    """`replay run`, `bisect` and `analyze` rebuild the built-in trainer's runs: on a store of your own loop
+    they refuse in one line and write nothing; `info` and `batch` read it."""
+    path = tmp_path / "run"
+    create_run_store(str(path), RunConfig(steps=6))
+    gen = torch.Generator().manual_seed(3)
+    data = (torch.randn(64, 16, generator=gen), torch.randn(64, 1, generator=gen))
+    model, opt, sched = _loop_parts()
+    rec = Recorder(str(path), TorchTrainState(model, opt, sched), RecorderConfig(total_steps=6, checkpoint_every=3))
+    rec.start()
+    _train(rec, model, opt, sched, 0, 6, data)
+    rec.close()
+    before = tree_snapshot(path)
+    for command in (["run", str(path), "--from", "3", "--to", "4"], ["analyze", str(path)], ["bisect", str(path)]):
+        line = error_line(replay_cli(*command))
+        assert "was recorded by a training loop of your own" in line and f"`replay {command[0]}`" in line
+    assert tree_snapshot(path) == before
+    rows = json.loads(replay_cli("batch", str(path), "--step", "4", "--json").stdout)
+    assert [r["sample_id"] for r in rows] == [8, 9] and "not in the store" in rows[0]["text"]

@@ -39,6 +39,10 @@ def test_two_rank_window_between_checkpoints_replays_bit_for_bit(store_copy):
     assert json.loads(again.stdout)["ran"] is False                       # idempotent: not re-run
     info = json.loads(replay_cli("info", str(store_copy), "--json").stdout)
     assert [(r["id"], r["verification"]["bitwise"]) for r in info["replays"]] == [("steps-13-19", True)]
+    # `replay batch` on the replay: its own steps (10..19), each the samples the record has at that step
+    rows = json.loads(replay_cli("batch", answer["replay"], "--step", "12", "--json").stdout)
+    assert [r["sample_id"] for r in rows] == rec["sample_ids"][12].ravel().tolist()
+    assert "it holds steps 10..19" in error_line(replay_cli("batch", answer["replay"], "--step", "5"))
 
 
 def test_verify_reports_the_first_divergence(store_copy):
@@ -136,11 +140,13 @@ def test_skipped_steps_are_not_trained_on_and_the_rest_keep_their_order(store_co
     (["--fix", "magic"], "unknown fix 'magic'"),
     (["--skip", "3"], "--skip step 3 is outside the window 12..14"),
     (["--lr-scale", "0"], "--lr-scale must be > 0"),
+    (["--name", "../../x"], "is not a replay name"),
+    (["--attention", "eager;1.1-0=fa2-emu"], "the head range 1-0 runs backwards"),
 ])
 def test_bad_overrides_write_nothing(store_copy, args, expected):
     before = tree_snapshot(store_copy)
     assert expected in error_line(replay_cli("run", str(store_copy), "--from", "12", "--to", "14", *args))
-    assert tree_snapshot(store_copy) == before
+    assert tree_snapshot(store_copy) == before and not (store_copy.parent / "x").exists()
 
 
 def test_deepspeed_zero1_window_replays_bit_for_bit(zero1_store, tmp_path):

@@ -1,0 +1,236 @@
+"""The fault soak: real SIGKILLs of a 2-rank recording at random moments, each resumed to completion and
+compared bit for bit with an uninterrupted run; and flipped bits in a committed checkpoint, each refused
+on read with one line naming the checkpoint and the file or array.
+
+The suite runs a few trials of each (tests/launch/test_soak.py); `make soak` runs 30 kills and flips bits
+all over every file of a checkpoint, and prints the counts:
+
+    .venv/bin/python -m tests.soak [--kills 30] [--flips-per-file 20] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from replay.errors import ChecksumError
+from replay.launch.lifeline import child_env
+from replay.processes import descendants
+from replay.store import RunStore
+from tests.conftest import TWO_RANK_ARGS, tensors_equal
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 30
+RECIPE = [*TWO_RANK_ARGS, "--set", "log_every=1"]   # the suite's reference recording, printing every step
+FIELDS = ("loss", "rank_loss", "grad_norm", "lr", "tokens", "sample_ids")
+
+
+def replay_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "replay", *map(str, args)]
+
+
+def record_reference(path: Path) -> Path:
+    """The uninterrupted run every trial is compared with (the suite reuses its own: tests/conftest.py)."""
+    subprocess.run(replay_command("record", "--store", path, *RECIPE), check=True, capture_output=True,
+                   cwd=REPO, env=child_env())
+    return path
+
+
+# -- kills ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KillTrial:
+    how: str               # "group": the whole `replay record` process group; "rank": one rank alone
+    at_step: int           # the kill came once rank 0 had reported this step (-1: as soon as the ranks started)
+    landed: str            # where the run was: "start-up", "training" or "checkpoint write"
+    resumed_from: int      # the committed checkpoint the resume continued from (0: the run started over)
+    error: str             # the killed command's last line
+
+
+def kill_trial(reference: Path, workdir: Path, rng: random.Random, how: str, at_step: int | None = None,
+               fault: str | None = None) -> KillTrial:
+    """Record the reference recipe, SIGKILL it (the whole group or one rank) once rank 0 has reported
+    `at_step` (random if None), plus a random fraction of a step; or with `fault`, let the fault hook
+    kill it at a precise point (REPLAY_FAULT). Then resume it to completion and check the result equals
+    the reference bit for bit (AssertionError otherwise)."""
+    store = workdir / "run"
+    at_step = rng.randrange(-1, STEPS - 1) if at_step is None else at_step
+    env = child_env({**os.environ, "REPLAY_FAULT": fault} if fault else None)
+    proc = subprocess.Popen(replay_command("record", "--store", store, *RECIPE), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        if fault is None:
+            _wait_for(proc, at_step)
+            time.sleep(rng.uniform(0, 0.03))   # anywhere within the step, its checkpoint write included
+            if how == "group":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                ranks = [pid for pid in descendants(proc.pid) if b"replay.launch.worker" in _cmdline(pid)]
+                os.kill(rng.choice(ranks), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    killed = RunStore.open(store) if (store / "zarr.json").exists() else None
+    landed = ("start-up" if killed is None or not killed.checkpoints() else
+              "checkpoint write" if killed.uncommitted_checkpoints() else "training")
+    again = RECIPE if killed is None else ["--resume"]   # killed before the store existed: record it again
+    result = subprocess.run(replay_command("record", "--store", store, *again), cwd=REPO, env=child_env(),
+                            capture_output=True, text=True)
+    assert result.returncode == 0, f"{how} kill at step {at_step}: the resume failed: {result.stderr}"
+    resumes = RunStore.open(store).manifest["resumes"]
+    assert_same_run(store, reference)
+    last_line = (stderr or "").strip().splitlines()[-1:] or [""]
+    return KillTrial(how, at_step, landed, resumes[-1]["from_step"] if resumes else 0, last_line[0])
+
+
+def _wait_for(proc: subprocess.Popen, at_step: int) -> None:
+    """Until the ranks run (at_step -1) or rank 0 has printed `step N` for N >= at_step."""
+    if at_step < 0:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sum(b"replay.launch.worker" in _cmdline(p)
+                                                  for p in descendants(proc.pid)) < 2:
+            time.sleep(0.01)
+        return
+    for line in proc.stderr:
+        words = line.split()
+        if len(words) > 1 and words[0] == "step" and words[1].isdigit() and int(words[1]) >= at_step:
+            return
+    raise AssertionError(f"the recording ended before step {at_step}")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def assert_same_run(a_path: Path, b_path: Path) -> None:
+    """Step log, checkpoints and the final state of every rank: equal bit for bit."""
+    a, b = RunStore.open(a_path), RunStore.open(b_path)
+    assert a.manifest["status"] == "complete" and a.n_steps == b.n_steps
+    steps_a, steps_b = a.read_steps(list(FIELDS)), b.read_steps(list(FIELDS))
+    for name in FIELDS:
+        assert np.array_equal(steps_a[name].view(np.uint8), steps_b[name].view(np.uint8)), name
+    assert [(c.step, c.kind) for c in a.checkpoints()] == [(c.step, c.kind) for c in b.checkpoints()]
+    for rank in range(b.manifest["world_size"]):
+        last = b.checkpoints()[-1].step
+        assert tensors_equal(a.read_shard(last, rank), b.read_shard(last, rank)), f"final state of rank {rank}"
+
+
+# -- flips ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FlipTrial:
+    file: str              # relative to the checkpoint's directory
+    byte: int
+    bit: int
+    refused: bool          # read refused with a ChecksumError ...
+    one_line: bool         # ... of one line naming the checkpoint and the file or array
+    message: str
+
+
+def checkpoint_files(store: Path, step: int) -> list[Path]:
+    return sorted(p for p in (store / "checkpoints" / f"{step:08d}").rglob("*") if p.is_file())
+
+
+def flip_trial(store: Path, step: int, path: Path, byte: int, bit: int) -> FlipTrial:
+    """Flip one bit of a committed checkpoint's file, read the checkpoint (every rank), restore the bit."""
+    data = bytearray(path.read_bytes())
+    data[byte] ^= 1 << bit
+    path.write_bytes(bytes(data))
+    message = ""
+    try:
+        run = RunStore.open(store)
+        for rank in range(run.manifest["world_size"]):
+            run.read_shard(step, rank)
+    except ChecksumError as e:
+        message = str(e)
+    finally:
+        data[byte] ^= 1 << bit
+        path.write_bytes(bytes(data))
+    rel = path.relative_to(store / "checkpoints" / f"{step:08d}")
+    names_it = str(rel) in message or (rel.parts[-2] == "c" and f"array tensors chunk {rel.name} " in message)
+    return FlipTrial(str(rel), byte, bit, bool(message), bool(message) and "\n" not in message and
+                     f"checkpoint {step}" in message and names_it, message)
+
+
+def random_flips(store: Path, step: int, n: int, rng: random.Random) -> list[FlipTrial]:
+    files = checkpoint_files(store, step)
+    trials = []
+    for _ in range(n):
+        path = rng.choice(files)
+        trials.append(flip_trial(store, step, path, rng.randrange(path.stat().st_size), rng.randrange(8)))
+    return trials
+
+
+def flips_over_every_file(store: Path, step: int, per_file: int, rng: random.Random) -> list[FlipTrial]:
+    trials = []
+    for path in checkpoint_files(store, step):
+        size = path.stat().st_size
+        for byte in rng.sample(range(size), min(per_file, size)):
+            trials.append(flip_trial(store, step, path, byte, rng.randrange(8)))
+    return trials
+
+
+# -- make soak --------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=30)
+    ap.add_argument("--flips-per-file", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    print(f"soak, seed {args.seed}: {args.kills} kills of `replay record {' '.join(RECIPE)}`, alternating the "
+          "whole process group and one rank, each resumed and compared bit for bit", flush=True)
+    with tempfile.TemporaryDirectory(prefix="replay-soak-") as tmp:
+        reference = record_reference(Path(tmp) / "reference")
+        trials = []
+        t0 = time.perf_counter()
+        for i in range(args.kills):
+            work = Path(tmp) / f"kill-{i}"
+            work.mkdir()
+            trial = kill_trial(reference, work, rng, ("group", "rank")[i % 2])
+            trials.append(trial)
+            shutil.rmtree(work)
+            print(f"  kill {i + 1:>2}: {trial.how:<5} at step {trial.at_step:>3} ({trial.landed}), resumed from "
+                  f"checkpoint {trial.resumed_from}: bit for bit the uninterrupted run", flush=True)
+        by = Counter(t.landed for t in trials)
+        print(f"kills: {len(trials)} of {args.kills} resumed to completion and equal bit for bit (loss, grad norm, "
+              f"lr, sample ids, final state of both ranks); landed in start-up {by['start-up']}, training "
+              f"{by['training']}, a checkpoint write {by['checkpoint write']}; {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        step = RunStore.open(reference).checkpoints()[-2].step
+        flips = flips_over_every_file(reference, step, args.flips_per_file, rng)
+        files = len(checkpoint_files(reference, step))
+        refused = sum(f.refused for f in flips)
+        named = sum(f.one_line for f in flips)
+        print(f"flips: {len(flips)} single-bit flips over all {files} files of checkpoint {step}: {refused} refused on "
+              f"read, {named} of them with one line naming the checkpoint and the file or array; "
+              f"{len(flips) - refused} accepted", flush=True)
+        for f in flips:
+            if not f.one_line:
+                print(f"  not caught as it should be: {f.file} byte {f.byte} bit {f.bit}: {f.message or 'accepted'}")
+
+
+if __name__ == "__main__":
+    main()
