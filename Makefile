@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test bench results clean
+.PHONY: setup demo test bench soak results clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,11 @@ test: setup
 # (plots beside it); run stores go to runs/results and are reused by a rerun. About 13 minutes on 2 cores.
 results: setup
 	$(PY) -m results.make_results
+
+# The fault soak: 30 SIGKILLs of a 2-rank recording at random moments (each resumed and compared bit for bit
+# with an uninterrupted run), then single-bit flips all over every file of a checkpoint; prints the counts.
+soak: setup
+	$(PY) -m tests.soak
 
 bench: setup
 	$(PY) benchmarks/bench_record.py

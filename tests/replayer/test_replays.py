@@ -141,7 +141,6 @@ def test_skipped_steps_are_not_trained_on_and_the_rest_keep_their_order(store_co
     (["--skip", "3"], "--skip step 3 is outside the window 12..14"),
     (["--lr-scale", "0"], "--lr-scale must be > 0"),
     (["--name", "../../x"], "is not a replay name"),
-    (["--attention", "eager;1.1-0=fa2-emu"], "the head range 1-0 runs backwards"),
 ])
 def test_bad_overrides_write_nothing(store_copy, args, expected):
     before = tree_snapshot(store_copy)
