@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replay.launch.lifeline import child_env
+
 
 def hardware() -> str:
     """CPU model and core count, and the GPU if there is one (from nvidia-smi; no torch import)."""
@@ -94,7 +96,7 @@ def cli(ctx: Context, *args: Any, as_json: bool = False, commands: list[str] | N
     t0 = time.perf_counter()
     with open(log, "w") as err:
         proc = subprocess.run([sys.executable, "-m", "replay", *map(str, args)], stdout=subprocess.PIPE, stderr=err,
-                              text=True)
+                              text=True, env=child_env())   # it ends with this script, however that ends
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-20:])
         raise CommandFailed(f"`{line}` exited with {proc.returncode} (stderr in {log}):\n{tail}")

@@ -201,7 +201,8 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     print(f"soak, seed {args.seed}: {args.kills} kills of `replay record {' '.join(RECIPE)}`, alternating the "
-          "whole process group and one rank, each resumed and compared bit for bit", flush=True)
+          "whole process group and one rank, at random steps (every sixth as the ranks start), each resumed and "
+          "compared bit for bit", flush=True)
     with tempfile.TemporaryDirectory(prefix="replay-soak-") as tmp:
         reference = record_reference(Path(tmp) / "reference")
         trials = []
@@ -209,7 +210,7 @@ def main() -> None:
         for i in range(args.kills):
             work = Path(tmp) / f"kill-{i}"
             work.mkdir()
-            trial = kill_trial(reference, work, rng, ("group", "rank")[i % 2])
+            trial = kill_trial(reference, work, rng, ("group", "rank")[i % 2], at_step=-1 if i % 6 == 2 else None)
             trials.append(trial)
             shutil.rmtree(work)
             print(f"  kill {i + 1:>2}: {trial.how:<5} at step {trial.at_step:>3} ({trial.landed}), resumed from "

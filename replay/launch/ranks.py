@@ -1,8 +1,9 @@
 """Starting a recording: prepare the store once, then run the ranks.
 
 Local ranks are fresh `python -m replay.launch.worker STORE` processes with torchrun's environment (env://
-rendezvous on loopback), started here so that each one dies with this process (launch/lifeline.py). Under an outer `torchrun`/`deepspeed` launcher (multi-node),
-`replay record` is itself a rank: rank 0 prepares the store and the other ranks wait for its go.
+rendezvous on loopback), started here so that each one dies with this process (launch/lifeline.py).
+Under an outer `torchrun`/`deepspeed` launcher (multi-node), `replay record` is itself a rank: rank 0
+prepares the store and the other ranks wait for its go.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import numpy as np
 
 from replay.config import RunConfig
 from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
+from replay.kernels.registry import check_attention
 from replay.launch.lifeline import child_env
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV, writing
 from replay.store.run_store import is_empty_dir
-from replay.kernels.registry import check_attention
 from replay.train.data import (DataOrder, TokenData, builtin_corpus, cpu_count, fingerprint_file,
                                fingerprint_tokens, load_data, make_data, open_token_file)
 
@@ -115,8 +116,8 @@ def prepare_resume(store_path: str, world_size: int) -> Resume:
     data = _data(store, cfg, m["data"], start)
     if start:
         _check_data_order(store, cfg, data, start)
-    if store.rewind(verify_world_size=world_size) != start:
-        raise StoreError(f"{path} changed while it was being resumed")   # the lease makes this impossible
+    rewound = store.rewind(verify_world_size=world_size)
+    assert rewound == start, "the lease keeps the store still while it is resumed"
     store.update_manifest(status="running", resumes=[*m["resumes"], {"from_step": start or 0, "time": time.time()}])
     return Resume(store, cfg, start, notes)
 

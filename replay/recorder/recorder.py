@@ -1,6 +1,7 @@
 """The recorder: the Python API a training loop calls on every rank, once per optimizer step.
 
     create_run_store(store_path, RunConfig(...), world_size=world)   # once, before the ranks start
+                                                                # (resume_run_store(...) to resume)
     state = TorchTrainState(model, optimizer, scheduler)        # or DeepSpeedTrainState(engine)
     rec = Recorder(store_path, state, rank=rank, world_size=world, cfg=RecorderConfig(...))
     start = rec.start()                                         # restores the last checkpoint on resume
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from replay.config import RunConfig, SpikeConfig
-from replay.errors import StoreError, UsageError
+from replay.errors import UsageError
 from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
 from replay.recorder.writer import BackgroundWriter, fault_point
@@ -69,16 +70,19 @@ def create_run_store(path: str, config: RunConfig, world_size: int = 1, descript
     """A new run store for a training loop of your own. `config` describes the run as far as it can
     (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
     with Lease.acquire(path, "create_run_store"):
-        return _create(path, config, world_size, description)
+        return RunStore.create(path, {
+            "config": config.to_dict(), "world_size": world_size, "launcher": "custom", "created": time.time(),
+            "status": "running", "resumes": [],
+            "data": {"embedded": False, "path": None, "source": description or "a custom training loop",
+                     "bytes": 0, "method": "none", "digest": ""},
+        })
 
 
-def _create(path: str, config: RunConfig, world_size: int, description: str) -> RunStore:
-    return RunStore.create(path, {
-        "config": config.to_dict(), "world_size": world_size, "launcher": "custom", "created": time.time(),
-        "status": "running", "resumes": [],
-        "data": {"embedded": False, "path": None, "source": description or "a custom training loop",
-                 "bytes": 0, "method": "none", "digest": ""},
-    })
+def resume_run_store(path: str, world_size: int = 1) -> int | None:
+    """Before the ranks of your own loop restart (once): cut the run back to its last committed checkpoint
+    and return its step; None when nothing was committed (`Recorder.start` then begins at step 0)."""
+    with Lease.acquire(path, "resume_run_store"):
+        return RunStore.open(path, mode="a").rewind(verify_world_size=world_size)
 
 
 class Recorder:
@@ -123,15 +127,13 @@ class Recorder:
             parent, step = self.start_from
             self._restore(parent, step)
             return step
-        if not self.resume:
+        committed = self.store.checkpoints() if self.resume else []
+        if not committed:   # a new run, or one stopped before its first commit: from the start
             self._checkpoint(0, "regular")
             self._last_time = time.perf_counter()
             return 0
-        ckpt = self.store.checkpoints()[-1] if self.store.checkpoints() else None
-        if ckpt is None:
-            raise StoreError(f"{self.store.path} has no committed checkpoint to resume from; record anew")
-        self._restore(self.store, ckpt.step)
-        return ckpt.step
+        self._restore(self.store, committed[-1].step)
+        return committed[-1].step
 
     def _restore(self, store: RunStore, step: int) -> None:
         own = store.read_shard(step, self.rank)

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from replay.errors import ChecksumError
-from replay.store.integrity import crc32c, fsync_dir
+from replay.store.integrity import crc32c
 
 CHUNK_BYTES = 16 << 20   # the unit of a partial read
 THREADS = 2              # chunk files written or read at once
@@ -34,10 +34,10 @@ def chunking(size: int) -> tuple[int, int]:
     return n, max(mmap.PAGESIZE, -(-size // n // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
-def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int, chunk: int, durable: bool,
+def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
                  after_chunk: Callable[[int, int], None] | None = None) -> None:
     """Write chunks 0..n-1 of the bytes given as (offset, uint8 array) segments (gaps and the tail are zero).
-    `after_chunk(i, n)` runs once the i-th chunk to finish is on disk."""
+    `after_chunk(i, n)` runs once the i-th chunk to finish is written."""
     chunk_dir = array_dir / "c"
     chunk_dir.mkdir(parents=True, exist_ok=True)
     scratch = threading.local()
@@ -50,8 +50,6 @@ def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int
         fd = os.open(chunk_dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, [memoryview(data), crc32c(data).to_bytes(4, "little")])
-            if durable:
-                os.fsync(fd)
         finally:
             os.close(fd)
         with lock:
@@ -60,9 +58,6 @@ def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int
                 after_chunk(done, n)
 
     _each(write, range(n))
-    if durable:
-        fsync_dir(chunk_dir)
-        fsync_dir(array_dir)
 
 
 def _chunk_bytes(segments: list[tuple[int, np.ndarray]], lo: int, size: int, scratch: threading.local) -> np.ndarray:

@@ -330,12 +330,15 @@ class RunStore:
         shard = self._ckpt_dir(step) / f"rank{rank}"
         (shard / "tensors").mkdir(parents=True, exist_ok=True)
         # Everything before the shard's document is plain writes: until that document (renamed into place)
-        # says done, and the commit after it, nothing of this shard is read.
-        write_file(shard / "tensors" / "zarr.json", _bytes_array_json(n * chunk, chunk), self.durable, atomic=False)
-        write_chunks(shard / "tensors", segments, n, chunk, self.durable, after_chunk)
+        # says done, and the commit after it, nothing of this shard is read. Durable: all of it reaches the
+        # disk (one flush of the filesystem) before that document exists; the flush before the commit
+        # takes the document itself there.
+        write_file(shard / "tensors" / "zarr.json", _bytes_array_json(n * chunk, chunk), durable=False, atomic=False)
+        write_chunks(shard / "tensors", segments, n, chunk, after_chunk)
+        if self.durable:
+            sync_filesystem(shard)
         write_file(shard / "zarr.json", group_json({"done": True, "skeleton": skeleton, "index": index,
-                                                     "size": size, "chunks": n, "chunk_bytes": chunk}),
-                   self.durable)
+                                                     "size": size, "chunks": n, "chunk_bytes": chunk}), durable=False)
 
     def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
                           should_stop=lambda: False) -> None:

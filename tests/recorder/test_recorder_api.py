@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replay.config import RunConfig
-from replay.recorder import Recorder, RecorderConfig, SpikeEvent, create_run_store
+from replay.recorder import Recorder, RecorderConfig, SpikeEvent, create_run_store, resume_run_store
 from replay.store import RunStore
 from replay.train.state import TorchTrainState
 from tests.conftest import error_line, replay_cli, tree_snapshot
@@ -80,7 +80,7 @@ def test_own_loop_resumes_from_the_last_committed_checkpoint(tmp_path):
     rec.flush()
 
     model2, opt2, sched2 = _loop_parts(seed=99)   # a fresh process would build these anew
-    assert RunStore.open(path, mode="a").rewind(verify_world_size=1) == 10   # once, before the ranks start
+    assert resume_run_store(path, world_size=1) == 10   # once, before the ranks start
     rec2 = Recorder(path, TorchTrainState(model2, opt2, sched2), cfg, resume=True)
     assert rec2.start() == 10
     assert sched2.last_epoch == 10
