@@ -29,6 +29,8 @@
    writes it in the background; the copy is what training waits for. Timed cold (a new buffer) and
    warm (a buffer of an earlier checkpoint, which the recorder reuses), against torch.save, which
    blocks for its whole write.
+4. The design's choices, measured: CRC-32 (zlib) against CRC-32C (google-crc32c, the one Zarr's crc32c
+   codec uses), and the chunk size and number of writer threads of a checkpoint's write.
 
 Run from the repository root; the full run takes a few minutes, --quick (50 steps at batch 4, no GPT-2
 small) under a minute:
@@ -306,6 +308,41 @@ def bench_blocking(sets: list[str], repeats: int) -> None:
           f"new one) vs {statistics.median(save):.3f} s for torch.save, which blocks for its whole write", flush=True)
 
 
+def bench_choices(workdir: Path, sets: list[str], repeats: int = 3) -> None:
+    """The measurements behind the store's design: checksum speed, and chunk size x writer threads."""
+    import zlib
+
+    from replay.store import chunks
+    from replay.store.tensors import layout
+
+    tree, params = trained_state(sets)
+    buffer = pack(tree).buffer
+    for name, fn in (("zlib CRC-32", zlib.crc32), ("CRC-32C (google-crc32c)", crc32c)):
+        t = min(_seconds(lambda: fn(buffer)) for _ in range(repeats))
+        print(f"  checksum {name}: {len(buffer) / MB / t:.0f} MB/s", flush=True)
+    lay = layout(tree)
+    segments = lay.segments()
+    for chunk_mb in (4, 16, 64):
+        for threads in (1, 2, 4):
+            chunks.CHUNK_BYTES, chunks.THREADS = chunk_mb << 20, threads
+            n, chunk = chunks.chunking(lay.size)
+            out = workdir / f"choice-{chunk_mb}-{threads}"
+            times = []
+            for _ in range(repeats):
+                os.sync()
+                times.append(_seconds(lambda: chunks.write_chunks(out, segments, n, chunk)))
+                shutil.rmtree(out)
+            print(f"  chunks of {chunk_mb} MiB, {threads} writer thread(s): {statistics.median(times):.3f} s "
+                  f"({lay.size / MB / statistics.median(times):.0f} MB/s)", flush=True)
+    chunks.CHUNK_BYTES, chunks.THREADS = 16 << 20, 2
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def warm_memory(fraction: float = 0.6) -> None:
     """Touch most of the free memory once. On a fresh VM the first touch of each guest page costs far more
     than any later one (measured here: 2-4 s per 1.6 GB the first time, 0.16 s after), and which operation
@@ -337,6 +374,8 @@ def main() -> None:
         if not args.quick:
             bench_throughput(workdir, LARGE, "GPT-2 small: 12 layers x 768, seq 1024, vocab 50304", repeats=5)
             bench_blocking(LARGE, repeats=5)
+            print("design choices (GPT-2 small state, no fsync, median of 3):", flush=True)
+            bench_choices(workdir, LARGE)
 
 
 if __name__ == "__main__":
