@@ -85,9 +85,11 @@ class Guardian:
         if self._proc is not None or not os.path.isdir("/proc"):
             return
         read_fd, self._write_fd = os.pipe()   # both close-on-exec: no other child inherits the write end
+        # In a session of its own: whatever kills the driver's process group (a Ctrl-C, `kill -- -PGID`) must
+        # not stop the guardian half-way through its work (a process it had frozen would stay frozen).
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "replay.launch.lifeline", str(os.getpid()), str(read_fd)],
-            pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         os.close(read_fd)
 
     def stop(self) -> None:
@@ -111,7 +113,6 @@ def guarded() -> Iterator[None]:
 
 
 def _guard(driver: int, read_fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C for the driver's group is the driver's to handle
     known: dict[int, int] = {}
     me = os.getpid()
     while True:
