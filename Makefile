@@ -1,4 +1,5 @@
-# Entry points, each setting everything up first: `make demo` (the main job), `make test` and `make results`.
+# Entry points, each setting everything up first: `make demo` (the main job), `make test`, `make test-fast`,
+# `make bench`, `make soak` and `make results`.
 # TORCH is installed before the package so pip never resolves an unpinned torch to the CUDA build;
 # on a GPU machine use e.g. `make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
 PYTHON ?= python3
@@ -7,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test bench soak results clean
+.PHONY: setup demo test test-fast bench soak results clean
 
 setup: $(VENV)/.installed
 
@@ -24,7 +25,11 @@ demo: setup
 	$(VENV)/bin/replay demo --out $(DEMO)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# The edit loop: everything but the tests marked `slow` (those that start processes, Ray or record a run).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 # The papers' headline results at laptop scale, with the product's own commands, into docs/results.md
 # (plots beside it); run stores go to runs/results and are reused by a rerun. About 13 minutes on 2 cores.
@@ -38,8 +43,10 @@ soak: setup
 
 bench: setup
 	$(PY) benchmarks/bench_record.py
+	$(PY) benchmarks/bench_replay.py
 	$(PY) benchmarks/bench_analysis.py
 	$(PY) benchmarks/bench_bisect.py
+	$(PY) benchmarks/bench_attention.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -27,6 +27,7 @@ from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 from replay.kernels.baseline import causal_mask
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
+from replay.launch.lifeline import follow_parent
 
 
 def hardware() -> str:
@@ -130,4 +131,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    follow_parent()   # started by the test suite: end with it
     main()

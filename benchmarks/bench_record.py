@@ -32,8 +32,8 @@
 4. The design's choices, measured: CRC-32 (zlib) against CRC-32C (google-crc32c, the one Zarr's crc32c
    codec uses), and the chunk size and number of writer threads of a checkpoint's write.
 
-Run from the repository root; the full run takes a few minutes, --quick (50 steps at batch 4, no GPT-2
-small) under a minute:
+Run from the repository root; the full run takes about ten minutes, --quick (20 steps at batch 2, no GPT-2
+small) seconds:
 
     .venv/bin/python benchmarks/bench_record.py [--quick] [--dir DIR]
 """
@@ -55,17 +55,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from replay.config import build_config
-from replay.launch.ranks import prepare_new
+from replay.config import RunConfig, build_config
+from replay.launch.lifeline import follow_parent
+from replay.recorder import Recorder, RecorderConfig, create_run_store
 from replay.recorder.environment import configure_determinism
-from replay.recorder.recorder import Recorder, RecorderConfig
-from replay.store import RunStore
 from replay.store.integrity import crc32c
 from replay.store.tensors import pack
-from replay.train.data import DataOrder
-from replay.train.model import build_model, lr_factor
+from replay.train.data import DataOrder, builtin_corpus, make_data
+from replay.train.model import build_model, lm_loss, lr_factor
 from replay.train.state import TorchTrainState
-from replay.train.trainer import Rank, _torch_step, load_data
 
 _LIBC = ctypes.CDLL(None)
 SMALL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=128"]
@@ -92,24 +90,32 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, warmup: int = 10
     steps = warmup + timed_steps + 1   # the run goes on past the timed window: its final checkpoint is not in it
     cfg = build_config("tiny", None, [*SMALL, f"batch_size={batch}", f"micro_batch_size={batch}", f"steps={steps}",
                                       f"checkpoint_every={CHECKPOINT_EVERY}", f"snapshot_every={SNAPSHOT_EVERY}"])
-    store = prepare_new(str(workdir / "run"), cfg, world_size=1, local_world=1)
-    data = load_data(cfg, store)
-    r = Rank(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    data = make_data(cfg, builtin_corpus(cfg.data.corpus_bytes))
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
+    path = str(create_run_store(str(workdir / "run"), cfg).path)
 
-    def make_step():   # as the trainer's _train wires them
+    def make_step():   # a training loop of the user's own, as the README's Python API shows it
         model = build_model(cfg.model, data.vocab_size, cfg.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                 eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
-        step = functools.partial(_torch_step, model, opt, sched, data, r, cfg, dropped=frozenset(), weight=1.0,
-                                 scoped=None)
-        return step, TorchTrainState(model, opt, sched)
+
+        def train_step(ids) -> tuple[float, float, float]:
+            opt.zero_grad(set_to_none=True)
+            loss = lm_loss(model, *data.batch(ids))
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            lr = sched.get_last_lr()[0]
+            opt.step()
+            sched.step()
+            return float(loss), float(norm), lr
+
+        return train_step, TorchTrainState(model, opt, sched)
 
     plain_step, _ = make_step()
     rec_step, state = make_step()
-    recorder = Recorder(str(store.path), state, cfg=RecorderConfig(
+    recorder = Recorder(path, state, cfg=RecorderConfig(
         total_steps=cfg.steps, checkpoint_every=CHECKPOINT_EVERY, snapshot_every=SNAPSHOT_EVERY,
         snapshot_ring=cfg.snapshot_ring, spike=cfg.spike))
     recorder.start()   # writes checkpoint 0 during the warm-up
@@ -199,7 +205,7 @@ def bench_throughput(workdir: Path, sets: list[str], label: str, repeats: int) -
 
     tree, params = trained_state(sets)
     nbytes = tree_bytes(tree)
-    store = RunStore.create(workdir / f"store-{label[:8]}", {})
+    store = create_run_store(str(workdir / f"store-{label[:8]}"), RunConfig())
     files = {name: workdir / f"{name}-{label[:8]}" for name in ("torch", "torch-fsync", "dcp")}
     secs: dict[str, list[float]] = {}
 
@@ -360,17 +366,19 @@ def warm_memory(fraction: float = 0.6) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="50 steps at batch 4, only the small model (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="20 steps at batch 2, only the small model (seconds; the "
+                                                          "suite runs it to keep the benchmark working)")
     ap.add_argument("--dir", default=None, help="where the store and torch files go (default: system temp)")
     args = ap.parse_args()
 
     configure_determinism(os.cpu_count())
     print(hardware(), flush=True)
-    warm_memory()
+    if not args.quick:
+        warm_memory()
     with tempfile.TemporaryDirectory(prefix="bench-record-", dir=args.dir) as tmp:
         workdir = Path(tmp)
-        bench_overhead(workdir, timed_steps=50 if args.quick else 300, batch=4 if args.quick else 16)
-        bench_throughput(workdir, SMALL, "4 layers x 128", repeats=3 if args.quick else 5)
+        bench_overhead(workdir, timed_steps=20 if args.quick else 300, batch=2 if args.quick else 16)
+        bench_throughput(workdir, SMALL, "4 layers x 128", repeats=2 if args.quick else 5)
         if not args.quick:
             bench_throughput(workdir, LARGE, "GPT-2 small: 12 layers x 768, seq 1024, vocab 50304", repeats=5)
             bench_blocking(LARGE, repeats=5)
@@ -379,4 +387,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    follow_parent()   # started by the test suite: end with it
     main()

@@ -10,6 +10,7 @@ import traceback
 
 import click
 
+from replay.config import PRECISIONS
 from replay.errors import ReplayError
 
 
@@ -67,7 +68,7 @@ def main(debug: bool) -> None:
 @click.option("--nproc", type=int, help="Local ranks to start (torch.distributed; gloo on CPU, nccl on GPU).")
 @click.option("--launcher", type=click.Choice(["local", "deepspeed"]), help="local ranks or a DeepSpeed engine.")
 @click.option("--zero-stage", type=click.IntRange(0, 2), help="DeepSpeed ZeRO stage (with --launcher deepspeed).")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), help="BF16 autocast or FP32.")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="BF16 autocast or FP32.")
 @click.option("--attention", help="Attention implementation (eager, sdpa).")
 @click.option("--checkpoint-every", type=int, help="Steps between committed checkpoints.")
 @click.option("--seed", type=int, help="Seed of the initialisation and of the data order.")
@@ -113,7 +114,7 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
 def _recorded_world(store: str) -> int:
     from replay.store import RunStore
 
-    return int(RunStore.open(store).manifest["world_size"])
+    return RunStore.open(store).manifest.world_size
 
 
 def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision, attention,
@@ -156,66 +157,10 @@ def info(store, as_json) -> None:
 
 
 def _print_info(store: str, as_json: bool) -> None:
-    from replay.analysis.results import analysis_status
-    from replay.store.summary import summarize
+    from replay.views import info_lines, summarize
 
     summary = summarize(store)
-    summary["analysis"] = analysis_status(store)
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-        return
-    cfg, ck = summary["config"], summary["checkpoints"]
-    m = cfg["model"]
-    click.echo(f"run store   {summary['path']}  ({summary['status']})")
-    if summary["writer"]:
-        click.echo(f"writer      {summary['writer']} is writing it now")
-    click.echo(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
-               f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
-    click.echo(f"ranks       {summary['world_size']} ({summary['launcher']}"
-               f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == 'deepspeed' else ''}), "
-               f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
-               f"{summary['grad_accum']} accumulation")
-    click.echo(f"data        {summary['data']}")
-    click.echo(f"steps       {summary['steps_recorded']} of {cfg['steps']} recorded"
-               + (f"; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}" if summary['steps_recorded'] else ""))
-    kinds = ", ".join(f"{c['step']}{'' if c['kind'] == 'regular' else ' (' + c['kind'] + ')'}" for c in ck)
-    click.echo(f"checkpoints {len(ck)} committed: {kinds or 'none'}")
-    if summary["uncommitted_checkpoints"]:
-        click.echo(f"            {len(summary['uncommitted_checkpoints'])} uncommitted (ignored): "
-                   f"{', '.join(map(str, summary['uncommitted_checkpoints']))}")
-    sp = summary["spikes"]
-    click.echo(f"spikes      {len(sp)}" + "".join(
-        f"\n            step {e['step']}: loss {e['loss']:.4f} vs baseline {e['baseline']:.4f} (robust z {e['score']:.1f})"
-        if isinstance(e['score'], (int, float)) else f"\n            step {e['step']}: loss {e['loss']} (non-finite)"
-        for e in sp))
-    probes = {key for b in summary["bisect"] for key in b["probes"]}
-    shown = [r for r in summary["replays"] if r["id"] not in probes and "error" not in r]
-    unreadable = [r for r in summary["replays"] if "error" in r]
-    click.echo(f"replays     {len(summary['replays'])}"
-               + (f" ({len(summary['replays']) - len(shown)} of them bisect probes, not listed)" if probes else "")
-               + "".join(
-        f"\n            {r['id']}: steps {r['window']['from']}..{r['window']['to']} from checkpoint "
-        f"{r['start_checkpoint']}, {r['status']}, {r['outcome']}"
-        + (f", overrides {r['overrides']}" if r['overrides'] else "")
-        + ("" if not r['verification'] else ", bitwise" if r['verification']['bitwise']
-           else f", diverges at step {r['verification']['divergence']['step']}")
-        for r in shown) + "".join(f"\n            {r['id']}: cannot be read: {r['error']}" for r in unreadable))
-    if summary["numerics"]:
-        n = summary["numerics"]
-        per_layer = lambda key, fmt: ", ".join(format(v, fmt) for v in n[key])
-        click.echo(f"numerics    per layer: tied-maxima rate {per_layer('tied_rate_mean', '.4f')}; sum of delta "
-                   f"error {per_layer('delta_err_sum', '+.3e')}; median cosine of successive W_Q gradient errors "
-                   f"{per_layer('wq_err_cos_median', '+.3f')} (from tied rows: {per_layer('wq_tied_err_cos_median', '+.3f')})")
-    click.echo(f"bisect      {len(summary['bisect'])} session(s)" + "".join(
-        f"\n            {b['id']}: {b['status']}, {len(b['probes'])} probes"
-        + (f"; {_verdict_line(b['verdict'])}" if b["verdict"] else "")
-        for b in summary["bisect"]))
-    if summary["resumes"]:
-        click.echo(f"resumed     from step {', '.join(str(r['from_step']) for r in summary['resumes'])}")
-    analysed = summary["analysis"]["checkpoints"]
-    click.echo(f"analysis    {len(analysed)} checkpoints analysed" + (
-        f"; {len(summary['analysis']['distances'])} weight-distance tables (replay report {store})" if analysed
-        else f" (replay analyze {store})"))
+    click.echo(json.dumps(summary, indent=2) if as_json else "\n".join(info_lines(summary)))
 
 
 @main.command()
@@ -226,15 +171,10 @@ def _print_info(store: str, as_json: bool) -> None:
 @_main_errors
 def batch(store, step, rank, as_json) -> None:
     """The exact samples trained on at STEP: decoded text for the byte corpus, token ids otherwise."""
-    from replay.store.summary import step_batch
+    from replay.views import sample_lines, step_batch
 
     rows = step_batch(store, step, rank)
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    for row in rows:
-        click.echo(f"--- step {row['step']}  rank {row['rank']}  micro-batch {row['micro']}  sample {row['sample_id']}")
-        click.echo(row["text"])
+    click.echo(json.dumps(rows, indent=2) if as_json else "\n".join(line for row in rows for line in sample_lines(row)))
 
 
 @main.command("run")
@@ -248,7 +188,7 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--attention", help="Attention backend for the whole model, or for --layers / --heads.")
 @click.option("--layers", help="Layers the attention override or --lr-scale applies to, e.g. 1 or 0,2-3.")
 @click.option("--heads", help="Heads the override applies to: 7,8 (within --layers) or layer.head pairs, e.g. 1.0,0.3.")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), help="Train the window at this precision.")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="Train the window at this precision.")
 @click.option("--fix", help="safe-softmax[:BETA]: Qiu & Yao's fix on the flash backends in scope (BETA 7).")
 @click.option("--hp-delta", is_flag=True, help="Backward delta from an FP32 O on the flash backends in scope.")
 @click.option("--skip", help="Steps whose batches are not trained on, e.g. 260-262,265.")
@@ -335,17 +275,17 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     """
     from pathlib import Path
 
-    from replay.kernels import microbench as mb
+    from replay.experiments import golden, mechanism
 
     out = Path(out_dir)
     if mode in ("sweep", "all"):
         given = {k: v for k, v in dict(precisions=precisions, seq_lens=seq_lens, tiles=tiles,
                                        head_dims=head_dims).items() if v}
-        result = mb.run_sweep(mb.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
+        result = golden.run_sweep(golden.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(result.summary_lines()))
     if mode in ("mechanism", "all"):
         given = {"trials": trials} if trials else {}
-        result = mb.run_mechanism(mb.MechanismConfig(**given), out / "mechanism",
+        result = mechanism.run_mechanism(mechanism.MechanismConfig(**given), out / "mechanism",
                                   progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(result.summary_lines()))
     click.echo(f"wrote {out}/", err=True)
@@ -381,24 +321,11 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
     if as_json:
         click.echo(json.dumps({"computed": summary.computed, "already_done": summary.skipped,
                                "nodes": len(summary.nodes), "seconds": summary.seconds,
-                               "spikes": [f.to_dict() if not isinstance(f, int) else {"spike": f, "heads": [],
-                                          "layers": []} for f in found]}, indent=2))
+                               "spikes": [f.to_dict() for f in found]}, indent=2))
         return
     click.echo(f"analysed {store}: {summary.computed} work items computed on {len(summary.nodes)} node(s) in "
                f"{summary.seconds:.1f} s, {summary.skipped} already done")
-    if not found:
-        click.echo("no spike recorded: nothing to localise")
-    for f in found:
-        if isinstance(f, int):
-            click.echo(f"spike at step {f}: too few analysed checkpoints before it to localise")
-            continue
-        where = "" if f.trajectory == "run" else f" of replay {f.trajectory} (bit for bit the record)"
-        click.echo(f"spike at step {f.spike}: checkpoint {f.checkpoint} against {len(f.history)} earlier ones "
-                   f"({f.history[0]}..{f.history[-1]}){where}; robust z of each metric, largest first")
-        for title, ranking in (("heads", f.heads), ("layers", f.layers)):
-            click.echo(f"  {title}:")
-            for a in ranking[:top]:
-                click.echo(f"    {a.unit:<16} z={a.score:8.1f}  {a.signal}: {a.value:.4g} (median {a.baseline:.4g})")
+    click.echo("\n".join(line for f in found for line in f.lines(top)) or "no spike recorded: nothing to localise")
 
 
 @main.command()
@@ -434,66 +361,17 @@ def bisect(store, spike, by, fix, horizon, threshold, max_probes, ray_address, w
     cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, max_probes=max_probes,
                        workers=workers, address=ray_address)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
-    if as_json:
-        click.echo(json.dumps(session, indent=2))
-        return
-    _print_verdict(store, session["verdict"])
+    click.echo(json.dumps(session.to_dict(), indent=2) if as_json else "\n".join(session.verdict.lines(_sample_lines(store))))
 
 
-def _verdict_line(v: dict) -> str:
-    parts = [f"decided in steps {v['window'][0]}..{v['window'][1]}" if v.get("window") else None,
-             f"layers {', '.join(map(str, v['layers']))}" if v.get("layers") else None,
-             f"heads {', '.join(f'{l}.{h}' for l, h in v['heads'])}" if v.get("heads") else None,
-             f"samples {', '.join(f'{s}:{i}' for s, i in v['samples'])}" if v.get("samples") else None]
-    return "; ".join(p for p in parts if p) or "nothing narrowed down"
+def _sample_lines(store: str):
+    """How a bisect answer shows one of the samples it names: as `replay batch` prints it."""
+    from replay.views import sample_lines, step_batch
 
+    def sample(step: int, sample_id: int) -> list[str]:
+        return next((sample_lines(row) for row in step_batch(store, step) if row["sample_id"] == sample_id), [])
 
-def _print_verdict(store: str, v: dict) -> None:
-    from replay.store.summary import step_batch
-
-    uses_fix = set(v["phases"]) != {"data"}
-    click.echo(f"spike at step {v['spike']}" + (f", counterfactual {v['fix']}:" if uses_fix else ":"))
-    if "steps" in v["phases"] and not v["window"]:
-        click.echo("  steps: the counterfactual prevents the spike from none of the checkpoints tried")
-    if v["window"]:
-        sep = v["separation"]
-        click.echo(f"  decided in steps {v['window'][0]}..{v['window'][1]}: the counterfactual prevents it from "
-                   f"checkpoint {v['window'][0]}, not from step {v['window'][1]} on"
-                   + (f"; it separates from the record at step {sep['measurable']}" if sep["measurable"] is not None
-                      else ""))
-    also = v.get("also", {})
-    if v["layers"]:
-        click.echo(f"  layers: {', '.join(map(str, v['layers']))} (the counterfactual on these alone prevents the spike"
-                   + "".join(f"; so it does on {', '.join(map(str, a))}" for a in also.get("layers", [])) + ")")
-    elif "layers" in v["phases"]:
-        click.echo("  layers: the counterfactual on all layers does not prevent the spike; nothing to narrow")
-    if v["heads"]:
-        click.echo(f"  heads: {', '.join(f'{l}.{h}' for l, h in v['heads'])} (layer.head; on these alone it prevents "
-                   "the spike" + "".join(f"; so it does on {', '.join(f'{l}.{h}' for l, h in a)}"
-                                         for a in also.get("heads", [])) + ")")
-    elif "heads" in v["phases"] and v["layers"]:
-        click.echo("  heads: on the attention heads of those layers alone it does not prevent the spike: the rest "
-                   "of the layer (its MLP, layer norms) matters")
-    if v["samples"]:
-        click.echo(f"  data: batches of step(s) {', '.join(map(str, v['batches']))}; leaving out these "
-                   f"{len(v['samples'])} sample(s) prevents the spike:")
-        for step, sample in v["samples"]:
-            for row in step_batch(store, step):
-                if row["sample_id"] == sample:
-                    click.echo(f"--- step {step}  rank {row['rank']}  micro-batch {row['micro']}  sample {sample}")
-                    click.echo(row["text"])
-                    break
-    if v.get("data_window") and not v["samples"]:
-        click.echo(f"  data: no batch is responsible: skipping every batch of steps {v['data_window'][0]}.."
-                   f"{v['data_window'][1]} does not prevent the spike (it comes at step "
-                   f"{v['spike_without_data']} instead)")
-    for command in v.get("commands", []):
-        click.echo(f"  replay it: {command}")
-    if not v.get("minimal", True):
-        click.echo("  (the probe budget was spent before the search finished: the sets above prevent the spike "
-                   "but may not be minimal; raise --max-probes)")
-    click.echo(f"  {v['probes']} probes ({v['new_probes']} run now; worst case {v['bound']}), "
-               f"{v['seconds']:.1f} s on {v['workers']} worker(s)")
+    return sample
 
 
 @main.command()
@@ -547,19 +425,7 @@ def demo(out) -> None:
     from replay.demo import run_demo
 
     result = run_demo(out, progress=lambda m: click.echo(m, err=True))
-    v = result.bisect["verdict"]
-    click.echo("")
-    click.echo(f"The recorded spike, bisected ({v['probes']} probe replays in {v['seconds']:.0f} s):")
-    _print_verdict(str(result.store), v)
-    found = [f for f in result.localisation if not isinstance(f, int)]
-    for f in found[:1]:
-        top = f.heads[0]
-        click.echo(f"Analysis: at checkpoint {f.checkpoint}, just before the spike, the most unusual head is "
-                   f"{top.unit} ({top.signal} {top.value:.3g} against a median of {top.baseline:.3g}, robust z "
-                   f"{top.score:.1f})")
-    click.echo("Stages: " + ", ".join(f"{k} {s:.0f} s" for k, s in result.stages.items()))
-    click.echo(f"Where to look: {result.report} (open it in a browser); `replay info {result.store}`; "
-               f"`replay batch {result.store} --step {v['spike']}`")
+    click.echo("\n".join(result.lines(_sample_lines(str(result.store)))))
 
 
 if __name__ == "__main__":

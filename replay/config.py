@@ -16,6 +16,9 @@ from typing import Any
 from replay.errors import UsageError
 
 
+PRECISIONS = ("fp32", "bf16")   # FP32, or BF16 autocast (DeepSpeed's BF16 mode under DeepSpeed)
+
+
 @dataclass
 class ModelConfig:
     n_layer: int = 2
@@ -82,8 +85,8 @@ class RunConfig:
     def validate(self) -> None:
         if self.steps < 1:
             raise UsageError(f"steps must be >= 1, got {self.steps}")
-        if self.precision not in ("fp32", "bf16"):
-            raise UsageError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.launcher not in ("local", "deepspeed"):
             raise UsageError(f"launcher must be local or deepspeed, got {self.launcher!r}")
         if self.zero_stage not in (0, 1, 2):
@@ -127,7 +130,7 @@ class RunConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds on 2 CPU cores.
     "tiny": {},
-    # A genuine loss spike on CPU (BRIEF.md section 3, measured): a 2-layer, 64-wide GPT-2 memorising
+    # A genuine loss spike on CPU (measured on 2 CPU cores): a 2-layer, 64-wide GPT-2 memorising
     # 8 fixed sequences with AdamW lr 3e-3, beta2 0.95 and no warmup spikes around step 280. A
     # memorisation spike: an optimiser instability on a tiny problem, not the papers' BF16 mechanism.
     "spike": {

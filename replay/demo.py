@@ -16,9 +16,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from replay.errors import UsageError
+
+if TYPE_CHECKING:
+    from replay.analysis.localise import Localisation
+    from replay.bisect.session import Session
 
 PRESET, NPROC = "spike", 2
 FIX = "lr-scale=0.5"
@@ -29,9 +33,23 @@ DENSE_BEFORE, DENSE_AFTER, DENSE_EVERY = 24, 3, 2   # the dense replay: spike - 
 class DemoResult:
     store: Path
     report: Path
-    bisect: dict[str, Any]
-    localisation: list[Any]
+    bisect: Session
+    localisation: list[Localisation]
     stages: dict[str, float]   # seconds per stage
+
+    def lines(self, sample: Callable[[int, int], list[str]]) -> list[str]:
+        """The story's answer in words; `sample(step, id)` shows one sample."""
+        v = self.bisect.verdict
+        out = ["", f"The recorded spike, bisected ({v.probes} probe replays in {v.seconds:.0f} s):", *v.lines(sample)]
+        for f in [f for f in self.localisation if f.found][:1]:
+            top = f.heads[0]
+            out.append(f"Analysis: at checkpoint {f.checkpoint}, just before the spike, the most unusual head is "
+                       f"{top.unit} ({top.signal} {top.value:.3g} against a median of {top.baseline:.3g}, robust z "
+                       f"{top.score:.1f})")
+        out.append("Stages: " + ", ".join(f"{k} {s:.0f} s" for k, s in self.stages.items()))
+        out.append(f"Where to look: {self.report} (open it in a browser); `replay info {self.store}`; "
+                   f"`replay batch {self.store} --step {v.spike}`")
+        return out
 
 
 def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
@@ -39,6 +57,7 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
     from replay.analysis.localise import localise_store
     from replay.analysis.report import write_report
     from replay.bisect.narrow import BisectConfig, bisect
+    from replay.launch.pool import RankPool
     from replay.launch.ray_cluster import ray_session
     from replay.replayer.replays import ReplayRequest
     from replay.replayer.replays import run as replay
@@ -47,40 +66,32 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
     stages: dict[str, float] = {}
     t = time.perf_counter()
 
-    progress(f"[1/5] record: the `{PRESET}` preset on {NPROC} CPU ranks into {store}")
-    _record(store, progress)
-    stages["record"], t = time.perf_counter() - t, time.perf_counter()
+    with RankPool(NPROC):   # the recording and the dense replay run on the same warm ranks
+        progress(f"[1/5] record: the `{PRESET}` preset on {NPROC} CPU ranks into {store}")
+        _record(store, progress)
+        stages["record"], t = time.perf_counter() - t, time.perf_counter()
 
-    with ray_session() as slots:   # one local Ray cluster for the bisect and the analysis
-        progress(f"[2/5] bisect the largest spike with the counterfactual {FIX} ({slots} Ray workers)")
-        session = bisect(str(store), BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
-        stages["bisect"], t = time.perf_counter() - t, time.perf_counter()
+        with ray_session() as slots:   # one local Ray cluster for the bisect and the analysis
+            progress(f"[2/5] bisect the largest spike with the counterfactual {FIX} ({slots} Ray workers)")
+            session = bisect(str(store), BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
+            stages["bisect"], t = time.perf_counter() - t, time.perf_counter()
 
-        spike = session["verdict"]["spike"]
-        start, stop = max(0, spike - DENSE_BEFORE), spike + DENSE_AFTER
-        progress(f"[3/5] replay steps {start}..{stop} with a checkpoint every {DENSE_EVERY} steps, verified bit for bit")
-        dense = replay(str(store), ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True))
-        if not dense.verification.bitwise:
-            progress(f"      warning: {dense.verification.divergence.describe()}")
-        stages["replay"], t = time.perf_counter() - t, time.perf_counter()
+            spike = session.verdict.spike
+            start, stop = max(0, spike - DENSE_BEFORE), spike + DENSE_AFTER
+            progress(f"[3/5] replay steps {start}..{stop} with a checkpoint every {DENSE_EVERY} steps, verified bit for bit")
+            dense = replay(str(store), ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True))
+            if not dense.verification.bitwise:
+                progress(f"      warning: {dense.verification.divergence.describe()}")
+            stages["replay"], t = time.perf_counter() - t, time.perf_counter()
 
-        progress("[4/5] analyse every checkpoint of the run and its replays")
-        analyze(str(store), progress=lambda m: _every_tenth(m) and progress("      " + m))
-        stages["analyze"], t = time.perf_counter() - t, time.perf_counter()
+            progress("[4/5] analyse every checkpoint of the run and its replays")
+            analyze(str(store), progress=lambda m: progress("      " + m), every=10)
+            stages["analyze"], t = time.perf_counter() - t, time.perf_counter()
 
     progress("[5/5] write the report")
     report = write_report(str(store), None)
     stages["report"] = time.perf_counter() - t
     return DemoResult(store, Path(report), session, localise_store(str(store)), stages)
-
-
-def _every_tenth(message: str) -> bool:
-    """The analysis reports every work item ("[i/n] ..."); the demo shows every tenth and the last."""
-    if not message.startswith("["):
-        return True
-    done, _, rest = message[1:].partition("/")
-    total = rest.partition("]")[0]
-    return not (done.isdigit() and total.isdigit()) or int(done) % 10 == 0 or done == total
 
 
 def _record(store: Path, progress: Callable[[str], None]) -> None:
@@ -90,9 +101,9 @@ def _record(store: Path, progress: Callable[[str], None]) -> None:
 
     if store.exists() and any(store.iterdir()):
         existing = RunStore.open(store)
-        if existing.manifest["config"]["preset"] != PRESET or existing.kind != "run":
+        if existing.manifest.config.preset != PRESET or existing.kind != "run":
             raise UsageError(f"{store} holds another run; give `replay demo` a new --out directory")
-        if existing.manifest.get("status") == "complete":
+        if existing.manifest.status == "complete":
             progress(f"      {store} already holds the recording: reusing it")
             return
         ranks.record_resume(str(store), NPROC, command="replay demo")

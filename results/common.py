@@ -8,6 +8,7 @@ reads the numbers from what the commands printed or wrote, and writes its PNGs i
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -21,9 +22,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from replay.launch.lifeline import child_env
+from replay.launch.lifeline import child_env, guarded
 
 
 def hardware() -> str:
@@ -106,6 +107,25 @@ def cli(ctx: Context, *args: Any, as_json: bool = False, commands: list[str] | N
         tmp.write_text(f"$ {line}\n{proc.stdout}")
         tmp.replace(cache)
     return json.loads(proc.stdout) if as_json else proc.stdout
+
+
+@contextlib.contextmanager
+def shared_ray() -> Iterator[None]:
+    """One local Ray cluster for every command of the pipeline that uses Ray (each would otherwise start
+    and stop a cluster of its own: seconds each, and several at once compete for the cores). Commands
+    reach it through RAY_ADDRESS, so the command lines shown stay the ones a user types; its processes
+    end with this script, however it ends (launch/lifeline.py)."""
+    from ray.cluster_utils import Cluster
+
+    with guarded():
+        cluster = Cluster(initialize_head=True, connect=False,
+                          head_node_args={"num_cpus": os.cpu_count() or 1, "include_dashboard": False})
+        os.environ["RAY_ADDRESS"] = cluster.address
+        try:
+            yield
+        finally:
+            del os.environ["RAY_ADDRESS"]
+            cluster.shutdown()
 
 
 def cli_parallel(ctx: Context, arg_lists: list[list[Any]], jobs: int, **kwargs: Any) -> list[Any]:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from results import golden, qiu_yao, story
-from results.common import Context, Section
+from results.common import Context, Section, shared_ray
 
 
 SECTIONS = [golden.forward, golden.weights, qiu_yao.mechanism, story.story]
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{name}] done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
         return section, time.perf_counter() - t, sum(who == name for who, _ in ctx.reused)
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:   # sections only share the CPU
+    with shared_ray(), ThreadPoolExecutor(max_workers=args.jobs) as pool:   # sections only share the CPU
         done = list(pool.map(run, SECTIONS))
     ctx.out.mkdir(parents=True, exist_ok=True)
     doc = ctx.out / "results.md"

@@ -76,7 +76,7 @@ def _bias_sentence(rows: dict) -> str:
             f"a {'negative' if ref < 0 else 'positive'} bias of {ref:+.2e} in O "
             f"({'its CI excludes 0' if abs(ref) > ci('reference-emu', 2, '') else 'its CI includes 0'}); the fix "
             f"(beta 7) makes it {abs(ref / fixed):.0f}x smaller ({fixed:+.2e}). That is Qiu & Yao's mechanism; "
-            "BRIEF.md's toy measured about -3e-3, so the size differs with the row's distribution. "
+            ""
             + (f"At n = {', '.join(map(str, flips))} the fix flips the sign instead of removing the bias: a BF16 "
                "row sum of those Pbar values meets rounding ties of its own. " if flips else "")
             + f"With CUDA FA2's placement (`fa2-emu`, FP32 accumulators) the bias is {fa2:+.2e}, and BF16 "

@@ -22,11 +22,46 @@ from replay.processes import alive, descendants
 REPO = Path(__file__).resolve().parents[1]
 
 
-def replay_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `python -m replay ARGS` in a fresh process, as a user would (ending with the test run if it dies)."""
-    full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))
-    return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=REPO)
+def replay_cli(*args: str, env: dict | None = None, timeout: float = 600,
+               process: bool = False) -> subprocess.CompletedProcess:
+    """Run `replay ARGS` as a user would: in this process (click's own test runner, the output captured at
+    the file descriptors, so the ranks' output too), or in a fresh process (`process=True`, and whenever a
+    fault is armed: a fault kills the process it fires in), which ends with the test run if that dies."""
+    if process or (env and "REPLAY_FAULT" in env):
+        full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))
+        return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
+                              env=full_env, timeout=timeout, cwd=REPO)
+    from click.testing import CliRunner
+
+    from replay.cli import main
+
+    result = CliRunner(capture="fd").invoke(main, [str(a) for a in args], env={"REPLAY_FAULT": None, **(env or {})})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["replay", *args], result.exit_code, result.stdout, result.stderr)
+
+
+# `make test-fast` leaves out the tests marked `slow`: those that start processes (their modules say so)
+# and, marked here, every test that needs a recorded run or a Ray cluster.
+SLOW_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local", "planted_data",
+                 "planted_layer", "two_node_cluster", "other_seed", "mechanism", "sweep", "interpreted"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks():
+    """Two warm ranks for the session (launch/pool.py): every recording or replay on 2 local ranks that a
+    test runs in this process runs on them, paying their start-up (torch, transformers, the process group)
+    once. Tests about starting, killing or resuming processes run `replay` in processes of their own."""
+    from replay.launch.pool import RankPool
+
+    with RankPool(2) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +71,7 @@ def ray_local():
     import ray
 
     with guarded():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
         yield
         ray.shutdown()
 
@@ -145,6 +180,19 @@ def store_copy(two_rank_store, tmp_path) -> Path:
     dst = tmp_path / "copy"
     shutil.copytree(two_rank_store, dst)
     return dst
+
+
+def new_store(path: Path, config=None, replay=None, first_step: int = 0):
+    """A store for tests of the store itself: a manifest that says little, a step log that starts at
+    `first_step`; `replay` (a ReplaySpec) makes it a replay."""
+    from replay.config import RunConfig
+    from replay.store import RunStore
+    from replay.store.manifest import DataInfo, Manifest
+
+    data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="", source="a test")
+    return RunStore.create(path, Manifest(kind="replay" if replay else "run", config=config or RunConfig(),
+                                          world_size=1, launcher="custom", data=data, created=0.0, replay=replay),
+                           first_step=first_step)
 
 
 def corrupt_tensor(store_path: Path, step: int, rank: int, key: str, byte: int = 100) -> str:

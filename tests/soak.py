@@ -11,6 +11,7 @@ all over every file of a checkpoint, and prints the counts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -29,10 +30,11 @@ from replay.errors import ChecksumError
 from replay.launch.lifeline import child_env
 from replay.processes import descendants
 from replay.store import RunStore
-from tests.conftest import TWO_RANK_ARGS, tensors_equal
+from tests.conftest import TWO_RANK_ARGS, assert_gone, tensors_equal
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
+LAST_KILL = STEPS - 3   # kills aimed at most here still land before the run ends (2 steps and a commit later)
 RECIPE = [*TWO_RANK_ARGS, "--set", "log_every=1"]   # the suite's reference recording, printing every step
 FIELDS = ("loss", "rank_loss", "grad_norm", "lr", "tokens", "sample_ids")
 
@@ -60,42 +62,90 @@ class KillTrial:
     error: str             # the killed command's last line
 
 
-def kill_trial(reference: Path, workdir: Path, rng: random.Random, how: str, at_step: int | None = None,
-               fault: str | None = None) -> KillTrial:
-    """Record the reference recipe, SIGKILL it (the whole group or one rank) once rank 0 has reported
-    `at_step` (random if None), plus a random fraction of a step; or with `fault`, let the fault hook
-    kill it at a precise point (REPLAY_FAULT). Then resume it to completion and check the result equals
-    the reference bit for bit (AssertionError otherwise)."""
-    store = workdir / "run"
-    at_step = rng.randrange(-1, STEPS - 1) if at_step is None else at_step
+def killed_launch(store: Path, rng: random.Random, how: str, at_step: int, fault: str | None = None) -> KillTrial:
+    """`replay record` the recipe into `store` (`--resume` if it holds a run), and SIGKILL it, the whole group
+    or one rank, once rank 0 has reported `at_step`, plus a random fraction of a step; or with `fault`, let
+    the fault hook kill it at its precise point (REPLAY_FAULT). Checks that no process of the launch is left
+    2 s later, and that what it committed is the reference's (see `assert_prefix`)."""
+    resume = (store / "zarr.json").exists()
     env = child_env({**os.environ, "REPLAY_FAULT": fault} if fault else None)
-    proc = subprocess.Popen(replay_command("record", "--store", store, *RECIPE), cwd=REPO, env=env,
+    args = ["--resume"] if resume else RECIPE
+    proc = subprocess.Popen(replay_command("record", "--store", store, *args), cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
+        launched = {}
         if fault is None:
             _wait_for(proc, at_step)
             time.sleep(rng.uniform(0, 0.03))   # anywhere within the step, its checkpoint write included
-            if how == "group":
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                ranks = [pid for pid in descendants(proc.pid) if b"replay.launch.worker" in _cmdline(pid)]
-                os.kill(rng.choice(ranks), signal.SIGKILL)
+            launched = descendants(proc.pid)
+            workers = [pid for pid in launched if b"replay.launch.worker" in _cmdline(pid)]
+            with contextlib.suppress(ProcessLookupError):   # on a loaded machine the run may just have ended
+                if how == "group":
+                    os.killpg(proc.pid, signal.SIGKILL)
+                elif workers:
+                    os.kill(rng.choice(workers), signal.SIGKILL)
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    assert_gone(launched, within=2.0)
     killed = RunStore.open(store) if (store / "zarr.json").exists() else None
     landed = ("start-up" if killed is None or not killed.checkpoints() else
               "checkpoint write" if killed.uncommitted_checkpoints() else "training")
-    again = RECIPE if killed is None else ["--resume"]   # killed before the store existed: record it again
+    resumes = killed.manifest.resumes if killed else []
+    last_line = (stderr or "").strip().splitlines()[-1:] or [""]
+    return KillTrial(how, at_step, landed, resumes[-1].from_step if resumes else 0, last_line[0])
+
+
+def kill_trial(reference: Path, workdir: Path, rng: random.Random, how: str, at_step: int | None = None,
+               fault: str | None = None) -> KillTrial:
+    """A fresh recording of the reference recipe, SIGKILLed at a random step (or `at_step`, or by `fault`),
+    then resumed to completion; the result must equal the reference bit for bit (AssertionError otherwise)."""
+    store = workdir / "run"
+    trial = killed_launch(store, rng, how, rng.randrange(-1, LAST_KILL + 1) if at_step is None else at_step, fault)
+    again = RECIPE if not (store / "zarr.json").exists() else ["--resume"]   # killed before the store existed
     result = subprocess.run(replay_command("record", "--store", store, *again), cwd=REPO, env=child_env(),
                             capture_output=True, text=True)
-    assert result.returncode == 0, f"{how} kill at step {at_step}: the resume failed: {result.stderr}"
-    resumes = RunStore.open(store).manifest["resumes"]
+    assert result.returncode == 0, f"{how} kill at step {trial.at_step}: the resume failed: {result.stderr}"
     assert_same_run(store, reference)
-    last_line = (stderr or "").strip().splitlines()[-1:] or [""]
-    return KillTrial(how, at_step, landed, resumes[-1]["from_step"] if resumes else 0, last_line[0])
+    resumes = RunStore.open(store).manifest.resumes
+    return KillTrial(how, trial.at_step, trial.landed, resumes[-1].from_step if resumes else 0, trial.error)
+
+
+def chained_kills(reference: Path, workdir: Path, plan: list[tuple[str, int | None, str | None]],
+                  rng: random.Random) -> list[KillTrial]:
+    """One recording killed once per entry of `plan` (how, at step (None: random from where it stands), fault),
+    each kill's launch resuming the last; after each, what is committed must be the reference's, and the
+    last resume runs to completion, bit for bit the reference. Cheaper than independent trials (the suite's
+    way; `make soak` runs independent ones)."""
+    store, trials = workdir / "run", []
+    for how, at_step, fault in plan:
+        committed = RunStore.open(store).checkpoints() if (store / "zarr.json").exists() else []
+        start = committed[-1].step if committed else 0
+        at = rng.randrange(min(start, LAST_KILL), LAST_KILL + 1) if at_step is None else at_step
+        trials.append(killed_launch(store, rng, how, at, fault))
+        assert_prefix(store, reference)
+    result = subprocess.run(replay_command("record", "--store", store, "--resume"), cwd=REPO, env=child_env(),
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert_same_run(store, reference)
+    return trials
+
+
+def assert_prefix(store_path: Path, reference: Path) -> None:
+    """What a killed run committed is the reference's: its last committed checkpoint, every rank's state,
+    and the step log before it, bit for bit."""
+    a, b = RunStore.open(store_path), RunStore.open(reference)
+    committed = a.checkpoints()
+    if not committed:
+        return
+    last = committed[-1].step
+    steps_a, steps_b = a.read_steps(list(FIELDS)), b.read_steps(list(FIELDS))
+    for name in FIELDS:
+        assert np.array_equal(steps_a[name][:last].view(np.uint8), steps_b[name][:last].view(np.uint8)), name
+    for rank in range(b.manifest.world_size):
+        assert tensors_equal(a.read_shard(last, rank), b.read_shard(last, rank)), f"checkpoint {last} rank {rank}"
 
 
 def _wait_for(proc: subprocess.Popen, at_step: int) -> None:
@@ -124,12 +174,12 @@ def _cmdline(pid: int) -> bytes:
 def assert_same_run(a_path: Path, b_path: Path) -> None:
     """Step log, checkpoints and the final state of every rank: equal bit for bit."""
     a, b = RunStore.open(a_path), RunStore.open(b_path)
-    assert a.manifest["status"] == "complete" and a.n_steps == b.n_steps
+    assert a.manifest.status == "complete" and a.n_steps == b.n_steps
     steps_a, steps_b = a.read_steps(list(FIELDS)), b.read_steps(list(FIELDS))
     for name in FIELDS:
         assert np.array_equal(steps_a[name].view(np.uint8), steps_b[name].view(np.uint8)), name
     assert [(c.step, c.kind) for c in a.checkpoints()] == [(c.step, c.kind) for c in b.checkpoints()]
-    for rank in range(b.manifest["world_size"]):
+    for rank in range(b.manifest.world_size):
         last = b.checkpoints()[-1].step
         assert tensors_equal(a.read_shard(last, rank), b.read_shard(last, rank)), f"final state of rank {rank}"
 
@@ -159,7 +209,7 @@ def flip_trial(store: Path, step: int, path: Path, byte: int, bit: int) -> FlipT
     message = ""
     try:
         run = RunStore.open(store)
-        for rank in range(run.manifest["world_size"]):
+        for rank in range(run.manifest.world_size):
             run.read_shard(step, rank)
     except ChecksumError as e:
         message = str(e)

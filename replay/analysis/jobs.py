@@ -10,8 +10,6 @@ is new, and an interrupted analysis resumes where it stopped.
 from __future__ import annotations
 
 import os
-import signal
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +20,13 @@ import torch
 
 from replay.analysis import metrics as M
 from replay.analysis import results as R
+from replay import faults
 from replay.analysis.names import DISTANCES
-from replay.config import RunConfig
 from replay.errors import StoreError, UsageError
+from replay.recorder import MODEL_KEYS, model_key
 from replay.store import RunStore
 from replay.store.lease import require, writing
 
-MODEL = "/state/replicated/model/"     # where every checkpoint keeps the model (rank 0's shard)
 LAYER_BLOCK = 4                         # layers per work item
 PROBE_SAMPLES = 4                       # samples of the probe batch ...
 PROBE_TOKENS = 256                      # ... and at most this many of their tokens
@@ -53,7 +51,6 @@ class MetricItem:
     prev: Source | None
     before: Source | None
     probe: list[list[int]]              # token rows of the probe batch (block_size + 1 tokens each)
-    fault: str = ""
     lease: str = ""                     # the spec of the driver's lease: checked before writing
 
     @property
@@ -69,7 +66,6 @@ class DistanceItem:
     reference: Source
     other: Source
     tensors: list[str]
-    fault: str = ""
     lease: str = ""
 
     @property
@@ -92,7 +88,9 @@ def run_item(item: MetricItem | DistanceItem) -> str:
     import ray
 
     torch.set_num_threads(1)
-    _inject_fault(item)
+    step = item.ckpt.step if isinstance(item, MetricItem) else item.other.step
+    faults.hit("analysis-io", step)
+    faults.hit("analysis-kill", step)
     result = compute_metrics(item) if isinstance(item, MetricItem) else compute_distances(item)
     require(item.lease)   # a task of a driver that lost the store (it died, another took over) writes nothing
     if isinstance(item, MetricItem):
@@ -103,9 +101,9 @@ def run_item(item: MetricItem | DistanceItem) -> str:
 
 
 def _layer_keys(layer: int) -> dict[str, str]:
-    p = f"{MODEL}transformer.h.{layer}."
-    return {"c_attn": p + "attn.c_attn.weight", "c_proj": p + "attn.c_proj.weight",
-            "c_fc": p + "mlp.c_fc.weight", "mlp_proj": p + "mlp.c_proj.weight"}
+    from replay.train.model import layer_weights
+
+    return {name: model_key(key) for name, key in layer_weights(layer).items()}
 
 
 def _read_layers(src: Source, layers: range, n_embd: int) -> list[dict[str, np.ndarray]]:
@@ -138,17 +136,17 @@ def probe_metrics(item: MetricItem) -> tuple[np.ndarray, np.ndarray]:
     of the item's block: max attention logit and BF16 tied-maxima rate per head."""
     from transformers import GPT2Model
 
-    from replay.train.model import gpt2_config
+    from replay.train.model import BODY, gpt2_config
 
     lo, hi = item.block
     store = RunStore.open(item.ckpt.path)
     index = store.shard_index(item.ckpt.step, 0)
-    wanted = [k for k in index if k.startswith(MODEL + "transformer.") and
-              (".h." not in k or int(k.split(".h.")[1].split(".")[0]) < hi)]
+    body = model_key(BODY)
+    wanted = [k for k in index if k.startswith(body) and (".h." not in k or int(k.split(".h.")[1].split(".")[0]) < hi)]
     tensors = store.read_shard(item.ckpt.step, 0, keys=wanted)
-    state = {k[len(MODEL + "transformer."):]: t.float() for k, t in tensors.items()}
+    state = {k[len(body):]: t.float() for k, t in tensors.items()}
     wte = state["wte.weight"]
-    cfg = RunConfig.from_dict(store.manifest["config"]).model
+    cfg = store.manifest.config.model
     model = GPT2Model(gpt2_config(cfg, vocab_size=wte.shape[0], n_layer=hi)).eval()
     model.set_attn_implementation("eager")
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -175,27 +173,6 @@ def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
     return {metric: np.array([r[metric] for r in rows]) for metric in DISTANCES}
 
 
-def _inject_fault(item: MetricItem | DistanceItem) -> None:
-    """Test hook (REPLAY_FAULT, read by the driver and carried by the item): on the first attempt of the
-    item at a given step, `analysis-io:STEP:DIR` raises an OSError (a transient I/O error) and
-    `analysis-kill:STEP:DIR` kills this worker process with SIGKILL. DIR keeps the attempt markers."""
-    if not item.fault:
-        return
-    name, step, marker_dir = item.fault.split(":", 2)
-    src = item.ckpt if isinstance(item, MetricItem) else item.other
-    if int(step) != src.step:
-        return
-    marker = Path(marker_dir) / f"{name}-{item.label.replace(' ', '_')}"
-    try:
-        marker.touch(exist_ok=False)        # only the first attempt gets the fault
-    except FileExistsError:
-        return
-    if name == "analysis-io":
-        raise OSError(f"injected transient I/O error reading checkpoint {step}")
-    if name == "analysis-kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # -- planning (driver) ----------------------------------------------------------------------------
 
 def checkpoint_sources(store: RunStore) -> list[Source]:
@@ -203,15 +180,15 @@ def checkpoint_sources(store: RunStore) -> list[Source]:
     preceded by the parent's checkpoint it started from."""
     own = [Source(str(store.path.resolve()), c.step, c.committed_at) for c in store.checkpoints()]
     if store.kind == "replay":
-        parent = (store.path / store.manifest["parent"]).resolve()
-        step = int(store.manifest["start_checkpoint"])
+        parent = (store.path / store.manifest.replay.parent).resolve()
+        step = store.manifest.replay.start_checkpoint
         start = Source(str(parent), step, _committed_at(Source(str(parent), step)))
         own = [start] + [s for s in own if s.step != start.step]
     return sorted(own, key=lambda s: s.step)
 
 
 def _root_run(store: RunStore) -> RunStore:
-    return RunStore.open((store.path / store.manifest["parent"]).resolve()) if store.kind == "replay" else store
+    return RunStore.open((store.path / store.manifest.replay.parent).resolve()) if store.kind == "replay" else store
 
 
 def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
@@ -221,7 +198,7 @@ def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
     run = _root_run(store)
     if run.n_steps == 0:
         raise StoreError(f"{run.path} has no recorded steps to take a probe batch from")
-    cfg = RunConfig.from_dict(run.manifest["config"])
+    cfg = run.manifest.config
     ids = np.asarray(run.root["steps/sample_ids"][0]).reshape(-1)[:n]
     data = load_data(cfg, run)
     T, n_tokens = data.block_size, min(data.block_size, PROBE_TOKENS)
@@ -229,9 +206,9 @@ def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
     return {"sample_ids": [int(i) for i in ids], "tokens": tokens}
 
 
-def plan_metrics(store: RunStore, fault: str = "") -> tuple[list[MetricItem], int]:
+def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
     """The metric items of one store still to compute, and how many are already done."""
-    cfg = RunConfig.from_dict(store.manifest["config"]).model
+    cfg = store.manifest.config.model
     sources = checkpoint_sources(store)
     if not sources:
         return [], 0
@@ -253,7 +230,7 @@ def plan_metrics(store: RunStore, fault: str = "") -> tuple[list[MetricItem], in
                 skipped += 1
                 continue
             items.append(MetricItem(str(store.path.resolve()), row, b, block, cfg.n_embd, cfg.n_head, src, prev,
-                                    before, probe["tokens"], fault))
+                                    before, probe["tokens"]))
     return items, skipped
 
 
@@ -266,14 +243,14 @@ def model_tensors(store: RunStore, step: int) -> list[str]:
     index = store.shard_index(step, 0)
     seen, out = set(), []
     for key, entry in index.items():
-        if key.startswith(MODEL) and entry["offset"] not in seen:
+        if key.startswith(MODEL_KEYS) and entry["offset"] not in seen:
             seen.add(entry["offset"])
             out.append(key)
     return out
 
 
-def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunStore,
-                   fault: str = "") -> tuple[list[DistanceItem], int, list[int]]:
+def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunStore
+                   ) -> tuple[list[DistanceItem], int, list[int]]:
     """Distance items of `other` against `reference` at the steps both have a checkpoint, stored in
     `store`'s table; returns (items to compute, how many already done, the matching steps)."""
     ref_steps = {c.step: c.committed_at for c in reference.checkpoints()}
@@ -294,7 +271,7 @@ def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunS
     index = dist.plan(rows)
     done = dist.done()
     items = [DistanceItem(str(store.path.resolve()), table, index[i], Source(ref_path, s), Source(other_path, s),
-                          tensors, fault)
+                          tensors)
              for i, s in enumerate(steps) if not done[index[i]]]
     return items, len(steps) - len(items), steps
 
@@ -316,22 +293,21 @@ def replay_stores(store: RunStore, progress: Callable[[str], None] = lambda s: N
 # -- running (driver) -----------------------------------------------------------------------------
 
 def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lambda s: None,
-            summary: Summary | None = None) -> Summary:
-    """Run work items on the connected Ray cluster, `slots` at a time (see `ray_session`). Driver-side
-    fault hook `analysis-driver-kill:N` SIGKILLs this process after N items (an interrupted analysis)."""
+            summary: Summary | None = None, every: int = 1) -> Summary:
+    """Run work items on the connected Ray cluster, `slots` at a time (see `ray_session`), reporting every
+    `every`-th finished item (and the last)."""
     from replay.launch.ray_cluster import run_tasks
 
     summary = summary or Summary()
-    kill_after = _driver_fault()
     start = time.monotonic()
     progress(f"{len(items)} work items on {slots} Ray worker slot(s)")
 
     def on_result(item, node):
         summary.computed += 1
         summary.nodes.add(node)
-        progress(f"[{summary.computed}/{len(items)}] {item.label}")
-        if kill_after is not None and summary.computed >= kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if summary.computed % every == 0 or summary.computed == len(items):
+            progress(f"[{summary.computed}/{len(items)}] {item.label}")
+        faults.hit("analysis-driver-kill", summary.computed)
 
     if items:
         _check_store_visible(items[0].store)
@@ -353,21 +329,8 @@ def _check_store_visible(store_path: str) -> None:
                          "mounts at the same path")
 
 
-def _driver_fault() -> int | None:
-    spec = os.environ.get("REPLAY_FAULT", "")
-    return int(spec.split(":")[1]) if spec.startswith("analysis-driver-kill:") else None
-
-
-def _task_fault() -> str:
-    spec = os.environ.get("REPLAY_FAULT", "")
-    if spec.startswith(("analysis-io:", "analysis-kill:")):
-        name, step = spec.split(":")[:2]
-        return f"{name}:{step}:{tempfile.mkdtemp(prefix='replay-fault-')}"
-    return ""
-
-
 def analyze(store_path: str | Path, address: str | None = None, workers: int | None = None,
-            progress: Callable[[str], None] = lambda s: None) -> Summary:
+            progress: Callable[[str], None] = lambda s: None, every: int = 1) -> Summary:
     """Metrics for every checkpoint of a run and of its replays, and each replay's weight distances
     against its parent; only what is not done yet."""
     from replay.launch.ray_cluster import ray_session
@@ -378,16 +341,15 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
     run.check_rebuildable("replay analyze")
     if not run.checkpoints():
         raise UsageError(f"{store_path} has no committed checkpoint to analyse")
-    fault = _task_fault()
     with writing(store_path, "replay analyze") as lease, ray_session(address, workers) as slots:
         items: list[Any] = []
         skipped = 0
         for store in [run, *replay_stores(run, progress)]:
-            new, done = plan_metrics(RunStore.open(store.path, mode="a"), fault)
+            new, done = plan_metrics(RunStore.open(store.path, mode="a"))
             items += new
             skipped += done
             if store.kind == "replay":
-                new, done, _ = plan_distances(store, "parent", run, store, fault)
+                new, done, _ = plan_distances(store, "parent", run, store)
                 items += new
                 skipped += done
         progress(f"{skipped} work items already done")
@@ -395,7 +357,7 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
         items.sort(key=lambda i: -i.block[1] if isinstance(i, MetricItem) else 0)
         for item in items:
             item.lease = lease.spec
-        return execute(items, slots, progress, Summary(skipped=skipped))
+        return execute(items, slots, progress, Summary(skipped=skipped), every)
 
 
 def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, workers: int | None = None,
@@ -413,7 +375,7 @@ def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, 
                          "same --checkpoint-every")
     table = compare_table_name(a, b)
     with writing(a_path, "replay compare") as lease, ray_session(address, workers) as slots:
-        items, skipped, steps = plan_distances(a, table, a, b, _task_fault())
+        items, skipped, steps = plan_distances(a, table, a, b)
         for item in items:
             item.lease = lease.spec
         execute(items, slots, progress)

@@ -18,13 +18,14 @@ trajectory, sampled more densely (`replay run STORE --from A --to B --checkpoint
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from replay.analysis.names import HEAD_MATRICES, MATRICES
+from replay.recorder import spikes
 
 # (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
 HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],
@@ -56,23 +57,38 @@ class Anomaly:
 @dataclass
 class Localisation:
     spike: int
-    trajectory: str                     # "run", or the id of the bitwise plain replay it was read from
-    checkpoint: int                     # the last analysed checkpoint at or before the spike
-    history: list[int]                  # the checkpoints it is compared with
-    heads: list[Anomaly]                # ranked, most anomalous first
-    layers: list[Anomaly]
+    trajectory: str = "run"             # "run", or the id of the bitwise plain replay it was read from
+    checkpoint: int | None = None       # the last analysed checkpoint at or before the spike; None: too few
+    history: list[int] = field(default_factory=list)      # the checkpoints it is compared with
+    heads: list[Anomaly] = field(default_factory=list)    # ranked, most anomalous first
+    layers: list[Anomaly] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return self.checkpoint is not None
 
     def to_dict(self) -> dict[str, Any]:
         return {"spike": self.spike, "trajectory": self.trajectory, "checkpoint": self.checkpoint, "history": self.history,
                 "heads": [a.to_dict() for a in self.heads], "layers": [a.to_dict() for a in self.layers]}
 
+    def lines(self, top: int) -> list[str]:
+        """The ranking in words, its `top` first units of each kind."""
+        if not self.found:
+            return [f"spike at step {self.spike}: too few analysed checkpoints before it to localise"]
+        where = "" if self.trajectory == "run" else f" of replay {self.trajectory} (bit for bit the record)"
+        out = [f"spike at step {self.spike}: checkpoint {self.checkpoint} against {len(self.history)} earlier ones "
+               f"({self.history[0]}..{self.history[-1]}){where}; robust z of each metric, largest first"]
+        for title, ranking in (("heads", self.heads), ("layers", self.layers)):
+            out.append(f"  {title}:")
+            out += [f"    {a.unit:<16} z={a.score:8.1f}  {a.signal}: {a.value:.4g} (median {a.baseline:.4g})"
+                    for a in ranking[:top]]
+        return out
+
 
 def robust_z(history: np.ndarray, x: float, floor: float = 0.0) -> tuple[float, float]:
     """(z, median) of x against a history, by the rule above."""
-    med = float(np.median(history))
-    mad = float(np.median(np.abs(history - med)))
-    scale = max(1.4826 * mad, 0.01 * abs(med), floor, 1e-12)
-    return (x - med) / scale, med
+    z, median, _ = spikes.robust_z(history, x, relative_floor=0.01, floor=floor)
+    return z, median
 
 
 def _signal(table: dict[str, Any], metric: str, matrix: str | None) -> np.ndarray:
@@ -97,11 +113,11 @@ def _best(series: list[tuple[str, np.ndarray]], last: int, floors: dict[str, flo
     return best
 
 
-def localise(table: dict[str, Any], spike: int, trajectory: str = "run") -> Localisation | None:
-    """Rank heads and layers for one spike; None when too few checkpoints precede it."""
+def localise(table: dict[str, Any], spike: int, trajectory: str = "run") -> Localisation:
+    """Rank heads and layers for one spike (not `found` when too few checkpoints precede it)."""
     rows = np.flatnonzero(table["step"] <= spike)
     if len(rows) < MIN_HISTORY + 1:
-        return None
+        return Localisation(spike, trajectory)
     last = len(rows) - 1
     sub = {k: (v[rows] if isinstance(v, np.ndarray) and v.ndim >= 1 and k != "attrs" else v) for k, v in table.items()}
     n_layer, n_head = table["spectral_qk"].shape[1:]
@@ -120,15 +136,15 @@ def localise(table: dict[str, Any], spike: int, trajectory: str = "run") -> Loca
             z, name, value, med = max(candidates, key=lambda c: abs(c[0]))
             layers.append(Anomaly(layer, None, abs(z), name, value, med))
     if not heads and not layers:
-        return None
+        return Localisation(spike, trajectory)
     steps = sub["step"].tolist()
     return Localisation(spike, trajectory, int(steps[-1]), [int(s) for s in steps[:-1]],
                         sorted(heads, key=lambda a: -a.score), sorted(layers, key=lambda a: -a.score))
 
 
-def localise_store(store_path) -> list[Localisation | int]:
-    """A Localisation for every recorded spike of a run (the spike's step where too few checkpoints
-    precede it), each read from the densest trajectory that covers it."""
+def localise_store(store_path) -> list[Localisation]:
+    """A Localisation for every recorded spike of a run, each read from the densest trajectory that
+    covers it (not `found` where too few checkpoints precede it)."""
     from replay.analysis.results import read_metrics
     from replay.replayer.replays import list_replays
     from replay.store import RunStore
@@ -137,12 +153,11 @@ def localise_store(store_path) -> list[Localisation | int]:
     for r in list_replays(store_path):
         if "error" not in r and not r["overrides"] and r["status"] == "complete" and (r["verification"] or {}).get("bitwise"):
             trajectories.append((r["id"], read_metrics(Path(store_path) / "replays" / r["id"])))
-    out: list[Localisation | int] = []
+    out: list[Localisation] = []
     for event in RunStore.open(store_path).spikes:
         spike = int(event["step"])
         usable = [(name, t) for name, t in trajectories if t is not None and np.any(t["step"] <= spike)
                   and (name == "run" or t["step"].max() >= spike)]
         usable.sort(key=lambda nt: -int(np.sum(nt[1]["step"] <= spike)))
-        found = next((f for name, t in usable if (f := localise(t, spike, name))), None)
-        out.append(found if found else spike)
+        out.append(next((f for name, t in usable if (f := localise(t, spike, name)).found), Localisation(spike)))
     return out

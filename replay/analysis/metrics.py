@@ -31,6 +31,7 @@ import scipy.stats
 import torch
 
 from replay.analysis.names import HEAD_MATRICES, MATRICES
+from replay.kernels.numerics import cosine
 
 
 def spectral_norm(m: np.ndarray) -> float:
@@ -100,7 +101,7 @@ def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | Non
         out["update_srank"][i] = fro ** 2 / max(spectral_norm(d_t), 1e-30) ** 2 if fro > 0 else np.nan
         if before is not None:
             d_prev = prev[name].astype(np.float64) - before[name]
-            out["update_cos"][i] = _cosine(d_t.ravel(), d_prev.ravel())
+            out["update_cos"][i] = _cos(d_t.ravel(), d_prev.ravel())
     cur_h, prev_h = head_slices(cur, n_head), head_slices(prev, n_head)
     before_h = head_slices(before, n_head) if before is not None else None
     for i, name in enumerate(HEAD_MATRICES):
@@ -111,13 +112,8 @@ def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | Non
         out["update_srank_head"][i] = np.where(top > 0, fro ** 2 / np.maximum(top, 1e-30) ** 2, np.nan)
         if before_h is not None:
             d_prev = prev_h[name].astype(np.float64) - before_h[name]
-            out["update_cos_head"][i] = [_cosine(a.ravel(), b.ravel()) for a, b in zip(d_t, d_prev)]
+            out["update_cos_head"][i] = [_cos(a.ravel(), b.ravel()) for a, b in zip(d_t, d_prev)]
     return out
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    na, nb = np.linalg.norm(a), np.linalg.norm(b)
-    return float(a @ b / (na * nb)) if na > 0 and nb > 0 else float("nan")
 
 
 def attention_probe(q: torch.Tensor, k: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -144,3 +140,7 @@ def tensor_distances(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
             "relative": fro / max(float(np.linalg.norm(a64)), 1e-30),
             "wasserstein": float(scipy.stats.wasserstein_distance(a64, b64))}
 
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    """The cosine of the angle between two arrays (as the numerics probe takes it)."""
+    return cosine(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(np.ascontiguousarray(b)))

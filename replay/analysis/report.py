@@ -12,16 +12,16 @@ import html
 import io
 import time
 from pathlib import Path
-from typing import Callable, Any
+from typing import Any, Callable
 
 import numpy as np
 
 from replay.analysis.localise import Localisation, localise_store
 from replay.analysis.names import HEAD_MATRICES
 from replay.analysis.results import read_distances, read_metrics
+from replay.bisect.session import Session
 from replay.replayer.replays import list_replays
 from replay.store import RunStore
-from replay.config import RunConfig
 
 
 def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
@@ -132,42 +132,31 @@ def _ranking_html(found: Localisation, top: int) -> str:
             "<th>value</th><th>median before</th></tr>" + "".join(rows) + "</table>")
 
 
-def _bisect_html(session: dict[str, Any]) -> str:
-    v, p = session.get("verdict") or {}, session["params"]
+def _bisect_html(session: Session) -> str:
     e = html.escape
-    rows = [("status", session.get("status", "?")), ("spike", p["spike"]), ("narrowed by", p["by"]),
-            ("counterfactual", p["fix"] if set(v.get("phases", [])) != {"data"} else "-"),
-            ("rule", session.get("rule", "")),
-            ("decisive window", "{}..{} (prevents from checkpoint {}, not from step {} on)".format(
-                v["window"][0], v["window"][1], v["window"][0], v["window"][1]) if v.get("window") else "-"),
-            ("separates from the record", (v.get("separation") or {}).get("measurable") or "-"),
-            ("layers", ", ".join(map(str, v["layers"])) if v.get("layers") else "-"),
-            ("heads (layer.head)", ", ".join(f"{a}.{b}" for a, b in v["heads"]) if v.get("heads") else "-"),
-            ("batches", ", ".join(map(str, v["batches"])) if v.get("batches") else "-"),
-            ("samples (step:id)", ", ".join(f"{a}:{b}" for a, b in v["samples"]) if v.get("samples") else "-"),
-            ("probes", f"{len(session['probes'])} (worst case {v.get('bound', '?')}); "
-                       f"{v.get('seconds', 0):.1f} s on {v.get('workers', '?')} worker(s)")]
+    rows = [("status", session.status), ("spike", session.params["spike"]), ("narrowed by", session.params["by"]),
+            ("rule", session.rule), *(session.verdict.rows() if session.verdict else [])]
     table = "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(x))}</td></tr>" for k, x in rows)
     probe_rows = "".join(
         f"<tr><td>{e(q['phase'])}</td><td>{e(key)}</td><td>{q['window'][0]}..{q['window'][1]}</td>"
         f"<td>{e(str(q['overrides'] or '-'))}</td><td>{'prevents' if q['prevented'] else 'spike at ' + str(q['spike_at'])}"
-        f"</td></tr>" for key, q in session["probes"].items())
-    return (f"<h3>Session {e(session['id'])}</h3><table>{table}</table>"
+        f"</td></tr>" for key, q in session.probes.items())
+    return (f"<h3>Session {e(session.id)}</h3><table>{table}</table>"
             "<details><summary>every probe</summary><table><tr><th>phase</th><th>replay</th><th>window</th>"
             f"<th>overrides</th><th>verdict</th></tr>{probe_rows}</table></details>")
 
 
-def _probe_plot(run: RunStore, session: dict[str, Any]) -> str:
+def _probe_plot(run: RunStore, session: Session) -> str:
     """The record's loss around the spike, with every probe: green where it prevents the spike, red where not."""
-    spike = session["params"]["spike"]
+    spike = session.params["spike"]
     steps = run.read_steps(["loss"])
 
     def draw(fig):
         ax = fig.subplots()
-        lo = min(q["window"][0] for q in session["probes"].values())
-        hi = max(q["window"][1] for q in session["probes"].values())
+        lo = min(q["window"][0] for q in session.probes.values())
+        hi = max(q["window"][1] for q in session.probes.values())
         keep = (steps["step"] >= lo) & (steps["step"] <= hi)
-        for q_id, q in session["probes"].items():
+        for q_id, q in session.probes.items():
             rep = RunStore.open(run.path / "replays" / q_id).read_steps(["loss"])
             ax.plot(rep["step"], rep["loss"], lw=0.8, alpha=0.5, color="tab:green" if q["prevented"] else "tab:red")
         ax.plot(steps["step"][keep], steps["loss"][keep], color="black", lw=1.5, label="record")
@@ -196,10 +185,10 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
     run = RunStore.open(store_path)
     out = Path(out) if out else run.path / "report.html"
     m = run.manifest
-    cfg = RunConfig.from_dict(m["config"])
+    cfg = m.config
     spikes = [int(e["step"]) for e in run.spikes]
-    sessions = run.bisect_sessions()
-    probes = {key for b in sessions for key in b["probes"]}
+    sessions = [Session.from_dict(doc) for doc in run.bisect_sessions()]
+    probes = {key for b in sessions for key in b.probes}
     listed = list_replays(store_path)
     unreadable = [r for r in listed if "error" in r]
     for r in unreadable:
@@ -210,8 +199,8 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
     figures = []
     parts = [f"<h1>replay report: {html.escape(str(run.path.resolve()))}</h1>",
              f"<p>{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
-             f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m['world_size']} ranks "
-             f"({m['launcher']}); {run.n_steps} steps recorded; spikes at {spikes or 'none'}. "
+             f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m.world_size} ranks "
+             f"({m.launcher}); {run.n_steps} steps recorded; spikes at {spikes or 'none'}. "
              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
              *[f"<p class=warning>Replay {html.escape(r['id'])} cannot be read and is left out: "
                f"{html.escape(r['error'])}</p>" for r in unreadable],
@@ -225,7 +214,7 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
         parts.append("<p>No bisect yet: run <code>replay bisect</code> on this store.</p>")
     for session in sessions:
         parts.append(_bisect_html(session))
-        if session["probes"]:
+        if session.probes:
             figures.append(_probe_plot(run, session))
             parts.append(figures[-1])
 
@@ -235,8 +224,8 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
     elif not found:
         parts.append("<p>No spike was recorded.</p>")
     for f in found:
-        parts.append(f"<p>Spike at step {f}: too few analysed checkpoints before it.</p>" if isinstance(f, int)
-                     else _ranking_html(f, top))
+        parts.append(_ranking_html(f, top) if f.found else
+                     f"<p>Spike at step {f.spike}: too few analysed checkpoints before it.</p>")
     parts.append("<p>Rule: each signal's last value before the spike against its own history, "
                  "z = (x - median) / max(1.4826 MAD, 1% of |median|); a unit's score is its largest |z|.</p>")
 
@@ -245,7 +234,7 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
         figures.append(_heatmaps(table, "run checkpoints", spikes))
         parts.append(figures[-1])
         for f in found:
-            if not isinstance(f, int) and f.trajectory != "run":
+            if f.found and f.trajectory != "run":
                 dense = read_metrics(run.path / "replays" / f.trajectory)
                 figures.append(_heatmaps(dense, f"replay {f.trajectory} (bit for bit the record)", spikes))
                 parts.append(figures[-1])

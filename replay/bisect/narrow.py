@@ -19,18 +19,17 @@ after every probe, so running the same command again resumes it without re-runni
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
-import os
-import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from replay.config import RunConfig
+from replay import faults
 from replay.errors import ReplayError, UsageError
 from replay.replayer.overrides import Overrides, apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
@@ -38,6 +37,7 @@ from replay.store import RunStore
 from replay.store.lease import Lease, writing
 from replay.bisect.probes import ProbeRunner, request
 from replay.bisect.rule import Rule, judge
+from replay.bisect.session import Session, Verdict
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
 
 PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
@@ -110,7 +110,7 @@ class Bisect:
             raise UsageError(f"--workers must be >= 1, got {cfg.workers}")
         if cfg.max_probes < 1:
             raise UsageError(f"--max-probes must be >= 1, got {cfg.max_probes}")
-        self.run_cfg = RunConfig.from_dict(self.record.manifest["config"])
+        self.run_cfg = self.record.manifest.config
         self.spike = self._pick_spike()
         self.checkpoints = [c.step for c in self.record.checkpoints() if c.step <= self.spike]
         warmup = max(self.run_cfg.spike.warmup, 3)
@@ -132,8 +132,8 @@ class Bisect:
         digest = hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]
         self.id = f"spike-{self.spike}-{cfg.by}-{digest}"
         previous = {s["id"]: s for s in self.record.bisect_sessions()}.get(self.id)
-        self.doc: dict[str, Any] = previous or {"id": self.id, "params": self.params, "rule": self.rule.describe(),
-                                                "created": time.time(), "probes": {}, "phases": {}, "runs": []}
+        self.session = (Session.from_dict(previous) if previous else
+                        Session(self.id, self.params, self.rule.describe(), created=time.time()))
         self.resumed = previous is not None
         self.new_probes = 0
         self.started = False
@@ -156,7 +156,7 @@ class Bisect:
         phases = PHASES[self.cfg.by]
         if phases == ["data"]:   # skips batches and samples; no counterfactual involved
             return
-        launcher = self.record.manifest["launcher"]
+        launcher = self.record.manifest.launcher
         try:
             apply(self.run_cfg, self.fix, (self.spike, self.spike), launcher)
         except UsageError as e:
@@ -178,44 +178,44 @@ class Bisect:
         """Run (or reuse) the probes, judge them by the rule, and save the session after each batch. The
         first batch carries the baseline along (it does not depend on it) and is checked against it
         before any of its answers is used."""
-        checked = "baseline" in self.doc["phases"]
+        checked = "baseline" in self.session.phases
         baseline = [] if checked else [self.baseline_request()]
         keys = [replay_id(r) for r in requests]
-        todo = {replay_id(r): r for r in baseline + requests if replay_id(r) not in self.doc["probes"]}
+        todo = {replay_id(r): r for r in baseline + requests if replay_id(r) not in self.session.probes}
         if todo:
             assert self.runner is not None
             for (key, req), result in zip(todo.items(), self.runner.run(list(todo.values()))):
                 phase_of = "baseline" if baseline and key == replay_id(baseline[0]) else phase
                 found = judge(self.record, RunStore.open(self.record.path / "replays" / key), self.rule,
                               req.start, req.stop)
-                self.doc["probes"][key] = {"phase": phase_of, "window": [req.start, req.stop],
+                self.session.probes[key] = {"phase": phase_of, "window": [req.start, req.stop],
                                            "overrides": req.overrides.to_dict(), **found.to_dict(), **result}
                 self.new_probes += bool(result["ran"])
                 self.say(f"  probe {key}: " + ("prevents the spike" if found.prevented else
                                                f"spike at step {found.spike_at}")
                          + (f" ({result['seconds']:.1f} s)" if result["ran"] else " (already in the store)"))
             self.save()
-            _fault(self.new_probes)
+            faults.hit("bisect-kill", self.new_probes)
         if not checked:
-            self.check_baseline(self.doc["probes"][replay_id(baseline[0])])
-        return [self.doc["probes"][k] for k in keys]
+            self.check_baseline(self.session.probes[replay_id(baseline[0])])
+        return [self.session.probes[k] for k in keys]
 
     def save(self, **fields: Any) -> None:
-        self.doc.update(fields)
+        self.session = dataclasses.replace(self.session, **fields)
         self.lease.check()
-        self.record_rw().write_bisect_session(self.id, self.doc)
+        self.record_rw().write_bisect_session(self.id, self.session.to_dict())
 
     def record_rw(self) -> RunStore:
         return RunStore.open(self.store_path, mode="a")
 
     # -- the session -------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> Session:
         """The session, to its end; an error that ends it is stored with it (status "failed"). A session
         that is complete already is answered from the store, without starting anything."""
-        if self.doc.get("status") == "complete":
-            self.say(f"bisect session {self.id} is complete ({len(self.doc['probes'])} probes): its answer")
-            return {**self.doc, "verdict": {**self.doc["verdict"], "new_probes": 0}}
+        if self.session.status == "complete":
+            self.say(f"bisect session {self.id} is complete ({len(self.session.probes)} probes): its answer")
+            return dataclasses.replace(self.session, verdict=dataclasses.replace(self.session.verdict, new_probes=0))
         with writing(self.record.path, "replay bisect") as self.lease:   # one bisect at a time, like any writer
             try:
                 return self._run()
@@ -224,23 +224,23 @@ class Bisect:
                     self.save(status="failed", error=str(e) or type(e).__name__)
                 raise
 
-    def _run(self) -> dict[str, Any]:
+    def _run(self) -> Session:
         from replay.launch.ray_cluster import ray_session
 
         t0 = time.perf_counter()
-        before = len(self.doc["probes"])
+        before = len(self.session.probes)
         self.say(f"bisect session {self.id}" + (f" (resumed: {before} probes already done)" if self.resumed else "")
                  + f": spike at step {self.spike}; window up to step {self.stop}")
         self.say(f"rule: {self.rule.describe()}")
         with ray_session(self.cfg.address):   # a local cluster spans the machine: probes are sized below
             self.started = True
             self.save(status="running", error=None)
-            world = int(self.record.manifest["world_size"])
+            world = self.record.manifest.world_size
             cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
             self.width = slots
             with ProbeRunner(self.store_path, world, cpus, slots, self.lease.spec) as self.runner:
                 self.say(f"probes run on {slots} Ray worker(s), each with {world} warm rank(s) on {cpus} CPU(s)")
-                phases = self.doc["phases"]
+                phases = self.session.phases
                 start = self.checkpoints[-1]
                 for phase in PHASES[self.cfg.by]:
                     if phase == "steps":
@@ -257,10 +257,10 @@ class Bisect:
                 self.probe([], "baseline")   # checked already, unless no phase ran a probe
         seconds = time.perf_counter() - t0
         verdict = self.verdict(seconds)
-        self.doc["runs"].append({"time": time.time(), "seconds": seconds, "new_probes": self.new_probes,
-                                 "reused_probes": before})
+        self.session.runs.append({"time": time.time(), "seconds": seconds, "new_probes": self.new_probes,
+                                  "reused_probes": before})
         self.save(status="complete", verdict=verdict)
-        return self.doc
+        return self.session
 
     def _slots(self, per_probe: int) -> tuple[int, int]:
         """(CPUs one probe takes, probes at once). A probe needs its ranks x recorded threads; running
@@ -299,7 +299,7 @@ class Bisect:
         if not base["bitwise"]:
             self.say(f"warning: {where} reproduces the spike but not bit for bit (environment differs: "
                      f"{'; '.join(base['environment_notes'])})")
-        self.doc["phases"]["baseline"] = {"checkpoint": c, "bitwise": base["bitwise"], "spike_at": base["spike_at"],
+        self.session.phases["baseline"] = {"checkpoint": c, "bitwise": base["bitwise"], "spike_at": base["spike_at"],
                                           "probe": replay_id(self.baseline_request())}
         self.say(f"baseline: {where} reproduces the spike at step {base['spike_at']}"
                  + (", bit for bit" if base["bitwise"] else ""))
@@ -364,7 +364,7 @@ class Bisect:
 
     def _alternatives(self, phase: str, key: str, found: list) -> list:
         """Other sets no larger than the answer that the probes found preventing too (ddmin keeps the first)."""
-        return [p["overrides"][key] for p in self.doc["probes"].values()
+        return [p["overrides"][key] for p in self.session.probes.values()
                 if p["phase"] == phase and p["prevented"] and key in p["overrides"]
                 and len(p["overrides"][key]) <= len(found) and sorted(p["overrides"][key]) != found]
 
@@ -434,39 +434,31 @@ class Bisect:
         return request(start, min(self.stop + len(o.skip), self.record.end_step - 1), o)
 
     def exhausted(self) -> bool:
-        if len(self.doc["probes"]) < self.cfg.max_probes:
+        if len(self.session.probes) < self.cfg.max_probes:
             return False
         self.say(f"  the probe budget (--max-probes {self.cfg.max_probes}) is spent: the answer below is not minimal")
         return True
 
     # -- the answer --------------------------------------------------------------------------------
 
-    def verdict(self, seconds: float) -> dict[str, Any]:
-        phases = self.doc["phases"]
+    def verdict(self, seconds: float) -> Verdict:
+        phases = self.session.phases
         steps, layers, heads, data = (phases.get(k, {}) for k in ("steps", "layers", "heads", "data"))
-        used = {p: sum(1 for e in self.doc["probes"].values() if e["phase"] == p)
+        used = {p: sum(1 for e in self.session.probes.values() if e["phase"] == p)
                 for p in ("baseline", "steps", "layers", "heads", "data")}
-        return {
-            "spike": self.spike, "phases": PHASES[self.cfg.by], "fix": self.cfg.fix, "rule": self.rule.describe(),
-            "window": steps.get("window"), "separation": steps.get("separation"),
-            "layers": layers.get("layers"), "heads": heads.get("heads"),
-            "minimal": all(p.get("minimal", True) for p in (layers, heads, data)),
-            "commands": [p["rerun"] for p in (layers, heads, data) if p.get("rerun")],
-            "also": {"layers": layers.get("also") or [], "heads": heads.get("also") or []},
-            "batches": data.get("batches"), "samples": data.get("samples"), "data_window": data.get("window"),
-            "spike_without_data": data.get("spike_at_without"),
-            "probes": len(self.doc["probes"]), "new_probes": self.new_probes, "probes_by_phase": used,
-            "bound": 1 + sum(p.get("bound", 0) for p in (steps, layers, heads, data)),
-            "seconds": seconds, "workers": self.width,
-        }
+        return Verdict(
+            spike=self.spike, phases=PHASES[self.cfg.by], fix=self.cfg.fix, rule=self.rule.describe(),
+            window=steps.get("window"), separation=steps.get("separation"),
+            layers=layers.get("layers"), heads=heads.get("heads"),
+            minimal=all(p.get("minimal", True) for p in (layers, heads, data)),
+            commands=[p["rerun"] for p in (layers, heads, data) if p.get("rerun")],
+            also={"layers": layers.get("also") or [], "heads": heads.get("also") or []},
+            batches=data.get("batches"), samples=data.get("samples"), data_window=data.get("window"),
+            spike_without_data=data.get("spike_at_without"),
+            probes=len(self.session.probes), new_probes=self.new_probes, probes_by_phase=used,
+            bound=1 + sum(p.get("bound", 0) for p in (steps, layers, heads, data)),
+            seconds=seconds, workers=self.width)
 
 
-def _fault(new_probes: int) -> None:
-    """Fault hook for the resume test: REPLAY_FAULT=bisect-kill:N SIGKILLs the driver once N probes ran."""
-    name, _, n = os.environ.get("REPLAY_FAULT", "").partition(":")
-    if name == "bisect-kill" and new_probes >= int(n):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def bisect(store_path: str, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def bisect(store_path: str, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> Session:
     return Bisect(store_path, cfg, progress).run()

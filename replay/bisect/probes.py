@@ -16,6 +16,7 @@ from typing import Any
 
 from replay.errors import ReplayError
 from replay.launch.pool import RankPool, RankPoolError
+from replay.launch.ray_cluster import worker_options
 from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest
 
@@ -61,7 +62,7 @@ class ProbeRunner:
         import ray
 
         self.store, self.lease = str(store), lease
-        actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1)(ProbeWorker)
+        actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1, **worker_options())(ProbeWorker)
         self.actors = [actor.remote(world_size) for _ in range(slots)]
 
     def run(self, requests: list[ReplayRequest]) -> list[dict[str, Any]]:

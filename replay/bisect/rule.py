@@ -49,7 +49,7 @@ def judge(record: RunStore, probe: RunStore, rule: Rule, start: int, stop: int) 
     """Did the probe (a replay of `record` covering steps start..stop) prevent the spike in start..stop?"""
     recorded = record.read_steps(["loss"])["loss"]
     rows = probe.read_steps(["loss"])
-    skipped = set(probe.manifest.get("skip", []))
+    skipped = set(probe.manifest.replay.skip)
     detector = SpikeDetector(rule.spike)
     first = int(rows["step"][0]) if len(rows["step"]) else start
     for step in range(first):

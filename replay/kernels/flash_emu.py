@@ -2,7 +2,8 @@
 
 Two placements (`AttentionOptions.placement`), both round-to-nearest-even through PyTorch's own casts:
 
-`fa2`: what the CUDA FlashAttention-2 kernels do (BRIEF.md section 2), for BF16/FP16 inputs:
+`fa2`: what the CUDA FlashAttention-2 kernels do (whose numerics PyTorch's GPU flash backend inherits), for
+BF16/FP16 inputs:
   forward   S = Q K^T from low-precision operands, FP32 accumulate; row max in FP32; the softmax scale
             folded into a base-2 exponent: Pbar = exp2(S * scale*log2(e) - m * scale*log2(e)) in FP32; the
             row sum l accumulates the FP32 Pbar; Pbar is rounded to low precision before Pbar @ V (FP32
@@ -16,8 +17,7 @@ Two placements (`AttentionOptions.placement`), both round-to-nearest-even throug
   exactly 1), the GPU's accumulation order inside a matmul, and the LSE's units (log2 here, natural log
   in CUDA FA2, converted back in its backward: the same P up to an FP32 ulp).
 
-`reference`: Qiu & Yao's released code as BRIEF.md describes it, a tiled FA2 written with PyTorch ops
-  under BF16 autocast: every intermediate is a low-precision tensor. S = Q K^T rounded, scaled and
+`reference`: Qiu & Yao's released code, a tiled FA2 written with PyTorch ops under BF16 autocast: every intermediate is a low-precision tensor. S = Q K^T rounded, scaled and
   rounded; Pbar = exp(S - m) rounded; the per-tile unnormalised Pbar @ V rounded; the O accumulator, l
   and m low precision, each update rounded; O = acc / l rounded; the backward in low-precision tensors
   (D, P, dP, dS and the running dQ, dK, dV, each rounded as produced).

@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from replay.errors import UsageError
-from replay.store.run_store import NUMERICS_FIELDS as FIELDS
 
 EMULATED = ("fa2-emu", "reference-emu")
+# What the probe measures per step and layer (the run store keeps them as optional steps/ arrays).
+FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
 
 _active: "NumericsProbe | None" = None
 
@@ -131,14 +132,15 @@ class NumericsProbe:
             if self.tied[layer]:
                 out["delta_err_tied"][layer] = self.err_tied_sum[layer] / self.tied[layer]
             out["wq_err_norm"][layer] = float(self.wq_err[layer].norm())
-            out["wq_err_cos"][layer] = _cosine(self.wq_err[layer], self.last_wq_err[layer])
-            out["wq_tied_err_cos"][layer] = _cosine(self.wq_tied_err[layer], self.last_wq_tied_err[layer])
+            out["wq_err_cos"][layer] = cosine(self.wq_err[layer], self.last_wq_err[layer])
+            out["wq_tied_err_cos"][layer] = cosine(self.wq_tied_err[layer], self.last_wq_tied_err[layer])
             self.last_wq_err[layer], self.last_wq_tied_err[layer] = self.wq_err[layer], self.wq_tied_err[layer]
         self._reset()
         return out
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor | None) -> float:
+def cosine(a: torch.Tensor, b: torch.Tensor | None) -> float:
+    """The cosine of two tensors' angle, flattened; NaN if either is missing or zero."""
     if b is None or not a.norm() > 0 or not b.norm() > 0:
         return float("nan")
     return float((a * b).sum() / (a.norm() * b.norm()))

@@ -24,9 +24,11 @@ between their backends and runs our own backends with autocast off, so their rou
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -51,10 +53,13 @@ class BackendSpec:
     @classmethod
     def parse(cls, text: str) -> "BackendSpec":
         name, _, rest = text.strip().partition(":")
-        if name == "defect" and not rest and defect_threshold() is not None:
+        _load_plugins()
+        if name in _PLUGINS:
+            if rest:
+                raise UsageError(f"attention backend {name!r} (a plugin) takes no options (got {rest!r})")
             return cls(name)
         if name not in NAMES:
-            raise UsageError(f"unknown attention backend {name!r}; choose one of {', '.join(NAMES)}")
+            raise UsageError(f"unknown attention backend {name!r}; choose one of {', '.join([*NAMES, *_PLUGINS])}")
         opts = dict(_option(o, text) for o in rest.split(",") if o.strip()) if rest else {}
         if name in TRANSFORMERS_NAMES:
             if opts:
@@ -203,28 +208,43 @@ class LayerAttention:
         return out
 
 
-def defect_threshold() -> float | None:
-    """Tests only: REPLAY_FAULT=attention-defect:T enables the `defect` backend (see _defect)."""
-    name, _, value = os.environ.get("REPLAY_FAULT", "").partition(":")
-    return float(value) if name == "attention-defect" else None
+# Backends added by plugins: name -> a causal attention function (q, k, v, scaling) -> out, on [B, H, N, d].
+_PLUGINS: dict[str, Callable[..., torch.Tensor]] = {}
+_loaded: set[str] = set()
 
 
-def _defect(q, k, v, scaling: float) -> torch.Tensor:
-    """A deliberately broken kernel, for the bisect tests: exact FP32 attention, except that rows whose
-    largest logit exceeds the threshold come out as inf (as from a kernel overflowing there). It fires
-    only once training has grown the logits, so the run it is planted in breaks mid-way."""
-    n, m = q.shape[-2], k.shape[-2]
-    logits = (q.float() @ k.float().transpose(-2, -1)) * scaling
-    logits = logits.masked_fill(~causal_mask(n, m, q.device), float("-inf"))
-    out = torch.softmax(logits, dim=-1) @ v.float()
-    broken = logits.amax(dim=-1, keepdim=True) > defect_threshold()
-    return out.masked_fill(broken, float("inf")).to(q.dtype)
+def register_backend(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Add an attention backend that plans can name: `fn(q, k, v, scaling)` computes causal attention on
+    [batch, heads, seq, head_dim] tensors. Modules listed in REPLAY_PLUGINS (comma-separated) are imported
+    before the first plan is read, in every process of a command (its ranks inherit the variable), so a
+    backend of your own can be recorded, replayed and bisected like the built-in ones."""
+    if name in NAMES:
+        raise UsageError(f"attention backend {name!r} exists already")
+    _PLUGINS[name] = fn
+
+
+def plugin_env() -> dict[str, str]:
+    """The plugin setting, for processes that do not inherit this one's environment (Ray workers)."""
+    return {"REPLAY_PLUGINS": os.environ["REPLAY_PLUGINS"]} if os.environ.get("REPLAY_PLUGINS") else {}
+
+
+def _load_plugins() -> None:
+    for module in filter(None, (m.strip() for m in os.environ.get("REPLAY_PLUGINS", "").split(","))):
+        if module in _loaded:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise UsageError(f"REPLAY_PLUGINS names {module!r}, which cannot be imported: {e}") from None
+        _loaded.add(module)
 
 
 def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, list[int]]) -> torch.Tensor:
     n, m = q.shape[-2], k.shape[-2]
-    if spec.name == "defect":
-        return _defect(q, k, v, scaling)
+    if spec.name in _PLUGINS:
+        if keep is not None:
+            raise UsageError(f"attention backend {spec.name!r} (a plugin) takes no padding masks")
+        return _PLUGINS[spec.name](q, k, v, scaling)
     if spec.name == "eager":
         from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 

@@ -8,6 +8,10 @@ optimizer and RNG states from the store and sets its thread count and determinis
 carries over between replays but imported code; bitwise verification checks exactly that.
 A failing rank (its error, or its death) takes the whole pool down: the others may be stuck in a
 collective. The next request starts a fresh pool.
+
+A pool used as a context manager is *active* while the block runs: every recording or replay of this
+process that would start local ranks of its world size runs on it instead (`replay demo`, a notebook,
+a test session).
 """
 
 from __future__ import annotations
@@ -21,11 +25,20 @@ import time
 from pathlib import Path
 
 from replay.errors import ReplayError
+from replay.kernels.registry import plugin_env
 from replay.launch.ranks import free_port, rank_env
 
 
 class RankPoolError(ReplayError):
     """A rank of the pool failed or died: the pool is gone; the next request starts a fresh one."""
+
+
+_active: list["RankPool"] = []
+
+
+def active_pool(world_size: int) -> "RankPool | None":
+    """The innermost active pool of `world_size` ranks, if any."""
+    return next((p for p in reversed(_active) if p.world_size == world_size), None)
 
 
 class RankPool:
@@ -63,7 +76,8 @@ class RankPool:
         """Train the (already prepared) store on every rank, writing under `lease` (store/lease.py); raises
         ReplayError if any rank fails."""
         self.start()
-        request = (json.dumps({"store": str(store_path), "resume": resume, "lease": lease}) + "\n").encode()
+        request = (json.dumps({"store": str(store_path), "resume": resume, "lease": lease, "env": plugin_env()})
+                   + "\n").encode()
         try:
             for proc in self._procs:
                 proc.stdin.write(request)
@@ -130,7 +144,9 @@ class RankPool:
         self._procs, self._replies = [], []
 
     def __enter__(self) -> "RankPool":
+        _active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _active.remove(self)
         self.close()

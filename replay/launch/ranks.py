@@ -26,7 +26,8 @@ from replay.kernels.registry import check_attention
 from replay.launch.lifeline import child_env
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV, writing
-from replay.store.run_store import is_empty_dir
+from replay.store.manifest import DataInfo, Manifest, ResumeInfo
+from replay.store.run_store import check_empty
 from replay.train.data import (DataOrder, TokenData, builtin_corpus, cpu_count, fingerprint_file,
                                fingerprint_tokens, load_data, make_data, open_token_file)
 
@@ -60,24 +61,21 @@ def prepare_new(store_path: str, cfg: RunConfig, world_size: int, local_world: i
     if cfg.threads == 0:
         cfg.threads = max(1, cpu_count() // local_world)
     path = Path(store_path)
-    if not is_empty_dir(path):
-        RunStore.create(path, {})  # raises the "not empty" error
+    check_empty(path)
     if cfg.data.path:
         tokens = open_token_file(cfg)
         make_data(cfg, tokens)
-        data_meta = {**fingerprint_file(Path(cfg.data.path)), "embedded": False, "dtype": cfg.data.dtype}
+        data = DataInfo(embedded=False, dtype=cfg.data.dtype, **fingerprint_file(Path(cfg.data.path)))
     else:
         tokens = builtin_corpus(cfg.data.corpus_bytes)
         make_data(cfg, tokens)
-        data_meta = {**fingerprint_tokens(tokens), "embedded": True, "dtype": "uint8",
-                     "source": "python stdlib *.py files (built-in corpus)"}
+        data = DataInfo(embedded=True, dtype="uint8", source="python stdlib *.py files (built-in corpus)",
+                        **fingerprint_tokens(tokens))
     _check_deepspeed(cfg)
     cfg.model.attention = check_attention(cfg.model, cfg.numerics)
-    store = RunStore.create(path, {
-        "config": cfg.to_dict(), "data": data_meta, "world_size": world_size, "launcher": cfg.launcher,
-        "created": time.time(), "status": "running", "resumes": [],
-    })
-    if data_meta["embedded"]:
+    store = RunStore.create(path, Manifest(kind="run", config=cfg, world_size=world_size, launcher=cfg.launcher,
+                                           data=data, created=time.time()))
+    if data.embedded:
         store.write_tokens(tokens)
     return store
 
@@ -100,36 +98,36 @@ def prepare_resume(store_path: str, world_size: int) -> Resume:
     if store.kind != "run":
         raise UsageError(f"{path} is a replay: continue it with `replay run` and its window, plus --resume")
     store.check_rebuildable("replay record --resume")
+    store.check_writable()
     m = store.manifest
-    cfg = RunConfig.from_dict(m["config"])
-    if world_size != m["world_size"]:
-        raise UsageError(f"--resume with {world_size} ranks, but {path} was recorded with {m['world_size']}; "
-                         f"resume with --nproc {m['world_size']} (bitwise continuation needs the same world size)")
+    cfg = m.config
+    if world_size != m.world_size:
+        raise UsageError(f"--resume with {world_size} ranks, but {path} was recorded with {m.world_size}; "
+                         f"resume with --nproc {m.world_size} (bitwise continuation needs the same world size)")
     if cfg.data.path:
         now = fingerprint_file(Path(cfg.data.path)) if Path(cfg.data.path).is_file() else None
-        if now is None or now["digest"] != m["data"]["digest"]:
+        if now is None or now["digest"] != m.data.digest:
             raise UsageError(f"data file {cfg.data.path} is missing or changed since the run was recorded; "
                              "restore the original file to resume")
     notes = _environment_check(m)
     committed = store.checkpoints()
     start = committed[-1].step if committed else None
-    data = _data(store, cfg, m["data"], start)
+    data = _data(store, cfg, m.data, start)
     if start:
         _check_data_order(store, cfg, data, start)
     rewound = store.rewind(verify_world_size=world_size)
     assert rewound == start, "the lease keeps the store still while it is resumed"
-    store.update_manifest(status="running", resumes=[*m["resumes"], {"from_step": start or 0, "time": time.time()}])
+    store.update_manifest(status="running", resumes=[*m.resumes, ResumeInfo(from_step=start or 0, time=time.time())])
     return Resume(store, cfg, start, notes)
 
 
-def _environment_check(m: dict) -> list[str]:
+def _environment_check(m: Manifest) -> list[str]:
     """What differs from the environment the run last ran in; a refusal where the run cannot go on here."""
     import torch
 
     from replay.recorder.environment import environment_notes
 
-    recorded = next((r["environment"] for r in reversed(m["resumes"]) if r.get("environment")),
-                    m.get("environment", {}))
+    recorded = m.last_environment
     if not recorded:   # killed before its ranks had started: nothing ran anywhere yet
         return []
     if recorded.get("device", "cpu").startswith("cuda") and not torch.cuda.is_available():
@@ -138,7 +136,7 @@ def _environment_check(m: dict) -> list[str]:
     return environment_notes(recorded)
 
 
-def _data(store: RunStore, cfg: RunConfig, meta: dict, start: int | None) -> TokenData:
+def _data(store: RunStore, cfg: RunConfig, meta: DataInfo, start: int | None) -> TokenData:
     """The run's data, checked. Embedded data a crash cut short before the first commit is written again
     (the built-in corpus is rebuilt and must match the recorded digest)."""
     if cfg.data.path or start is not None:
@@ -147,7 +145,7 @@ def _data(store: RunStore, cfg: RunConfig, meta: dict, start: int | None) -> Tok
         return load_data(cfg, store)
     except ChecksumError:
         tokens = builtin_corpus(cfg.data.corpus_bytes)
-        if fingerprint_tokens(tokens)["digest"] != meta["digest"]:
+        if fingerprint_tokens(tokens)["digest"] != meta.digest:
             raise UsageError("the built-in corpus embedded in the store was cut short, and this Python's standard "
                              "library gives other bytes than the recording's: record the run anew") from None
         store.write_tokens(tokens)
@@ -177,13 +175,20 @@ def _check_deepspeed(cfg: RunConfig) -> None:
         raise UsageError(f"--launcher deepspeed needs DeepSpeed importable here: {e}") from None
 
 
-def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: str) -> None:
+def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: str, pool=None) -> None:
     """Run the ranks on this machine, writing under `lease` (store/lease.py), and wait; a failing rank
-    fails the whole recording."""
+    fails the whole recording. Local ranks run on `pool`, or on the active pool of warm ranks of this
+    world size (launch/pool.py), where there is one."""
+    from replay.launch.pool import active_pool
+
     if nproc == 1 and cfg.launcher == "local":
         from replay.train.trainer import train
 
         train(store_path, lease, resume=resume)
+        return
+    pool = pool or active_pool(nproc)
+    if pool is not None and cfg.launcher == "local" and pool.world_size == nproc:
+        pool.train(store_path, lease, resume=resume)
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
     port = free_port()
@@ -244,7 +249,7 @@ def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if RunStore.open(store_path).manifest.get("launch_id") == launch_id:
+            if RunStore.open(store_path).manifest.launch_id == launch_id:
                 return
         except ReplayError:
             pass

@@ -13,6 +13,7 @@ import socket
 import sys
 from typing import Any, Callable, Iterable, Iterator
 
+from replay import faults
 from replay.errors import ReplayError, UsageError
 from replay.launch.lifeline import Guardian
 
@@ -37,8 +38,8 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
         kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR", "log_to_driver": False}
         if address:
             kwargs["address"] = address
-        else:
-            kwargs["num_cpus"] = workers or os.cpu_count() or 1
+        else:   # a cluster of our own, even where `ray start` left one running on this machine
+            kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
         if not address:   # the local cluster's processes must not outlive this one (launch/lifeline.py)
             guardian.start()
         try:
@@ -102,13 +103,23 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
+def worker_options() -> dict[str, Any]:
+    """What Ray workers must see of this process's environment that they may not inherit (they can be on
+    other nodes, or started before it was set): attention plugins (kernels/registry.py) and a test's
+    armed fault (replay/faults.py)."""
+    from replay.kernels.registry import plugin_env
+
+    env = {**plugin_env(), **faults.armed()}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def run_tasks(fn: Callable, items: Iterable[Any], max_in_flight: int, on_result: Callable[[Any, Any], None],
               retries: int = RETRIES) -> None:
     """Run `fn(item)` as a Ray task for every item, at most `max_in_flight` at once; `on_result(item,
     result)` runs on the driver as each finishes (in completion order)."""
     import ray
 
-    remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=[OSError])(fn)
+    remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=[OSError], **worker_options())(fn)
     pending: dict[Any, Any] = {}
     queue = list(items)
     queue.reverse()

@@ -14,11 +14,10 @@ import traceback
 
 from replay.errors import ReplayError
 from replay.launch.lifeline import follow_parent
-from replay.store.lease import ENV as LEASE_ENV
 
 
 def main(argv: list[str]) -> int:
-    follow_parent()   # first: a rank never outlives the command that started it
+    from replay.store.lease import ENV as LEASE_ENV
     from replay.train.trainer import train
 
     rank = os.environ.get("RANK", "?")
@@ -43,6 +42,7 @@ def serve(train, reply_fd: int) -> int:
     with os.fdopen(reply_fd, "w") as replies:
         for line in sys.stdin:
             request = json.loads(line)
+            os.environ.update(request.get("env", {}))   # the command's plugins (kernels/registry.py)
             error, code = _attempt(train, request["store"], request["resume"], lease=request["lease"],
                                    keep_group=True)
             replies.write(json.dumps({"error": error, "code": code} if error else {"ok": True}) + "\n")
@@ -68,4 +68,5 @@ def _attempt(train, store: str, resume: bool, lease: str, **kwargs) -> tuple[str
 
 
 if __name__ == "__main__":
+    follow_parent()   # first, before the imports of seconds: a rank never outlives the command that started it
     sys.exit(main(sys.argv[1:]))

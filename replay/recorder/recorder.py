@@ -31,14 +31,27 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from replay import faults
 from replay.config import RunConfig, SpikeConfig
 from replay.errors import UsageError
 from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
-from replay.recorder.writer import BackgroundWriter, fault_point
+from replay.recorder.writer import BackgroundWriter
 from replay.store import RunStore
 from replay.store.lease import Lease, require
+from replay.store.manifest import DataInfo, Manifest
 from replay.store.tensors import Packed, pack
+
+
+# The layout of every checkpoint: each rank's shard is the tree {"state": TrainState.state_dict(rank), "rng":
+# rng_state()}; a TrainState's tree is {"replicated": ..., "local": ...}, with the model's state dict at
+# "replicated/model" (rank 0's shard). A shard's tensors are keyed by their path in that tree.
+MODEL_KEYS = "/state/replicated/model/"
+
+
+def model_key(name: str) -> str:
+    """The key of the model's tensor `name` (a state-dict key) in rank 0's shard."""
+    return MODEL_KEYS + name
 
 
 class TrainState(Protocol):
@@ -69,13 +82,11 @@ class RecorderConfig:
 def create_run_store(path: str, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
     """A new run store for a training loop of your own. `config` describes the run as far as it can
     (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
+    data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="",
+                    source=description or "a custom training loop")
     with Lease.acquire(path, "create_run_store"):
-        return RunStore.create(path, {
-            "config": config.to_dict(), "world_size": world_size, "launcher": "custom", "created": time.time(),
-            "status": "running", "resumes": [],
-            "data": {"embedded": False, "path": None, "source": description or "a custom training loop",
-                     "bytes": 0, "method": "none", "digest": ""},
-        })
+        return RunStore.create(path, Manifest(kind="run", config=config, world_size=world_size, launcher="custom",
+                                              data=data, created=time.time()))
 
 
 def resume_run_store(path: str, world_size: int = 1) -> int | None:
@@ -247,10 +258,10 @@ class Recorder:
         rank, world, store = self.rank, self.world, self.store
 
         def write() -> None:
-            store.write_shard(step, rank, packed, after_chunk=lambda i, n: i == max(1, n // 2) and fault_point(
+            store.write_shard(step, rank, packed, after_chunk=lambda i, n: i == max(1, n // 2) and faults.hit(
                 "shard-half", step, rank))
             self._give_back(packed)
-            fault_point("before-commit", step, rank)
+            faults.hit("before-commit", step, rank)
 
         self.writer.submit(write)
         if self.coordinator:

@@ -47,10 +47,7 @@ class SpikeDetector:
             return True, math.nan, math.nan, math.inf
         if self.seen < max(self.cfg.warmup, 3) or len(self.history) < 3:
             return False, math.nan, math.nan, 0.0
-        h = np.fromiter(self.history, dtype=np.float64)
-        median = float(np.median(h))
-        spread = max(1.4826 * float(np.median(np.abs(h - median))), 1e-12)
-        score = (loss - median) / spread
+        score, median, spread = robust_z(np.fromiter(self.history, dtype=np.float64), loss)
         fires = score > self.cfg.threshold and loss > median * (1 + self.cfg.min_rise)
         return fires, median, spread, score
 
@@ -64,6 +61,15 @@ class SpikeDetector:
             self.history.append(float(loss))
         self.seen += 1
         return event
+
+
+def robust_z(history: np.ndarray, x: float, relative_floor: float = 0.0, floor: float = 0.0) -> tuple[float, float, float]:
+    """(z, median, spread) of `x` against `history`: z = (x - median) / spread, where spread = 1.4826 x the
+    median absolute deviation (the standard deviation, for normal data), but at least `relative_floor` x
+    |median| and `floor`, so that a flat history does not turn a wobble into a large score."""
+    median = float(np.median(history))
+    spread = max(1.4826 * float(np.median(np.abs(history - median))), relative_floor * abs(median), floor, 1e-12)
+    return (x - median) / spread, median, spread
 
 
 def detect_spikes(losses: np.ndarray, cfg: SpikeConfig, start_step: int = 0) -> list[SpikeEvent]:

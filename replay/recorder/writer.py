@@ -7,9 +7,7 @@ An error in the thread is raised on the training thread at its next call.
 
 from __future__ import annotations
 
-import os
 import queue
-import signal
 import threading
 from typing import Callable
 
@@ -64,12 +62,3 @@ class BackgroundWriter:
         if self._error is not None:
             e = self._error
             raise StoreError(f"writing to the run store failed: {type(e).__name__}: {e}") from e
-
-
-def fault_point(name: str, step: int, rank: int) -> None:
-    """Test hook for faults that need precise timing: REPLAY_FAULT=name:step:rank kills this process
-    with a real SIGKILL at that point (e.g. `shard-half:6:1`, half-way through rank 1's shard of
-    checkpoint 6). Unset in normal use; costs one dict lookup."""
-    spec = os.environ.get("REPLAY_FAULT")
-    if spec and spec == f"{name}:{step}:{rank}":
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from replay.config import RunConfig
+from replay.config import PRECISIONS, RunConfig
 from replay.errors import UsageError
 from replay.kernels.numerics import check_plan
 from replay.kernels.options import SafeSoftmaxFix
@@ -192,8 +192,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
             check_plan(plan, cfg.model.n_layer, cfg.model.n_head)
         cfg.model.attention = plan.canonical()
     if o.precision is not None:
-        if o.precision not in ("bf16", "fp32"):
-            raise UsageError(f"--precision must be bf16 or fp32, got {o.precision!r}")
+        if o.precision not in PRECISIONS:
+            raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {o.precision!r}")
         if launcher == "deepspeed" and o.precision != cfg.precision:
             raise UsageError("--precision cannot change under DeepSpeed: its optimizer state layout depends on it")
         cfg.precision = o.precision

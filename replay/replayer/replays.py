@@ -10,6 +10,7 @@ restores its own shard and RNG states from the parent and trains on the parent's
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import time
@@ -24,6 +25,7 @@ from replay.errors import StoreError, UsageError
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
+from replay.store.manifest import Manifest, ReplaySpec, ResumeInfo
 from replay.store.lease import writing
 
 if TYPE_CHECKING:
@@ -102,8 +104,8 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     if not before:
         raise UsageError(f"no committed checkpoint at or before step {req.start} in {store_path}")
     ckpt = before[-1]
-    cfg = apply_overrides(RunConfig.from_dict(parent.manifest["config"]), req.overrides, (req.start, req.stop),
-                          parent.manifest["launcher"])
+    recorded = parent.manifest
+    cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), recorded.launcher)
     if req.overrides.drop:
         ids = parent.read_steps(["sample_ids"])["sample_ids"]
         for step, sample in req.overrides.drop:
@@ -112,37 +114,34 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
                                  f"(`replay batch {store_path} --step {step}` lists that step's samples)")
             if set(np.asarray(ids[step]).ravel()) <= {s for t, s in req.overrides.drop if t == step}:
                 raise UsageError(f"--drop leaves no sample of step {step}; skip the step with --skip {step}")
-    for rank in range(parent.manifest["world_size"]):   # a corrupted checkpoint is named before anything is written
+    for rank in range(recorded.world_size):   # a corrupted checkpoint is named before anything is written
         parent.read_shard(ckpt.step, rank)
 
-    lr_scope = req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head)
+    spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,
+                      start_checkpoint_kind=ckpt.kind, checkpoint_every=req.checkpoint_every,
+                      overrides=req.overrides.to_dict(), skip=req.overrides.skip, drop=req.overrides.drop,
+                      lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head))
     path = Path(store_path) / "replays" / replay_id(req)
-    window = {"from": req.start, "to": req.stop}
     if (path / "zarr.json").exists():
         existing = RunStore.open(path)
-        same = (existing.manifest.get("window") == window and existing.manifest.get("start_checkpoint") == ckpt.step
-                and existing.manifest.get("overrides") == req.overrides.to_dict())
-        if not same:
+        m = existing.manifest
+        same = lambda r: (r.start, r.stop, r.start_checkpoint, r.overrides)   # noqa: E731 (what names a replay)
+        if same(m.replay) != same(spec):
             raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; choose another --name")
-        if existing.manifest.get("status") == "complete":
+        if m.status == "complete":
             return path, cfg, False, False
         if req.resume and existing.checkpoints():
             existing = RunStore.open(path, mode="a")
-            last = existing.rewind(verify_world_size=parent.manifest["world_size"])
-            existing.update_manifest(resumes=[*existing.manifest["resumes"], {"from_step": last, "time": time.time()}])
+            last = existing.rewind(verify_world_size=recorded.world_size)
+            existing.update_manifest(resumes=[*m.resumes, ResumeInfo(from_step=last, time=time.time())])
             return path, cfg, True, True
         if not (req.resume or req.discard):
             raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted (it reached step "
                              f"{existing.end_step - 1}): pass --resume to continue it or --discard to start it anew")
         shutil.rmtree(path)   # discarded, or nothing committed to resume from: run it anew
-    RunStore.create(path, {
-        "config": cfg.to_dict(), "parent": "../..", "window": window, "start_checkpoint": ckpt.step,
-        "start_checkpoint_kind": ckpt.kind, "checkpoint_every": req.checkpoint_every,
-        "overrides": req.overrides.to_dict(), "skip": req.overrides.skip, "drop": req.overrides.drop,
-        "lr_scope": lr_scope,
-        "world_size": parent.manifest["world_size"], "launcher": parent.manifest["launcher"],
-        "data": parent.manifest["data"], "created": time.time(), "status": "running", "resumes": [],
-    }, kind="replay", first_step=ckpt.step)
+    RunStore.create(path, Manifest(kind="replay", config=cfg, world_size=recorded.world_size,
+                                   launcher=recorded.launcher, data=recorded.data, created=time.time(), replay=spec),
+                    first_step=ckpt.step)
     return path, cfg, True, False
 
 
@@ -159,16 +158,16 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
     RunStore.open(store_path)   # a missing store is named before anything is made
     with writing(Path(store_path) / "replays" / replay_id(req), command, under=under) as lease:
         path, cfg, pending, resume = prepare(store_path, req)
-        world = RunStore.open(store_path).manifest["world_size"]
-        notes = environment_notes(RunStore.open(store_path).manifest.get("environment", {}))
-        if pending and pool is not None and cfg.launcher == "local" and pool.world_size == world:
-            pool.train(path, lease.spec, resume=resume)
-        elif pending:
-            run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec)
+        recorded = RunStore.open(store_path).manifest
+        notes = environment_notes(recorded.environment)
+        if pending:
+            run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec, pool=pool)
         result = Replay(path, created=pending, environment_notes=notes)
         result.verification = verify(RunStore.open(store_path), RunStore.open(path))
         lease.check()
-        RunStore.open(path, mode="a").update_manifest(verification=result.verification.to_dict())
+        done = RunStore.open(path, mode="a")
+        done.update_manifest(replay=dataclasses.replace(done.manifest.replay,
+                                                        verification=result.verification.to_dict()))
     return result
 
 
@@ -178,7 +177,7 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
     rec, rep = parent.read_steps(list(COMPARED)), replay.read_steps(list(COMPARED))
     steps = rep["step"].tolist()
     rows = np.asarray(steps)
-    skipped = set(replay.manifest.get("skip", []))
+    skipped = set(replay.manifest.replay.skip)
     for i, step in enumerate(steps):
         if step in skipped:
             continue
@@ -192,9 +191,9 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
     return Verification(steps, True)
 
 
-def spike_outcome(recorded: list[int], replayed: list[int], window: dict[str, int]) -> str:
+def spike_outcome(recorded: list[int], replayed: list[int], spec: ReplaySpec) -> str:
     """In words: did the replay reproduce, prevent or add spikes, against the record's in the window?"""
-    in_window = [s for s in recorded if window["from"] <= s <= window["to"]]
+    in_window = [s for s in recorded if spec.start <= s <= spec.stop]
     if not in_window:
         return "no spike recorded in the window" + (f"; the replay spiked at {replayed}" if replayed else "")
     if replayed == in_window:
@@ -219,8 +218,9 @@ def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
         except StoreError as e:
             out.append({"id": path.name, "error": str(e)})
             continue
-        out.append({"id": path.name, "window": m.get("window"), "start_checkpoint": m.get("start_checkpoint"),
-                    "overrides": m.get("overrides", {}), "status": m.get("status"),
-                    "spikes": spikes, "verification": m.get("verification"),
-                    "outcome": spike_outcome(recorded, spikes, m.get("window"))})
+        spec = m.replay
+        out.append({"id": path.name, "window": {"from": spec.start, "to": spec.stop},
+                    "start_checkpoint": spec.start_checkpoint, "overrides": spec.overrides, "status": m.status,
+                    "spikes": spikes, "verification": spec.verification,
+                    "outcome": spike_outcome(recorded, spikes, spec)})
     return out

@@ -29,6 +29,7 @@ manifest have a single writer (the coordinator, rank 0), and a store has one wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -42,19 +43,22 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from replay.errors import ChecksumError, StoreError, UsageError
+from replay.store import legacy
 from replay.store.chunks import chunking, read_chunks, write_chunks
 from replay.store.integrity import (crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal,
                                     write_file)
+from replay.store.manifest import READABLE, SCHEMA, Manifest
 from replay.store.tensors import Packed, as_tensor, entry_view, layout, unflatten
 
-SCHEMA_VERSION = 2
 _COMPRESSORS = (ZstdCodec(), Crc32cCodec())   # the step log and embedded data: compressed, then checksummed
 
 
-def is_empty_dir(path: Path) -> bool:
-    """Nothing there yet, or an empty directory (the lease of the command about to create a store there
-    does not count: store/lease.py)."""
-    return not path.exists() or (path.is_dir() and all(p.name == "leases" for p in path.iterdir()))
+def check_empty(path: Path) -> None:
+    """Refuse a store path that holds anything already (the lease of the command about to create a store
+    there does not count: store/lease.py)."""
+    if path.exists() and not (path.is_dir() and all(p.name == "leases" for p in path.iterdir())):
+        raise StoreError(f"store {path} is not empty: pass --resume to continue the run recorded there, "
+                         "or choose a new --store directory")
 
 
 def _ckpt_name(step: int) -> str:
@@ -103,17 +107,13 @@ class RunStore:
     # -- opening -----------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | Path, manifest: dict[str, Any], kind: str = "run", first_step: int = 0) -> "RunStore":
+    def create(cls, path: str | Path, manifest: Manifest, first_step: int = 0) -> "RunStore":
         """A new store: a recorded run, or a replay (whose step log starts at `first_step`)."""
         path = Path(path)
-        if not is_empty_dir(path):
-            raise StoreError(
-                f"store {path} is not empty: pass --resume to continue the run recorded there, "
-                "or choose a new --store directory"
-            )
+        check_empty(path)
+        assert manifest.schema == SCHEMA, "stores are written in the current schema"
         path.mkdir(parents=True, exist_ok=True)
-        attrs = seal({"replay": {"schema": SCHEMA_VERSION, "kind": kind}, **manifest})
-        zarr.create_group(LocalStore(path), attributes=attrs)   # refuses to overwrite a group
+        zarr.create_group(LocalStore(path), attributes=seal(manifest.to_dict()))   # refuses to overwrite a group
         store = cls(path, mode="a")
         store.root.create_group("steps", attributes=seal({"n_steps": 0, "first_step": first_step}))
         store.root.create_group("spikes", attributes=seal({"events": []}))
@@ -133,24 +133,45 @@ class RunStore:
         meta = store.root.attrs.get("replay")
         if not isinstance(meta, dict) or meta.get("kind") not in ("run", "replay"):
             raise StoreError(f"{path} is a Zarr group but not a replay run store")
-        if meta.get("schema") != SCHEMA_VERSION:
+        if meta.get("schema") not in READABLE:
             raise StoreError(f"{path} has store schema {meta.get('schema')}, written by another version of replay; "
-                             f"this one reads schema {SCHEMA_VERSION}: record the run again")
+                             f"this one reads schemas {', '.join(map(str, READABLE))}")
         store.manifest   # its checksum, verified
         return store
+
+    @property
+    def schema(self) -> int:
+        return int(self.root.attrs["replay"]["schema"])
+
+    def _sealed(self, attrs: dict[str, Any], what: str) -> dict[str, Any]:
+        """A JSON document the store wrote, its checksum verified (schema 1 wrote none)."""
+        return unseal(attrs, f"{self.path}: {what}") if self.schema >= 2 else attrs
+
+    def check_writable(self) -> None:
+        """Refuse to write the run of a store this version cannot write as it was written (an older schema)."""
+        if self.schema < SCHEMA:
+            raise StoreError(f"{self.path} was written by an older replay (store schema {self.schema}): its run "
+                             "can be read, replayed and analysed, not continued; record it again to continue it")
+
 
     # -- manifest ----------------------------------------------------------------------------------
 
     @property
-    def manifest(self) -> dict[str, Any]:
-        return unseal(dict(self.root.attrs), f"{self.path}: the manifest (zarr.json)")
+    def manifest(self) -> Manifest:
+        return Manifest.from_dict(self._sealed(dict(self.root.attrs), "the manifest (zarr.json)"))
+
+    @property
+    def kind(self) -> str:
+        return self.manifest.kind
 
     def update_manifest(self, **fields: Any) -> None:
-        self.root.update_attributes(seal({**self.manifest, **fields}))
+        """Replace the given fields of the manifest (one write of the whole document)."""
+        self.check_writable()
+        self.root.update_attributes(seal(dataclasses.replace(self.manifest, **fields).to_dict()))
 
     def check_rebuildable(self, command: str) -> None:
         """Refuse, in one line, what needs the built-in trainer to rebuild the run (replays, bisect, analysis)."""
-        if self.manifest.get("launcher") == "custom":
+        if self.manifest.launcher == "custom":
             raise UsageError(f"{self.path} was recorded by a training loop of your own (the Python Recorder API); "
                              f"`{command}` rebuilds runs of the built-in GPT-2 trainer and cannot re-run yours: "
                              "`replay info`, `batch` and `spikes` read it")
@@ -191,12 +212,8 @@ class RunStore:
 
     # -- step log ----------------------------------------------------------------------------------
 
-    @property
-    def kind(self) -> str:
-        return self.manifest["replay"]["kind"]
-
     def _steps_attrs(self) -> dict[str, Any]:
-        return unseal(dict(self.root["steps"].attrs), f"{self.path}: the step log's attributes (steps/zarr.json)")
+        return self._sealed(dict(self.root["steps"].attrs), "the step log's attributes (steps/zarr.json)")
 
     @property
     def n_steps(self) -> int:
@@ -217,6 +234,7 @@ class RunStore:
 
     def append_steps(self, start: int, records: dict[str, np.ndarray]) -> None:
         """Write steps [start, start + k) of every step field, then move the done-ness counter."""
+        self.check_writable()
         if start != self.end_step:
             raise StoreError(f"step log ends at step {self.end_step}; cannot append at step {start}")
         row = start - self.first_step
@@ -257,9 +275,10 @@ class RunStore:
 
     @property
     def spikes(self) -> list[dict[str, Any]]:
-        return list(unseal(dict(self.root["spikes"].attrs), f"{self.path}: the spikes (spikes/zarr.json)")["events"])
+        return list(self._sealed(dict(self.root["spikes"].attrs), "the spikes (spikes/zarr.json)")["events"])
 
     def add_spike(self, event: dict[str, Any]) -> None:
+        self.check_writable()
         self.root["spikes"].update_attributes(seal({"events": [*self.spikes, event]}))
 
     def truncate_spikes(self, before_step: int) -> None:
@@ -291,6 +310,8 @@ class RunStore:
         path = self._ckpt_dir(step) / "zarr.json"
         if not path.is_file():
             return None
+        if self.schema < 2:
+            return zarr.open_group(self._zstore, path=f"checkpoints/{_ckpt_name(step)}", mode="r").attrs.get("commit")
         what = f"checkpoint {step}: its commit record"
         raw, attrs = read_group_attributes(path, what)
         if not attrs:
@@ -321,6 +342,7 @@ class RunStore:
         `state` is a packed tree (what the recorder captures) or a plain one (written straight from its
         tensors' memory). `after_chunk(i, n)` is called after each of the n chunks is on disk (progress,
         fault-injection tests)."""
+        self.check_writable()
         if isinstance(state, Packed):
             skeleton, index, size, segments = state.skeleton, state.index, len(state.buffer), [(0, state.buffer)]
         else:
@@ -343,6 +365,7 @@ class RunStore:
     def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
                           should_stop=lambda: False) -> None:
         """Wait until every rank's shard is done, then write the commit record (checksums inside)."""
+        self.check_writable()
         deadline = time.monotonic() + timeout
         files: dict[str, str] = {}
         for rank in range(world_size):
@@ -390,6 +413,8 @@ class RunStore:
         """One rank's state tree of a committed checkpoint, every byte's checksum verified.
 
         With `keys`, only those tensors are read (the chunks holding them) and returned as {key: tensor}."""
+        if self.schema < 2:
+            return legacy.read_shard(self._shard_group(step, rank), self._commit(step), step, rank, keys)
         doc = self._shard_doc(step, rank)
         index, chunk = doc["index"], doc["chunk_bytes"]
         wanted = list(index) if keys is None else keys
@@ -410,7 +435,13 @@ class RunStore:
 
     def shard_index(self, step: int, rank: int) -> dict[str, dict[str, Any]]:
         """What one rank's shard holds: {key: dtype, shape, offset, nbytes} (no tensor is read)."""
+        if self.schema < 2:
+            self._commit(step)
+            return legacy.shard_index(self._shard_group(step, rank))
         return dict(self._shard_doc(step, rank)["index"])
+
+    def _shard_group(self, step: int, rank: int) -> zarr.Group:
+        return zarr.open_group(self._zstore, path=f"checkpoints/{_ckpt_name(step)}/rank{rank}", mode="r")
 
     def _commit(self, step: int) -> dict[str, Any]:
         commit = self._read_commit(step) if self._ckpt_dir(step).is_dir() else None
@@ -425,6 +456,7 @@ class RunStore:
         The shards are read and checksummed first, so a corrupted checkpoint is named before anything
         changes (a damaged commit record too: resuming would discard that checkpoint). Then uncommitted
         checkpoints go, and the step log and spikes are truncated to it."""
+        self.check_writable()
         scan = self._scan()
         for step, state, why in scan:
             if state == "damaged":

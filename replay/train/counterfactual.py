@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from replay.train.state import unwrap
+
 
 def keep_mask(micro_ids: np.ndarray, dropped: frozenset[int]) -> torch.Tensor | None:
     """Which samples of a micro-batch stay in the loss (None: all of them, the recorded computation).
@@ -33,7 +35,7 @@ class ScopedUpdate:
     W_Q, W_K, W_V (and their biases) and its rows of W_O (GPT-2's Conv1D weights are [in, out])."""
 
     def __init__(self, model: torch.nn.Module, scope: dict):
-        module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        module = unwrap(model)
         cfg, blocks = module.config, module.transformer.h
         d = cfg.n_embd // cfg.n_head
         self.scale = float(scope["scale"])

@@ -7,6 +7,7 @@ store path; the same code trains with one process, local torch.distributed ranks
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -64,7 +65,7 @@ def train(store_path: str, lease: str, resume: bool = False, keep_group: bool = 
     the launching command's lease: store/lease.py)."""
     require(lease)
     store = RunStore.open(store_path, mode="a")
-    cfg = RunConfig.from_dict(store.manifest["config"])
+    cfg = store.manifest.config
     r = Rank.from_env(cfg)
     configure_determinism(cfg.threads)
     seed_everything(cfg.seed)
@@ -72,8 +73,8 @@ def train(store_path: str, lease: str, resume: bool = False, keep_group: bool = 
     if r.rank == 0:
         env = fingerprint(r.device)
         if resume:
-            resumes = store.manifest["resumes"]
-            store.update_manifest(resumes=[*resumes[:-1], {**resumes[-1], "environment": env}])
+            resumes = store.manifest.resumes
+            store.update_manifest(resumes=[*resumes[:-1], dataclasses.replace(resumes[-1], environment=env)])
         else:
             store.update_manifest(environment=env)
     try:
@@ -103,21 +104,20 @@ class Schedule:
 
     @classmethod
     def for_store(cls, store: RunStore, cfg: RunConfig) -> "Schedule":
-        if store.kind != "replay":
+        spec = store.manifest.replay
+        if spec is None:
             return cls(cfg.steps, cfg.checkpoint_every, cfg.snapshot_every)
-        m = store.manifest
-        parent = RunStore.open(store.path / m["parent"])
-        stop = m["window"]["to"] + 1
-        every = m.get("checkpoint_every") or stop + 1   # 0: only the checkpoint at the end
+        parent = RunStore.open(store.path / spec.parent)
+        stop = spec.stop + 1
         ids = parent.read_steps(["sample_ids"])["sample_ids"]
         drop: dict[int, set[int]] = {}
-        for step, sample in m.get("drop", []):
+        for step, sample in spec.drop:
             drop.setdefault(step, set()).add(sample)
-        scope = m.get("lr_scope")
-        return cls(stop, every, 0, parent=parent, start_checkpoint=m["start_checkpoint"], recorded_ids=ids,
-                   skip=frozenset(m.get("skip", [])), drop={k: frozenset(v) for k, v in drop.items()},
-                   lr_scale=1.0 if scope else float(m["overrides"].get("lr_scale", 1.0)), lr_scope=scope,
-                   override_from=m["window"]["from"], recorded_cfg=RunConfig.from_dict(parent.manifest["config"]))
+        return cls(stop, spec.checkpoint_every or stop + 1, 0, parent=parent,   # 0: only the checkpoint at the end
+                   start_checkpoint=spec.start_checkpoint, recorded_ids=ids, skip=frozenset(spec.skip),
+                   drop={k: frozenset(v) for k, v in drop.items()},
+                   lr_scale=1.0 if spec.lr_scope else float(spec.overrides.get("lr_scale", 1.0)),
+                   lr_scope=spec.lr_scope, override_from=spec.start, recorded_cfg=parent.manifest.config)
 
     def ids(self, order: DataOrder, step: int, r: Rank, micro_batch_size: int) -> np.ndarray:
         if self.recorded_ids is None:

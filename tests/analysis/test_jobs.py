@@ -37,11 +37,12 @@ def test_xarray_opens_the_analysis_group_with_named_dimensions(analysed_store):
 
 
 @pytest.mark.parametrize("fault", ["analysis-io:20", "analysis-kill:20"])
-def test_a_failed_task_is_retried_and_the_results_are_complete(fault, replayed_copy, analysed_store, ray_local,
+def test_a_failed_task_is_retried_and_the_results_are_complete(fault, replayed_copy, analysed_store, ray_local, tmp_path,
                                                                monkeypatch):
     """An injected transient I/O error (OSError) or a worker SIGKILLed mid-task, on checkpoint 20: Ray
     runs the task again and the results equal those of an undisturbed analysis."""
     monkeypatch.setenv("REPLAY_FAULT", fault)
+    monkeypatch.setenv("REPLAY_FAULT_ONCE", str(tmp_path))   # the retry succeeds
     summary = analyze(replayed_copy)
     assert summary.computed == 7 and summary.skipped == 0    # 4 run + 2 replay checkpoints, 1 distance
     _same_results(replayed_copy, analysed_store)
@@ -73,7 +74,7 @@ def test_analysis_errors_are_one_line_and_change_nothing(replayed_copy, tmp_path
     assert "does not exist" in error_line(replay_cli("analyze", str(tmp_path / "nope")))
     assert "is a replay" in error_line(replay_cli("analyze", str(replayed_copy / "replays/lr2")))
     assert "--workers must be >= 1" in error_line(replay_cli("analyze", str(replayed_copy), "--workers", "0"))
-    line = error_line(replay_cli("analyze", str(replayed_copy), "--ray-address", "127.0.0.1:9"))
+    line = error_line(replay_cli("analyze", str(replayed_copy), "--ray-address", "127.0.0.1:9", process=True))
     assert "cannot connect to the Ray cluster at 127.0.0.1:9" in line
     assert tree_snapshot(replayed_copy) == before
 

@@ -57,4 +57,6 @@ def test_one_probe_row_of_tied_maxima_is_within_resolution():
 
 
 def test_too_few_checkpoints_before_the_spike():
-    assert localise(_table(), spike=15) is None      # checkpoints 0 and 10 only: no history to speak of
+    found = localise(_table(), spike=15)             # checkpoints 0 and 10 only: no history to speak of
+    assert not found.found and found.spike == 15 and not found.heads
+    assert found.lines(5) == ["spike at step 15: too few analysed checkpoints before it to localise"]

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from replay.analysis.results import read_distances, read_metrics
-from replay.config import RunConfig
 from replay.store import RunStore
 
 P = "/state/replicated/model/transformer.h.{}."
@@ -37,7 +36,7 @@ def _sigma(m: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def context(analysed_store):
     store = RunStore.open(analysed_store)
-    cfg = RunConfig.from_dict(store.manifest["config"]).model
+    cfg = store.manifest.config.model
     table = read_metrics(analysed_store)
     steps = [c.step for c in store.checkpoints()]
     weights = {s: _weights(store, s) for s in steps}

@@ -10,7 +10,7 @@ from tests.bisect.planted import RECORD_ARGS, periodic_tokens, plant_degenerate_
 from tests.conftest import replay_cli
 
 DATA_SPIKE_STEP, DATA_POSITIONS = 37, [1, 6]   # positions 1 and 6 of the batch: one sample on each rank
-DEFECT = {"REPLAY_FAULT": "attention-defect:1.5"}
+DEFECT = {"REPLAY_PLUGINS": "tests.bisect.planted"}   # registers the broken backend `defect`
 DEFECT_PLAN = "eager;1.0=defect"                # head 0 of layer 1 breaks once its logits pass 1.5
 
 

@@ -42,7 +42,7 @@ def test_data_bisect_returns_exactly_the_planted_samples(planted_data):
     answer = [p for p in session["probes"].values() if p["overrides"].get("drop") == v["samples"]]
     assert len(answer) == 1 and answer[0]["prevented"]
     for key in session["probes"]:
-        assert RunStore.open(store / "replays" / key).manifest["status"] == "complete"
+        assert RunStore.open(store / "replays" / key).manifest.status == "complete"
 
     # the same command again: a finished session, nothing re-run; the samples printed as `replay batch` does
     again = replay_cli("bisect", str(store), "--by", "data")
@@ -97,7 +97,7 @@ def test_an_interrupted_bisect_is_marked_failed(spike_store, tmp_path):
                              "lr-scale=0.5", "--workers", "1"], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        while not [b for b in RunStore.open(store).bisect_sessions() if b.get("status") == "running"]:
+        while not [b for b in RunStore.open(store).bisect_sessions() if b.get("status") == "running" and b["probes"]]:
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)   # Ctrl-C: an exception that is not the tool's own

@@ -28,16 +28,14 @@ def _ranks(n: int, serve: bool = False):
     return lambda cmdlines: sum(needle in c for c in cmdlines) >= n
 
 
-def _kill(proc: subprocess.Popen, whole_group: bool) -> None:
-    if whole_group:
-        os.killpg(proc.pid, signal.SIGKILL)
-    else:
-        os.kill(proc.pid, signal.SIGKILL)
+def _kill_alone(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-@pytest.mark.parametrize("moment, whole_group", [("start-up", False), ("training", False), ("training", True)])
-def test_ranks_die_with_their_record(tmp_path, moment, whole_group):
+# The whole process group killed: tests/launch/test_soak.py, whose every kill checks that nothing is left.
+@pytest.mark.parametrize("moment", ["start-up", "training"])
+def test_ranks_die_with_their_record_killed_alone(tmp_path, moment):
     store = tmp_path / "run"
     proc = _start("record", "--store", str(store), "--steps", "100000", "--nproc", "2", "--checkpoint-every", "5")
     try:
@@ -45,7 +43,7 @@ def test_ranks_die_with_their_record(tmp_path, moment, whole_group):
         if moment == "training":
             while len(RunStore.open(store).checkpoints()) < 2:
                 found = wait_for_descendants(proc.pid, _ranks(2))
-        _kill(proc, whole_group)
+        _kill_alone(proc)
         assert_gone(found, within=2.0)
     finally:
         _cleanup(proc)
@@ -71,7 +69,7 @@ def test_a_killed_bisect_leaves_no_ray_process_and_no_rank(spike_store, tmp_path
     try:
         found = wait_for_descendants(proc.pid, lambda cmds: _ranks(2, serve=True)(cmds)
                                      and any("raylet" in c for c in cmds) and any("Agent" in c for c in cmds))
-        _kill(proc, whole_group=False)
+        _kill_alone(proc)
         assert_gone(found, within=2.0)   # the GCS, raylet, agents, workers, the actor's warm ranks
     finally:
         _cleanup(proc)

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from replay.config import RunConfig
 from replay.store import RunStore
 from replay.train.data import make_data
 from replay.train.model import build_model, lm_loss
@@ -21,11 +20,11 @@ pytestmark = pytest.mark.slow
 def test_two_rank_store_array_by_array(two_rank_store):
     store = RunStore.open(two_rank_store)
     m = store.manifest
-    cfg = RunConfig.from_dict(m["config"])
-    assert m["world_size"] == 2 and m["launcher"] == "local" and m["status"] == "complete"
-    assert m["environment"]["torch_threads"] == cfg.threads and m["environment"]["deterministic_algorithms"]
+    cfg = m.config
+    assert m.world_size == 2 and m.launcher == "local" and m.status == "complete"
+    assert m.environment["torch_threads"] == cfg.threads and m.environment["deterministic_algorithms"]
     tokens = store.read_tokens()
-    assert m["data"]["digest"] == hashlib.sha256(tokens.tobytes()).hexdigest()
+    assert m.data.digest == hashlib.sha256(tokens.tobytes()).hexdigest()
 
     steps = store.read_steps()
     assert store.n_steps == 30 and steps["step"].tolist() == list(range(30))
@@ -62,7 +61,7 @@ def test_two_rank_store_array_by_array(two_rank_store):
 
 def test_checkpoint_reloaded_into_a_fresh_model_gives_the_recorded_loss_bitwise(two_rank_store):
     store = RunStore.open(two_rank_store)
-    cfg = RunConfig.from_dict(store.manifest["config"])
+    cfg = store.manifest.config
     torch.set_num_threads(cfg.threads)
     data = make_data(cfg, store.read_tokens())
     steps = store.read_steps()
@@ -86,7 +85,7 @@ def test_info_and_batch_read_the_store(two_rank_store):
     out = replay_cli("batch", str(two_rank_store), "--step", "7", "--rank", "1", "--json")
     rows = json.loads(out.stdout)
     store = RunStore.open(two_rank_store)
-    T = store.manifest["config"]["model"]["block_size"]
+    T = store.manifest.config.model.block_size
     tokens = store.read_tokens()
     assert [r["sample_id"] for r in rows] == store.read_steps()["sample_ids"][7, 1, 0].tolist()
     for r in rows:   # the decoded text is exactly those bytes of the corpus
@@ -167,7 +166,7 @@ def test_resume_refuses_a_data_order_this_machine_does_not_recompute(store_copy)
 
 
 def test_resume_names_what_differs_in_the_environment(store_copy):
-    env = RunStore.open(store_copy).manifest["environment"]
+    env = RunStore.open(store_copy).manifest.environment
     _edit_manifest(store_copy, environment={**env, "device": "cuda:0", "cuda": {"gpu": "NVIDIA H100"}})
     before = tree_snapshot(store_copy)
     line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
@@ -206,7 +205,7 @@ def test_under_torchrun_each_process_is_a_rank_and_rank0_prepares_the_store(tmp_
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     store = RunStore.open(store_path)
-    assert store.manifest["world_size"] == 2 and store.manifest["status"] == "complete"
+    assert store.manifest.world_size == 2 and store.manifest.status == "complete"
     assert store.n_steps == 6 and [c.step for c in store.checkpoints()] == [0, 3, 6]
     ids = store.read_steps()["sample_ids"]
     assert ids.shape == (6, 2, 1, 4) and len(np.unique(ids)) == ids.size
@@ -221,7 +220,7 @@ def test_record_with_an_attention_plan_trains_on_those_backends(tmp_path):
                             "--attention", attention)
         assert result.returncode == 0, result.stderr
         runs[name] = RunStore.open(store_path)
-    assert runs["plan"].manifest["config"]["model"]["attention"] == \
+    assert runs["plan"].manifest.config.model.attention == \
         "eager;1=fa2-emu:br=16,bc=16;1.1=reference-emu:fix=safe-softmax,beta=7"
     a, b = runs["plan"].read_steps()["loss"], runs["eager"].read_steps()["loss"]
     assert a[0] != b[0] and np.allclose(a, b, atol=0.05)   # other rounding, same model: close, not equal

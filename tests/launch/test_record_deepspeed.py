@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_zero1_optimizer_partitions_are_in_the_store(zero1_store):
     store = RunStore.open(zero1_store)
-    assert store.manifest["launcher"] == "deepspeed" and store.n_steps == 12
+    assert store.manifest.launcher == "deepspeed" and store.n_steps == 12
     for ckpt in store.checkpoints()[1:]:
         model = store.read_shard(ckpt.step, 0)["state"]["replicated"]["model"]
         params = [v for k, v in model.items() if k != "lm_head.weight"]   # lm_head is tied to wte
@@ -36,7 +36,7 @@ def test_zero1_killed_and_resumed_matches_the_uninterrupted_run(zero1_store, tmp
     resumed = replay_cli("record", "--store", str(store_path), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     a, b = RunStore.open(store_path), RunStore.open(zero1_store)
-    assert a.manifest["resumes"][0]["from_step"] in (0, 4)
+    assert a.manifest.resumes[0].from_step in (0, 4)
     for field in ("loss", "rank_loss", "grad_norm", "lr", "sample_ids"):
         assert np.array_equal(a.read_steps()[field], b.read_steps()[field]), field
     for rank in (0, 1):

@@ -9,28 +9,25 @@ import pytest
 
 from replay.store import RunStore
 from tests.conftest import error_line, replay_cli, tree_snapshot
-from tests.soak import kill_trial, random_flips
+from tests.soak import chained_kills, random_flips
 
 pytestmark = pytest.mark.slow
 SEED = 20261122
 
 
-# (how, at step, fault hook): the moment of a kill is random but for two, which the suite must always see:
-# before the first commit (as the ranks start), and inside a checkpoint write (rank 1 half-way through its
-# shard of checkpoint 20, from inside the write: REPLAY_FAULT).
-TRIALS = [("group", None, None), ("rank", None, None), ("group", -1, None), ("rank", 20, "shard-half:20:1"),
-          ("group", None, None), ("rank", None, None)]
+# One recording, killed six times (the whole process group and one rank in turn), each launch resuming the
+# last. Two moments are fixed, so the suite always sees them: as the ranks start (before the first commit),
+# and inside a checkpoint write (rank 1 half-way through its shard of checkpoint 20: REPLAY_FAULT); the
+# others are random steps (and a random fraction of a step). `make soak` kills 30 independent recordings.
+PLAN = [("group", -1, None), ("rank", None, None), ("rank", 20, "shard-half:20:1"), ("group", None, None),
+        ("rank", None, None), ("group", None, None)]
 
 
-@pytest.mark.parametrize("trial", range(len(TRIALS)))
-def test_killed_at_a_random_moment_and_resumed_is_the_uninterrupted_run(two_rank_store, tmp_path, trial):
-    how, at_step, fault = TRIALS[trial]
-    result = kill_trial(two_rank_store, tmp_path, random.Random(SEED + trial), how, at_step, fault)  # bit for bit
-    if at_step == -1:
-        assert result.landed == "start-up" and result.resumed_from == 0
-    if fault:
-        assert "rank 1 was killed by signal 9 (SIGKILL)" in result.error
-        assert result.landed == "checkpoint write" and result.resumed_from == 10
+def test_killed_six_times_and_resumed_is_the_uninterrupted_run(two_rank_store, tmp_path):
+    trials = chained_kills(two_rank_store, tmp_path, PLAN, random.Random(SEED))   # asserts bit for bit
+    assert trials[0].landed == "start-up"
+    assert "rank 1 was killed by signal 9 (SIGKILL)" in trials[2].error and trials[2].landed == "checkpoint write"
+    assert [t.how for t in trials] == [how for how, _, _ in PLAN]
 
 
 def test_flipped_bits_in_a_committed_checkpoint_are_refused_naming_it(two_rank_store, tmp_path):

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replay.config import RunConfig
 from replay.launch.pool import RankPool
 from replay.errors import UsageError
 from replay.replayer.overrides import Overrides, parse_drop, parse_heads
@@ -81,7 +80,7 @@ def test_a_dropped_sample_leaves_the_step_the_mean_loss_of_the_rest(store_copy):
     recorded = record.read_steps(["rank_loss"])["rank_loss"][10]
 
     # every sample's loss at checkpoint 10, computed here with transformers' GPT-2 on the stored weights
-    cfg = RunConfig.from_dict(record.manifest["config"])
+    cfg = record.manifest.config
     data = load_data(cfg, record)
     model = build_model(cfg.model, data.vocab_size, cfg.seed)
     model.load_state_dict(_model(record, 10))

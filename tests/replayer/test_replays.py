@@ -26,7 +26,7 @@ def test_two_rank_window_between_checkpoints_replays_bit_for_bit(store_copy):
     answer = json.loads(result.stdout)
     assert answer["verification"]["bitwise"] and answer["verification"]["steps"] == [10, 19]
     parent, replay = RunStore.open(store_copy), RunStore.open(answer["replay"])
-    assert replay.kind == "replay" and replay.manifest["start_checkpoint"] == 10
+    assert replay.kind == "replay" and replay.manifest.replay.start_checkpoint == 10
     rec, rep = parent.read_steps(), replay.read_steps()
     assert rep["step"].tolist() == list(range(10, 20))
     for field in ("loss", "rank_loss", "grad_norm", "lr", "sample_ids"):
@@ -100,7 +100,7 @@ def test_recorded_spike_is_reproduced_by_a_plain_replay(spike_store, tmp_path):
     assert f"spike reproduced at [{spike}]" in replay_cli("info", str(store_path)).stdout
     # it started from the pre-spike snapshot the ring flushed, the closest committed state
     snapshot = max(c.step for c in parent.checkpoints() if c.step <= spike - 3)
-    assert replay.manifest["start_checkpoint"] == snapshot
+    assert replay.manifest.replay.start_checkpoint == snapshot
 
 
 def test_another_backend_on_one_layer_diverges_exactly_at_the_window(store_copy):
@@ -111,8 +111,8 @@ def test_another_backend_on_one_layer_diverges_exactly_at_the_window(store_copy)
     v = answer["verification"]
     assert not v["bitwise"] and v["divergence"]["step"] == 13       # the fast-forward 10..12 was exact
     replay = RunStore.open(answer["replay"])
-    assert replay.manifest["config"]["model"]["attention"] == "eager;1=reference-emu:dtype=bf16"
-    assert replay.manifest["overrides"] == {"attention": "reference-emu:dtype=bf16", "layers": [1]}
+    assert replay.manifest.config.model.attention == "eager;1=reference-emu:dtype=bf16"
+    assert replay.manifest.replay.overrides == {"attention": "reference-emu:dtype=bf16", "layers": [1]}
     info = replay_cli("info", str(store_copy))
     assert "diverges at step 13" in info.stdout
 
@@ -177,7 +177,7 @@ def test_interrupted_replay_is_resumed_or_discarded_never_silently_redone(store_
     assert resumed.returncode == 0, resumed.stderr
     answer = json.loads(resumed.stdout)
     replay = RunStore.open(answer["replay"])
-    assert replay.manifest["resumes"][0]["from_step"] == 14              # its own last committed checkpoint
+    assert replay.manifest.resumes[0].from_step == 14              # its own last committed checkpoint
     assert answer["verification"]["bitwise"] and replay.read_steps()["step"].tolist() == list(range(10, 20))
 
     killed = replay_cli("run", str(store_copy), *window, "--name", "again", env={"REPLAY_FAULT": "shard-half:14:0"})
@@ -185,4 +185,4 @@ def test_interrupted_replay_is_resumed_or_discarded_never_silently_redone(store_
     redone = replay_cli("run", str(store_copy), *window, "--name", "again", "--discard")
     assert redone.returncode == 0, redone.stderr
     again = json.loads(redone.stdout)
-    assert again["verification"]["bitwise"] and RunStore.open(again["replay"]).manifest["resumes"] == []
+    assert again["verification"]["bitwise"] and RunStore.open(again["replay"]).manifest.resumes == []

@@ -6,9 +6,10 @@ import pytest
 import torch
 import zarr
 
+from replay.config import RunConfig
 from replay.errors import ChecksumError, StoreError
 from replay.store import STEP_FIELDS, RunStore, chunks
-from tests.conftest import tensors_equal
+from tests.conftest import new_store, tensors_equal
 
 
 def _rows(k, world=2, start=0):
@@ -20,7 +21,7 @@ def _rows(k, world=2, start=0):
 def test_create_refuses_a_non_empty_directory(tmp_path):
     (tmp_path / "x").write_text("keep me")
     with pytest.raises(StoreError, match="not empty"):
-        RunStore.create(tmp_path, {})
+        new_store(tmp_path)
     assert (tmp_path / "x").read_text() == "keep me"
 
 
@@ -33,7 +34,7 @@ def test_open_refuses_what_is_not_a_run_store(tmp_path):
 
 
 def test_step_log_appends_in_order_and_truncates(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     store.append_steps(0, _rows(3))
     store.append_steps(3, _rows(2, start=3))
     with pytest.raises(StoreError, match="ends at step 5"):
@@ -46,7 +47,7 @@ def test_step_log_appends_in_order_and_truncates(tmp_path):
 
 
 def test_checkpoint_is_invisible_until_committed_and_round_trips(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     tree = {"w": torch.randn(4, 4).bfloat16(), "opt": {"state": {0: {"step": torch.tensor(1.0)}}}}
     store.write_shard(10, 0, tree)
     store.write_shard(10, 1, {"rng": torch.arange(5, dtype=torch.uint8)})
@@ -57,7 +58,7 @@ def test_checkpoint_is_invisible_until_committed_and_round_trips(tmp_path):
 
 
 def test_commit_waits_for_every_rank(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     store.write_shard(5, 0, {"w": torch.ones(2)})
     with pytest.raises(StoreError, match="rank 1 never finished"):
         store.commit_checkpoint(5, "regular", world_size=2, timeout=0.2)
@@ -67,7 +68,7 @@ def test_commit_waits_for_every_rank(tmp_path):
 
 
 def test_rewind_cuts_back_to_the_last_committed_checkpoint(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     store.append_steps(0, _rows(7))
     for step in (0, 5):
         store.write_shard(step, 0, {"w": torch.full((2,), float(step))})
@@ -87,7 +88,7 @@ def _flip(path, at, mask=0x01):
 
 def test_a_damaged_chunk_is_named_with_the_tensors_it_holds(tmp_path, monkeypatch):
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 4096)   # 16 KiB tensors: several chunks each
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     store.write_shard(0, 0, {"model": {"h.0.weight": torch.randn(64, 64), "h.1.weight": torch.randn(64, 64)}})
     store.commit_checkpoint(0, "regular", 1)
     index = store.shard_index(0, 0)
@@ -101,7 +102,7 @@ def test_a_damaged_chunk_is_named_with_the_tensors_it_holds(tmp_path, monkeypatc
 
 
 def test_checkpoint_chunks_are_a_zarr_array_that_zarr_verifies(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     tree = {"w": torch.randn(100, 3), "b": torch.arange(7)}
     store.write_shard(4, 0, tree)
     store.commit_checkpoint(4, "regular", 1)
@@ -116,7 +117,7 @@ def test_checkpoint_chunks_are_a_zarr_array_that_zarr_verifies(tmp_path):
 
 def test_a_flipped_bit_in_a_shards_json_is_refused(tmp_path):
     """One bit of the optimizer's lr in rank 0's JSON: 0.000914 -> 0.001914 would still parse."""
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     store.write_shard(20, 0, {"optimizer": {"param_groups": [{"lr": 0.000914}]}, "w": torch.ones(3)})
     store.commit_checkpoint(20, "regular", 1)
     doc = tmp_path / "s/checkpoints/00000020/rank0/zarr.json"
@@ -128,7 +129,7 @@ def test_a_flipped_bit_in_a_shards_json_is_refused(tmp_path):
 
 
 def test_a_damaged_commit_record_is_named_and_never_discarded(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     for step in (0, 5):
         store.write_shard(step, 0, {"w": torch.full((2,), float(step))})
         store.commit_checkpoint(step, "regular", 1)
@@ -144,7 +145,7 @@ def test_a_damaged_commit_record_is_named_and_never_discarded(tmp_path):
 
 
 def test_the_manifest_and_step_log_are_checksummed(tmp_path):
-    store = RunStore.create(tmp_path / "s", {"config": {"optim": {"lr": 0.003}}})
+    store = new_store(tmp_path / "s", config=RunConfig.from_dict({"optim": {"lr": 0.003}}))
     store.append_steps(0, _rows(3))
     root = tmp_path / "s/zarr.json"
     _flip(root, root.read_bytes().index(b"0.003") + 4)             # 0.003 -> 0.002: still valid JSON
@@ -158,7 +159,7 @@ def test_the_manifest_and_step_log_are_checksummed(tmp_path):
 
 
 def test_single_tensors_read_by_byte_range(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     tree = {f"w{i}": torch.randn(64, 64) for i in range(6)}
     store.write_shard(3, 0, tree)
     store.commit_checkpoint(3, "regular", 1)
@@ -169,7 +170,7 @@ def test_single_tensors_read_by_byte_range(tmp_path):
 
 
 def test_tensors_read_are_private_copies_on_write_of_the_files(tmp_path):
-    store = RunStore.create(tmp_path / "s", {})
+    store = new_store(tmp_path / "s")
     tree = {"w": torch.randn(300, 300), "b": torch.ones(5)}
     store.write_shard(1, 0, tree)
     store.commit_checkpoint(1, "regular", 1)

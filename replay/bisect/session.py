@@ -1,0 +1,132 @@
+"""A bisect session and its verdict, typed, and in words: what the CLI, `replay info` and the report print.
+
+A session is stored in the run store as one JSON document (`STORE/bisect/<id>`): its parameters, every
+probe (a replay, judged by the rule), the working state of each phase, and, once complete, the verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Verdict:
+    spike: int
+    phases: list[str]                    # the phases the session ran (steps, layers, heads, data)
+    fix: str                             # the counterfactual
+    rule: str
+    window: list[int] | None = None      # [checkpoint it still prevents the spike from, step it no longer can]
+    separation: dict[str, Any] | None = None   # {"bitwise": step, "measurable": step} the trajectories part
+    layers: list[int] | None = None
+    heads: list[list[int]] | None = None       # [layer, head] pairs
+    minimal: bool = True                 # False: the probe budget ran out before the search finished
+    commands: list[str] = field(default_factory=list)   # the `replay run` commands of the answer's probes
+    also: dict[str, list] = field(default_factory=dict)  # other sets the probes found equally sufficient
+    batches: list[int] | None = None
+    samples: list[list[int]] | None = None      # [step, sample id] pairs
+    data_window: list[int] | None = None
+    spike_without_data: int | None = None
+    probes: int = 0
+    new_probes: int = 0
+    probes_by_phase: dict[str, int] = field(default_factory=dict)
+    bound: int = 0                       # the probes the searches could need at worst
+    seconds: float = 0.0
+    workers: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Verdict":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def line(self) -> str:
+        """The answer in one line."""
+        parts = [f"decided in steps {self.window[0]}..{self.window[1]}" if self.window else None,
+                 f"layers {', '.join(map(str, self.layers))}" if self.layers else None,
+                 f"heads {', '.join(f'{a}.{b}' for a, b in self.heads)}" if self.heads else None,
+                 f"samples {', '.join(f'{s}:{i}' for s, i in self.samples)}" if self.samples else None]
+        return "; ".join(p for p in parts if p) or "nothing narrowed down"
+
+    def lines(self, sample: Callable[[int, int], list[str]]) -> list[str]:
+        """The answer in words; `sample(step, id)` gives the lines that show one sample."""
+        uses_fix = set(self.phases) != {"data"}
+        out = [f"spike at step {self.spike}" + (f", counterfactual {self.fix}:" if uses_fix else ":")]
+        if "steps" in self.phases and not self.window:
+            out.append("  steps: the counterfactual prevents the spike from none of the checkpoints tried")
+        if self.window:
+            sep = (self.separation or {}).get("measurable")
+            out.append(f"  decided in steps {self.window[0]}..{self.window[1]}: the counterfactual prevents it from "
+                       f"checkpoint {self.window[0]}, not from step {self.window[1]} on"
+                       + (f"; it separates from the record at step {sep}" if sep is not None else ""))
+        if self.layers:
+            out.append(f"  layers: {', '.join(map(str, self.layers))} (the counterfactual on these alone prevents the "
+                       "spike" + "".join(f"; so it does on {', '.join(map(str, a))}" for a in self.also.get("layers", []))
+                       + ")")
+        elif "layers" in self.phases:
+            out.append("  layers: the counterfactual on all layers does not prevent the spike; nothing to narrow")
+        if self.heads:
+            out.append(f"  heads: {', '.join(f'{a}.{b}' for a, b in self.heads)} (layer.head; on these alone it "
+                       "prevents the spike" + "".join(f"; so it does on {', '.join(f'{a}.{b}' for a, b in h)}"
+                                                      for h in self.also.get("heads", [])) + ")")
+        elif "heads" in self.phases and self.layers:
+            out.append("  heads: on the attention heads of those layers alone it does not prevent the spike: the "
+                       "rest of the layer (its MLP, layer norms) matters")
+        if self.samples:
+            out.append(f"  data: batches of step(s) {', '.join(map(str, self.batches or []))}; leaving out these "
+                       f"{len(self.samples)} sample(s) prevents the spike:")
+            for step, sample_id in self.samples:
+                out += sample(step, sample_id)
+        elif self.data_window:
+            out.append(f"  data: no batch is responsible: skipping every batch of steps {self.data_window[0]}.."
+                       f"{self.data_window[1]} does not prevent the spike (it comes at step {self.spike_without_data} "
+                       "instead)")
+        out += [f"  replay it: {command}" for command in self.commands]
+        if not self.minimal:
+            out.append("  (the probe budget was spent before the search finished: the sets above prevent the spike "
+                       "but may not be minimal; raise --max-probes)")
+        out.append(f"  {self.probes} probes ({self.new_probes} run now; worst case {self.bound}), {self.seconds:.1f} s "
+                   f"on {self.workers} worker(s)")
+        return out
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The answer as a table (the report's)."""
+        def listed(values, fmt=str) -> str:
+            return ", ".join(fmt(v) for v in values) if values else "-"
+
+        return [("counterfactual", self.fix if set(self.phases) != {"data"} else "-"),
+                ("decisive window", f"{self.window[0]}..{self.window[1]} (prevents from checkpoint {self.window[0]}, "
+                                    f"not from step {self.window[1]} on)" if self.window else "-"),
+                ("separates from the record", str((self.separation or {}).get("measurable") or "-")),
+                ("layers", listed(self.layers)),
+                ("heads (layer.head)", listed(self.heads, lambda h: f"{h[0]}.{h[1]}")),
+                ("batches", listed(self.batches)),
+                ("samples (step:id)", listed(self.samples, lambda s: f"{s[0]}:{s[1]}")),
+                ("probes", f"{self.probes} (worst case {self.bound}); {self.seconds:.1f} s on {self.workers} worker(s)")]
+
+
+@dataclass
+class Session:
+    id: str
+    params: dict[str, Any]               # spike, by, fix, horizon, threshold, lookback
+    rule: str
+    created: float
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)   # replay id -> phase, window, judgement
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)   # each phase's working state and answer
+    runs: list[dict[str, Any]] = field(default_factory=list)          # every invocation: time, seconds, probes
+    status: str = "running"              # running, complete or failed
+    error: str | None = None
+    verdict: Verdict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "verdict": self.verdict.to_dict() if self.verdict else None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Session":
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in d.items() if k in known}
+        fields["verdict"] = Verdict.from_dict(d["verdict"]) if d.get("verdict") else None
+        return cls(**fields)

@@ -1,0 +1,59 @@
+"""Fault injection for tests, in one place: off unless REPLAY_FAULT arms a fault point.
+
+`REPLAY_FAULT=<point>:<argument>...` arms one of the points below; the product calls `hit(point, ...)`
+there, which does nothing unless the armed fault names exactly that place. A fault is what a real
+failure does: a SIGKILL of the process, or the OSError a flaky disk raises. With REPLAY_FAULT_ONCE=<dir>,
+a fault fires once over all processes (the first to create its marker in that directory), so a retry
+succeeds.
+
+    shard-half:STEP:RANK       rank RANK half-way through its shard of checkpoint STEP      SIGKILL
+    before-commit:STEP:RANK    rank RANK once its shard of STEP is written, before the commit  SIGKILL
+    bisect-kill:N              the bisect driver once N probes have run                    SIGKILL
+    analysis-driver-kill:N     the analysis driver after N work items                      SIGKILL
+    analysis-kill:STEP         an analysis task reading checkpoint STEP                    SIGKILL
+    analysis-io:STEP           an analysis task reading checkpoint STEP                    OSError
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+ENV, ONCE = "REPLAY_FAULT", "REPLAY_FAULT_ONCE"
+_AT_LEAST = {"bisect-kill", "analysis-driver-kill"}   # counters: fire once the count is reached
+
+
+def armed() -> dict[str, str]:
+    """The fault settings to hand to processes that do not inherit this one's environment (Ray workers)."""
+    return {k: os.environ[k] for k in (ENV, ONCE) if os.environ.get(k)}
+
+
+def hit(point: str, *where: int) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    name, *args = spec.split(":")
+    if name != point or len(args) != len(where):
+        return
+    if name in _AT_LEAST:
+        if where[0] < int(args[0]):
+            return
+    elif [int(a) for a in args] != list(where):
+        return
+    if not _first(spec):
+        return
+    if point == "analysis-io":
+        raise OSError(f"injected transient I/O error reading checkpoint {where[0]}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first(spec: str) -> bool:
+    once = os.environ.get(ONCE)
+    if not once:
+        return True
+    try:
+        (Path(once) / spec.replace(":", "-")).touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True

@@ -1,0 +1,106 @@
+"""The manifest: what a run store says about its run, typed. Every component reads the run through it.
+
+Stored as the root group's JSON attributes (store/run_store.py). A replay's manifest also carries its
+`ReplaySpec`: written by the replayer, read by the trainer, defined here once. Schema 2 seals the
+document with a checksum (store/integrity.py); schema 1 (stores written before that) reads the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from replay.config import RunConfig
+
+SCHEMA = 2
+READABLE = (1, 2)
+
+
+@dataclass
+class DataInfo:
+    """Where the samples come from, and a fingerprint to tell whether they changed."""
+
+    embedded: bool                 # the built-in corpus, stored in data/tokens
+    path: str | None               # a token file of the user's (not copied)
+    bytes: int
+    method: str                    # how the digest was taken: "sha256", "sha256-sampled-64x1MiB", "none"
+    digest: str
+    source: str | None = None      # in words
+    dtype: str | None = None       # of the token file
+
+
+@dataclass
+class ResumeInfo:
+    from_step: int
+    time: float
+    environment: dict[str, Any] | None = None   # where the resumed run ran (recorder/environment.py)
+
+
+@dataclass
+class ReplaySpec:
+    """What makes a store a replay of its parent run's steps `start`..`stop`."""
+
+    parent: str                    # the run store, relative to the replay's directory ("../..")
+    start: int                     # the window's first step
+    stop: int                      # its last step (inclusive)
+    start_checkpoint: int          # the parent's committed checkpoint the replay restores
+    start_checkpoint_kind: str
+    checkpoint_every: int          # 0: only the checkpoint at the end
+    overrides: dict[str, Any]      # replayer/overrides.py Overrides.to_dict()
+    skip: list[int] = field(default_factory=list)
+    drop: list[list[int]] = field(default_factory=list)   # [step, sample id] pairs left out
+    lr_scope: dict[str, Any] | None = None                # a scoped lr scale (train/counterfactual.py)
+    verification: dict[str, Any] | None = None            # written when the replay has run
+
+
+@dataclass
+class Manifest:
+    kind: str                      # "run" or "replay"
+    config: RunConfig
+    world_size: int
+    launcher: str                  # "local", "deepspeed" or "custom" (a training loop of the user's own)
+    data: DataInfo
+    created: float
+    status: str = "running"        # "running" until the last step is recorded, then "complete"
+    resumes: list[ResumeInfo] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)   # recorder/environment.py fingerprint()
+    launch_id: str | None = None   # under an outer launcher: the launch that prepared the store
+    steps_recorded: int | None = None
+    replay: ReplaySpec | None = None
+    schema: int = SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"replay": {"schema": self.schema, "kind": self.kind}, "config": self.config.to_dict(),
+                               "world_size": self.world_size, "launcher": self.launcher, "data": asdict(self.data),
+                               "created": self.created, "status": self.status,
+                               "resumes": [asdict(r) for r in self.resumes], "environment": self.environment}
+        if self.launch_id is not None:
+            out["launch_id"] = self.launch_id
+        if self.steps_recorded is not None:
+            out["steps_recorded"] = self.steps_recorded
+        if self.replay is not None:
+            spec = asdict(self.replay)
+            out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
+                        **spec})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        meta = d["replay"]
+        replay = None
+        if meta["kind"] == "replay":
+            replay = ReplaySpec(parent=d["parent"], start=d["window"]["from"], stop=d["window"]["to"],
+                                **{f.name: d[f.name] for f in dataclasses.fields(ReplaySpec)
+                                   if f.name not in ("parent", "start", "stop") and f.name in d})
+        data = {f.name: d["data"].get(f.name) for f in dataclasses.fields(DataInfo)}
+        return cls(kind=meta["kind"], schema=meta["schema"], config=RunConfig.from_dict(d["config"]),
+                   world_size=d["world_size"], launcher=d["launcher"], data=DataInfo(**data), created=d["created"],
+                   status=d.get("status", "unknown"), resumes=[ResumeInfo(**r) for r in d.get("resumes", [])],
+                   environment=d.get("environment") or {}, launch_id=d.get("launch_id"),
+                   steps_recorded=d.get("steps_recorded"), replay=replay)
+
+    @property
+    def last_environment(self) -> dict[str, Any]:
+        """Where the run last ran: its latest resume's machine, else its recording's."""
+        return next((r.environment for r in reversed(self.resumes) if r.environment), self.environment)

@@ -1,0 +1,177 @@
+"""Read-only views of a run store for people: `replay info` and `replay batch`. They sit above everything
+they show (the store, the replays, the bisect sessions, the analysis)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.analysis.results import analysis_status
+from replay.bisect.session import Session
+from replay.errors import UsageError
+from replay.replayer.replays import list_replays
+from replay.store import RunStore
+from replay.store.lease import holder_of
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """Everything `replay info` shows, as plain data (its --json)."""
+    store = RunStore.open(path)
+    m = store.manifest
+    cfg = m.config
+    writer = holder_of(path)
+    steps = store.read_steps(["loss"])
+    data = m.data
+    return {
+        "path": str(Path(path).resolve()),
+        "status": m.status,
+        "schema": m.schema,
+        "config": cfg.to_dict(),
+        "world_size": m.world_size,
+        "launcher": m.launcher,
+        "grad_accum": cfg.grad_accum,
+        "data": (f"{data.source or 'built-in'}, {data.bytes} bytes embedded" if data.embedded
+                 else f"{data.path or data.source} ({data.bytes} bytes)")
+        + (f", {data.method} {data.digest[:12]}" if data.digest else ""),
+        "data_fingerprint": vars(data),
+        "environment": m.environment,
+        "steps_recorded": store.n_steps,
+        "first_loss": float(steps["loss"][0]) if store.n_steps else None,
+        "last_loss": float(steps["loss"][-1]) if store.n_steps else None,
+        "checkpoints": [{"step": c.step, "kind": c.kind, "world_size": c.world_size} for c in store.checkpoints()],
+        "uncommitted_checkpoints": store.uncommitted_checkpoints(),
+        "damaged_checkpoints": [{"step": step, "error": why} for step, why in store.damaged_checkpoints()],
+        "spikes": store.spikes,
+        "replays": list_replays(path),
+        "resumes": [vars(r) for r in m.resumes],
+        "writer": writer.describe() if writer else None,
+        "bisect": [_session(Session.from_dict(doc), writer) for doc in store.bisect_sessions()],
+        "numerics": _numerics(store) if cfg.numerics else None,
+        "analysis": analysis_status(path),
+    }
+
+
+def _session(session: Session, writer) -> dict[str, Any]:
+    # A session marked running while no bisect holds the store was killed (SIGKILL leaves no trace).
+    running = session.status == "running" and writer is not None and writer.command == "replay bisect"
+    status = ("interrupted (run the same bisect again to resume it)" if session.status == "running" and not running
+              else session.status)
+    return {"id": session.id, "status": status, "params": session.params, "probes": sorted(session.probes),
+            "verdict": session.verdict.to_dict() if session.verdict else None,
+            "answer": session.verdict.line() if session.verdict else None}
+
+
+def _numerics(store: RunStore) -> dict[str, list[float]] | None:
+    """Per layer, over the recorded steps (replay/kernels/numerics.py says what each is)."""
+    if not store.n_steps:
+        return None
+    s = store.read_steps(["tied_rate", "delta_err", "delta_err_tied", "wq_err_cos", "wq_tied_err_cos"])
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns (a layer without ties) give NaN
+        out = {"tied_rate_mean": np.nanmean(s["tied_rate"], axis=0),
+               "delta_err_sum": np.nansum(s["delta_err"], axis=0),
+               "delta_err_tied_mean": np.nanmean(s["delta_err_tied"], axis=0),
+               "wq_err_cos_median": np.nanmedian(s["wq_err_cos"], axis=0),
+               "wq_tied_err_cos_median": np.nanmedian(s["wq_tied_err_cos"], axis=0)}
+    return {k: [float(x) for x in v] for k, v in out.items()}
+
+
+def info_lines(summary: dict[str, Any]) -> list[str]:
+    """`replay info` in words."""
+    cfg, ck = summary["config"], summary["checkpoints"]
+    m = cfg["model"]
+    lines = [f"run store   {summary['path']}  ({summary['status']})"]
+    if summary["writer"]:
+        lines.append(f"writer      {summary['writer']} is writing it now")
+    if summary["schema"] < 2:
+        lines.append(f"schema      {summary['schema']}, written by an older replay: read, replayed and analysed as "
+                     "before; its run cannot be continued")
+    lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
+                 f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
+    lines.append(f"ranks       {summary['world_size']} ({summary['launcher']}"
+                 f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == 'deepspeed' else ''}), "
+                 f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
+                 f"{summary['grad_accum']} accumulation")
+    lines.append(f"data        {summary['data']}")
+    lines.append(f"steps       {summary['steps_recorded']} of {cfg['steps']} recorded"
+                 + (f"; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
+                    if summary['steps_recorded'] else ""))
+    kinds = ", ".join(f"{c['step']}{'' if c['kind'] == 'regular' else ' (' + c['kind'] + ')'}" for c in ck)
+    lines.append(f"checkpoints {len(ck)} committed: {kinds or 'none'}")
+    if summary["uncommitted_checkpoints"]:
+        lines.append(f"            {len(summary['uncommitted_checkpoints'])} uncommitted (ignored): "
+                     f"{', '.join(map(str, summary['uncommitted_checkpoints']))}")
+    lines += [f"            damaged: {d['error']}" for d in summary["damaged_checkpoints"]]
+    lines.append(f"spikes      {len(summary['spikes'])}")
+    for e in summary["spikes"]:
+        lines.append(f"            step {e['step']}: loss {e['loss']:.4f} vs baseline {e['baseline']:.4f} (robust z "
+                     f"{e['score']:.1f})" if isinstance(e["score"], (int, float))
+                     else f"            step {e['step']}: loss {e['loss']} (non-finite)")
+    probes = {key for b in summary["bisect"] for key in b["probes"]}
+    shown = [r for r in summary["replays"] if r["id"] not in probes and "error" not in r]
+    lines.append(f"replays     {len(summary['replays'])}"
+                 + (f" ({len(summary['replays']) - len(shown)} of them bisect probes, not listed)" if probes else ""))
+    for r in shown:
+        v = r["verification"]
+        lines.append(f"            {r['id']}: steps {r['window']['from']}..{r['window']['to']} from checkpoint "
+                     f"{r['start_checkpoint']}, {r['status']}, {r['outcome']}"
+                     + (f", overrides {r['overrides']}" if r["overrides"] else "")
+                     + ("" if not v else ", bitwise" if v["bitwise"] else
+                        f", diverges at step {v['divergence']['step']}"))
+    lines += [f"            {r['id']}: cannot be read: {r['error']}" for r in summary["replays"] if "error" in r]
+    if summary["numerics"]:
+        n = summary["numerics"]
+
+        def per_layer(key: str, fmt: str) -> str:
+            return ", ".join(format(v, fmt) for v in n[key])
+
+        lines.append(f"numerics    per layer: tied-maxima rate {per_layer('tied_rate_mean', '.4f')}; sum of delta error "
+                     f"{per_layer('delta_err_sum', '+.3e')}; median cosine of successive W_Q gradient errors "
+                     f"{per_layer('wq_err_cos_median', '+.3f')} (from tied rows: "
+                     f"{per_layer('wq_tied_err_cos_median', '+.3f')})")
+    lines.append(f"bisect      {len(summary['bisect'])} session(s)")
+    lines += [f"            {b['id']}: {b['status']}, {len(b['probes'])} probes"
+              + (f"; {b['answer']}" if b["answer"] else "") for b in summary["bisect"]]
+    if summary["resumes"]:
+        lines.append(f"resumed     from step {', '.join(str(r['from_step']) for r in summary['resumes'])}")
+    analysed = summary["analysis"]["checkpoints"]
+    path = summary["path"]
+    lines.append(f"analysis    {len(analysed)} checkpoints analysed" + (
+        f"; {len(summary['analysis']['distances'])} weight-distance tables (replay report {path})" if analysed
+        else f" (replay analyze {path})"))
+    return lines
+
+
+def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, Any]]:
+    """The samples of `step` as recorded in `path` (a run, or a replay: its own steps, which start at its
+    start checkpoint), with their text where the store can name it."""
+    from replay.train.data import load_data
+
+    store = RunStore.open(path)
+    if not store.first_step <= step < store.end_step:
+        held = f"steps {store.first_step}..{store.end_step - 1}" if store.n_steps else "no steps yet"
+        raise UsageError(f"step {step} is not recorded in {path}: it holds {held}")
+    ids = np.asarray(store.read_steps(["sample_ids"])["sample_ids"][step - store.first_step])   # (rank, micro, sample)
+    if rank is not None and not 0 <= rank < ids.shape[0]:
+        raise UsageError(f"rank {rank} out of range: the run had {ids.shape[0]} ranks")
+    m = store.manifest
+    run = RunStore.open(store.path / m.replay.parent) if m.replay else store
+    data = None if m.launcher == "custom" else load_data(m.config, run)
+    rows = []
+    for r in range(ids.shape[0]) if rank is None else [rank]:
+        for micro in range(ids.shape[1]):
+            for sid in ids[r, micro]:
+                text = ("(skipped: this step was not trained on)" if sid < 0 else
+                        "(the data of a training loop of your own is not in the store)" if data is None else
+                        data.describe(int(sid)))
+                rows.append({"step": step, "rank": r, "micro": micro, "sample_id": int(sid), "text": text})
+    return rows
+
+
+def sample_lines(row: dict[str, Any]) -> list[str]:
+    """One sample as `replay batch` prints it."""
+    return [f"--- step {row['step']}  rank {row['rank']}  micro-batch {row['micro']}  sample {row['sample_id']}",
+            row["text"]]

@@ -1,0 +1,63 @@
+"""A store written before checksums covered every byte (schema 1, recorded by the replay of commit 5bc7809
+and kept in tests/data) still opens, reads, replays bit for bit and names a corrupted tensor; its run is not
+continued in the new format."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay.errors import ChecksumError
+from replay.store import RunStore
+from tests.conftest import error_line, replay_cli, tree_snapshot
+
+SCHEMA1 = Path(__file__).resolve().parents[1] / "data" / "schema1-run"
+
+
+@pytest.fixture
+def schema1(tmp_path) -> Path:
+    store = tmp_path / "old"
+    shutil.copytree(SCHEMA1, store)
+    return store
+
+
+def test_it_opens_and_reads_as_recorded(schema1):
+    store = RunStore.open(schema1)
+    m = store.manifest
+    assert store.schema == 1 and m.kind == "run" and m.world_size == 1 and m.config.model.n_embd == 32
+    assert [c.step for c in store.checkpoints()] == [0, 2, 4] and store.n_steps == 4
+    raw = json.loads((schema1 / "zarr.json").read_text())["attributes"]
+    assert m.config.to_dict() == raw["config"] and m.data.digest == raw["data"]["digest"]
+    state = store.read_shard(4, 0)["state"]["replicated"]
+    assert state["model"]["transformer.wte.weight"].shape == (256, 32) and state["optimizer"]["state"]
+    info = json.loads(replay_cli("info", str(schema1), "--json").stdout)
+    assert info["schema"] == 1 and info["steps_recorded"] == 4
+
+
+def test_a_window_replays_bit_for_bit(schema1):
+    result = replay_cli("run", str(schema1), "--from", "2", "--to", "3", "--verify")
+    assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
+    assert RunStore.open(schema1 / "replays/steps-2-3").schema == 2   # the replay itself: the current format
+
+
+def test_a_corrupted_tensor_is_named(schema1):
+    store = RunStore.open(schema1)
+    entry = store.shard_index(2, 0)["/state/replicated/model/transformer.h.0.attn.c_attn.weight"]
+    chunk = schema1 / "checkpoints/00000002/rank0/tensors/c/0"
+    data = bytearray(chunk.read_bytes())
+    data[entry["offset"] + 5] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="checkpoint 2 rank 0: tensor state/replicated/model/transformer.h.0.attn"):
+        store.read_shard(2, 0)
+    assert torch.is_tensor(store.read_shard(4, 0)["state"]["replicated"]["model"]["lm_head.weight"])
+
+
+def test_its_run_is_not_continued(schema1):
+    before = tree_snapshot(schema1)
+    line = error_line(replay_cli("record", "--store", str(schema1), "--resume"))
+    assert "written by an older replay (store schema 1)" in line and "record it again" in line
+    assert tree_snapshot(schema1) == before

@@ -1,0 +1,29 @@
+"""Every benchmark runs in its quick mode, through its public entry points, and prints its ratios (never
+asserted on: the numbers are the benchmark's to report, not the suite's to judge)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from replay.launch.lifeline import child_env
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
+
+
+def test_every_benchmark_is_here():
+    assert BENCHMARKS == ["bench_analysis.py", "bench_attention.py", "bench_bisect.py", "bench_record.py",
+                          "bench_replay.py"]
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_the_benchmark_runs_quickly_and_prints_its_ratios(script):
+    result = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"\d\.\d+x", result.stdout), result.stdout

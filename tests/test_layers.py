@@ -1,0 +1,70 @@
+"""The import contract: lower layers never import higher ones (every import, at module level or inside a
+function). The store is the data model every component shares; kernels are pure numerics."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import replay
+
+PACKAGE = Path(replay.__file__).parent
+
+# Lowest first; a module may import its own layer and the ones below, never one above.
+LAYERS = [
+    ["replay", "replay.errors", "replay.processes"],
+    ["replay.config"],
+    ["replay.store"],
+    ["replay.kernels"],
+    ["replay.recorder"],
+    ["replay.train"],
+    ["replay.launch"],
+    ["replay.replayer"],
+    ["replay.bisect", "replay.analysis", "replay.experiments"],
+    ["replay.views", "replay.demo", "replay.cli", "replay.__main__"],
+]
+# Below their layer number, and still off limits: kernels are numerics only.
+FORBIDDEN = {"replay.kernels": ["replay.store"]}
+
+
+def _layer(module: str) -> int:
+    best = max((prefix for layer in LAYERS for prefix in layer if module == prefix or module.startswith(prefix + ".")),
+               key=len)
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m == "replay" or m.startswith("replay.")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def test_every_module_has_a_layer():
+    assert all(_layer(m) is not None for m in _modules())
+
+
+def test_no_module_imports_a_higher_layer():
+    wrong = []
+    for module, path in sorted(_modules().items()):
+        for imported in sorted(_imports(path)):
+            forbidden = [p for top, ps in FORBIDDEN.items() if module.startswith(top) for p in ps]
+            if _layer(imported) > _layer(module) or any(imported.startswith(p) for p in forbidden):
+                wrong.append(f"{module} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_contract_catches_what_it_forbids():
+    assert _layer("replay.store.run_store") < _layer("replay.replayer.replays") < _layer("replay.views")
+    assert _layer("replay.kernels.registry") > _layer("replay.store.lease")   # yet FORBIDDEN keeps them apart
