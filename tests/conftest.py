@@ -44,7 +44,7 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600,
 # `make test-fast` leaves out the tests marked `slow`: those that start processes (their modules say so)
 # and, marked here, every test that needs a recorded run or a Ray cluster.
 SLOW_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local", "planted_data",
-                 "planted_layer", "two_node_cluster", "other_seed", "mechanism", "sweep", "interpreted"}
+                 "planted_layer", "two_node_cluster", "other_seed", "interpreted"}
 
 
 def pytest_collection_modifyitems(items):
@@ -158,7 +158,7 @@ def zero1_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reported_spike(spike_store, tmp_path_factory) -> Path:
+def reported_spike(spike_store, ray_local, tmp_path_factory) -> Path:
     """The spike run, a plain replay checkpointing every 2 steps up to the spike, analysed, reported
     (shared by the report's test and the results pipeline's, which treat it as read-only)."""
     from replay.store import RunStore

@@ -21,7 +21,7 @@ def other_seed(tmp_path_factory):
     return store
 
 
-def test_compare_two_seeds(store_copy, other_seed):
+def test_compare_two_seeds(store_copy, other_seed, ray_local):
     result = replay_cli("compare", str(store_copy), str(other_seed), "--json", "--workers", "2")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

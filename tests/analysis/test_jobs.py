@@ -48,7 +48,7 @@ def test_a_failed_task_is_retried_and_the_results_are_complete(fault, replayed_c
     _same_results(replayed_copy, analysed_store)
 
 
-def test_an_interrupted_analysis_resumes_without_recomputing(replayed_copy, analysed_store):
+def test_an_interrupted_analysis_resumes_without_recomputing(replayed_copy, analysed_store, ray_local):
     """The driver is SIGKILLed after 2 finished items; the next run computes only the rest."""
     killed_by_fault("analysis-driver-kill:2", "analyze", str(replayed_copy), "--workers", "1")
     result = replay_cli("analyze", str(replayed_copy), "--json")

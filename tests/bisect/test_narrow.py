@@ -29,7 +29,7 @@ def _bisect(store, *args, env=None) -> dict:
     return json.loads(result.stdout)
 
 
-def test_data_bisect_returns_exactly_the_planted_samples(planted_data):
+def test_data_bisect_returns_exactly_the_planted_samples(planted_data, ray_local):
     store, planted = planted_data
     session = _bisect(store, "--by", "data")
     v = session["verdict"]
@@ -56,7 +56,7 @@ def test_data_bisect_returns_exactly_the_planted_samples(planted_data):
     assert [(s["id"], s["status"]) for s in info["bisect"]] == [(session["id"], "complete")]
 
 
-def test_layer_and_head_bisect_returns_the_planted_defective_head(planted_layer):
+def test_layer_and_head_bisect_returns_the_planted_defective_head(planted_layer, ray_local):
     session = _bisect(planted_layer, "--by", "heads", "--fix", "attention=eager", env=DEFECT)
     v = session["verdict"]
     assert v["layers"] == [1]
@@ -68,7 +68,7 @@ def test_layer_and_head_bisect_returns_the_planted_defective_head(planted_layer)
     assert any(p["prevented"] for p in probes if p["overrides"].get("units") == [[1, 0]])
 
 
-def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, tmp_path):
+def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, ray_local, tmp_path):
     store = tmp_path / "spike"
     shutil.copytree(spike_store, store, ignore=shutil.ignore_patterns("replays", "bisect", "analysis"))
     killed_by_fault("bisect-kill:2", "bisect", str(store), "--by", "layers", "--fix", "lr-scale=0.5", "--workers", "1")
