@@ -265,8 +265,7 @@ class Recorder:
 
         self.writer.submit(write)
         if self.coordinator:
-            self.writer.submit(lambda: store.commit_checkpoint(step, kind, world,
-                                                               should_stop=lambda: self.writer.stopping))
+            self.writer.submit(lambda: store.commit_checkpoint(step, kind, world))
 
     def _flush_ring(self) -> None:
         for step, packed in self.ring:

@@ -21,7 +21,6 @@ class BackgroundWriter:
         self._guard = guard
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -50,13 +49,6 @@ class BackgroundWriter:
         self._jobs.put(None)
         self._thread.join()
         self.raise_if_failed()
-
-    def abort(self) -> None:
-        self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def raise_if_failed(self) -> None:
         if self._error is not None:

@@ -362,8 +362,7 @@ class RunStore:
         write_file(shard / "zarr.json", group_json({"done": True, "skeleton": skeleton, "index": index,
                                                      "size": size, "chunks": n, "chunk_bytes": chunk}), durable=False)
 
-    def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0,
-                          should_stop=lambda: False) -> None:
+    def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0) -> None:
         """Wait until every rank's shard is done, then write the commit record (checksums inside)."""
         self.check_writable()
         deadline = time.monotonic() + timeout
@@ -376,7 +375,7 @@ class RunStore:
                     files[f"rank{rank}/zarr.json"] = f"{crc32c(raw):08x}"
                     files[f"rank{rank}/tensors/zarr.json"] = f"{crc32c((shard / 'tensors' / 'zarr.json').read_bytes()):08x}"
                     break
-                if should_stop() or time.monotonic() > deadline:
+                if time.monotonic() > deadline:
                     raise StoreError(f"checkpoint {step}: rank {rank} never finished its shard")
                 time.sleep(0.01)
         if self.durable:   # the step log and every shard reach the disk before the commit that vouches for them
