@@ -12,7 +12,7 @@ import numpy as np
 from replay.analysis.results import analysis_status
 from replay.bisect.session import Session
 from replay.errors import UsageError
-from replay.replayer.replays import list_replays
+from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.lease import holder_of
 

@@ -65,14 +65,15 @@ def warm_ranks():
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """A real local Ray cluster, started once (about 3 s) and shared by the in-process tests that use Ray;
-    its processes end with the test run, however that ends (launch/lifeline.py)."""
+def ray_local() -> str:
+    """A real local Ray cluster, started once (about 3 s) and shared by the tests that use Ray: in this
+    process, and by the commands a test starts with RAY_ADDRESS set to the address it yields. Its
+    processes end with the test run, however that ends (launch/lifeline.py)."""
     import ray
 
     with guarded():
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-        yield
+        yield ray.get_runtime_context().gcs_address
         ray.shutdown()
 
 
@@ -105,10 +106,10 @@ def assert_gone(procs: dict[int, int], within: float = 2.0) -> None:
     assert not left, f"still running {within} s later: {left}"
 
 
-def killed_by_fault(fault: str, *args: str) -> None:
+def killed_by_fault(fault: str, *args: str, env: dict | None = None) -> None:
     """Run `python -m replay ARGS` with the fault hook REPLAY_FAULT=fault, which SIGKILLs it, then kill
     what it left behind (the local Ray processes it started share its new process group)."""
-    proc = subprocess.Popen([sys.executable, "-m", "replay", *args], env=os.environ | {"REPLAY_FAULT": fault},
+    proc = subprocess.Popen([sys.executable, "-m", "replay", *args], env=os.environ | (env or {}) | {"REPLAY_FAULT": fault},
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     assert proc.wait(timeout=300) == -signal.SIGKILL
     try:

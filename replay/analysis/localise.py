@@ -146,7 +146,7 @@ def localise_store(store_path) -> list[Localisation]:
     """A Localisation for every recorded spike of a run, each read from the densest trajectory that
     covers it (not `found` where too few checkpoints precede it)."""
     from replay.analysis.results import read_metrics
-    from replay.replayer.replays import list_replays
+    from replay.replayer.listing import list_replays
     from replay.store import RunStore
 
     trajectories = [("run", read_metrics(store_path))]

@@ -20,7 +20,7 @@ from replay.analysis.localise import Localisation, localise_store
 from replay.analysis.names import HEAD_MATRICES
 from replay.analysis.results import read_distances, read_metrics
 from replay.bisect.session import Session
-from replay.replayer.replays import list_replays
+from replay.replayer.listing import list_replays
 from replay.store import RunStore
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replay.config import RunConfig
-from replay.errors import StoreError, UsageError
+from replay.errors import UsageError
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
@@ -189,38 +189,3 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
                     return Verification(steps, False, Divergence(step, f"{name}[{r}]", float(a[r]), float(b[r])))
                 return Verification(steps, False, Divergence(step, name, float(a), float(b)))
     return Verification(steps, True)
-
-
-def spike_outcome(recorded: list[int], replayed: list[int], spec: ReplaySpec) -> str:
-    """In words: did the replay reproduce, prevent or add spikes, against the record's in the window?"""
-    in_window = [s for s in recorded if spec.start <= s <= spec.stop]
-    if not in_window:
-        return "no spike recorded in the window" + (f"; the replay spiked at {replayed}" if replayed else "")
-    if replayed == in_window:
-        return f"spike reproduced at {in_window}"
-    if not replayed:
-        return f"spike prevented (recorded at {in_window})"
-    return f"spikes at {replayed} (recorded at {in_window})"
-
-
-def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
-    """Every replay of the run; one that cannot be read is listed as {"id", "error"}, not left out."""
-    root = Path(store_path) / "replays"
-    recorded = [e["step"] for e in RunStore.open(store_path).spikes]
-    out: list[dict[str, Any]] = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if not path.is_dir():
-            continue
-        try:
-            store = RunStore.open(path)
-            m = store.manifest
-            spikes = [e["step"] for e in store.spikes]
-        except StoreError as e:
-            out.append({"id": path.name, "error": str(e)})
-            continue
-        spec = m.replay
-        out.append({"id": path.name, "window": {"from": spec.start, "to": spec.stop},
-                    "start_checkpoint": spec.start_checkpoint, "overrides": spec.overrides, "status": m.status,
-                    "spikes": spikes, "verification": spec.verification,
-                    "outcome": spike_outcome(recorded, spikes, spec)})
-    return out

@@ -35,7 +35,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
@@ -43,12 +43,15 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from replay.errors import ChecksumError, StoreError, UsageError
-from replay.store import legacy
 from replay.store.chunks import chunking, read_chunks, write_chunks
 from replay.store.integrity import (crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal,
                                     write_file)
 from replay.store.manifest import READABLE, SCHEMA, Manifest
-from replay.store.tensors import Packed, as_tensor, entry_view, layout, unflatten
+
+# The tensor codec (store/tensors.py, and with it torch) is imported by the methods that move tensors, so that
+# reading a manifest or a step log (`replay info`, the launchers) does not load torch.
+if TYPE_CHECKING:
+    from replay.store.tensors import Packed
 
 _COMPRESSORS = (ZstdCodec(), Crc32cCodec())   # the step log and embedded data: compressed, then checksummed
 
@@ -342,6 +345,8 @@ class RunStore:
         `state` is a packed tree (what the recorder captures) or a plain one (written straight from its
         tensors' memory). `after_chunk(i, n)` is called after each of the n chunks is on disk (progress,
         fault-injection tests)."""
+        from replay.store.tensors import Packed, layout
+
         self.check_writable()
         if isinstance(state, Packed):
             skeleton, index, size, segments = state.skeleton, state.index, len(state.buffer), [(0, state.buffer)]
@@ -412,6 +417,9 @@ class RunStore:
         """One rank's state tree of a committed checkpoint, every byte's checksum verified.
 
         With `keys`, only those tensors are read (the chunks holding them) and returned as {key: tensor}."""
+        from replay.store import legacy
+        from replay.store.tensors import as_tensor, entry_view, unflatten
+
         if self.schema < 2:
             return legacy.read_shard(self._shard_group(step, rank), self._commit(step), step, rank, keys)
         doc = self._shard_doc(step, rank)
@@ -435,6 +443,8 @@ class RunStore:
     def shard_index(self, step: int, rank: int) -> dict[str, dict[str, Any]]:
         """What one rank's shard holds: {key: dtype, shape, offset, nbytes} (no tensor is read)."""
         if self.schema < 2:
+            from replay.store import legacy
+
             self._commit(step)
             return legacy.shard_index(self._shard_group(step, rank))
         return dict(self._shard_doc(step, rank)["index"])

@@ -54,7 +54,11 @@ def init_distributed(r: Rank, cfg: RunConfig) -> None:
         torch.cuda.set_device(r.device)
     if cfg.launcher == "deepspeed":
         import deepspeed
+        import deepspeed.ops
 
+        # DeepSpeed would otherwise compile its shared-memory all-reduce (a C++ build, about 40 s on each new
+        # machine) for inference collectives that training never calls: gloo does every reduction here.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="nccl" if r.device.type == "cuda" else "gloo")
     elif r.world > 1 and not dist.is_initialized():   # warm ranks (launch/pool.py) keep theirs
         dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo", device_id=None)

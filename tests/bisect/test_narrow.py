@@ -71,7 +71,8 @@ def test_layer_and_head_bisect_returns_the_planted_defective_head(planted_layer,
 def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, ray_local, tmp_path):
     store = tmp_path / "spike"
     shutil.copytree(spike_store, store, ignore=shutil.ignore_patterns("replays", "bisect", "analysis"))
-    killed_by_fault("bisect-kill:2", "bisect", str(store), "--by", "layers", "--fix", "lr-scale=0.5", "--workers", "1")
+    killed_by_fault("bisect-kill:2", "bisect", str(store), "--by", "layers", "--fix", "lr-scale=0.5", "--workers", "1",
+                    env={"RAY_ADDRESS": ray_local})
     killed = RunStore.open(store).bisect_sessions()
     assert len(killed) == 1 and killed[0]["status"] == "running" and len(killed[0]["probes"]) == 2
     info = json.loads(replay_cli("info", str(store), "--json").stdout)
@@ -90,11 +91,12 @@ def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, ray_local, t
         assert tried and not any(p["prevented"] for p in tried)
 
 
-def test_an_interrupted_bisect_is_marked_failed(spike_store, tmp_path):
+def test_an_interrupted_bisect_is_marked_failed(spike_store, ray_local, tmp_path):
     store = tmp_path / "spike"
     shutil.copytree(spike_store, store, ignore=shutil.ignore_patterns("replays", "bisect", "analysis"))
     proc = subprocess.Popen([sys.executable, "-m", "replay", "bisect", str(store), "--by", "steps", "--fix",
                              "lr-scale=0.5", "--workers", "1"], cwd=REPO, start_new_session=True,
+                            env=os.environ | {"RAY_ADDRESS": ray_local},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not [b for b in RunStore.open(store).bisect_sessions() if b.get("status") == "running" and b["probes"]]:

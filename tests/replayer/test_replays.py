@@ -162,7 +162,7 @@ def test_deepspeed_zero1_window_replays_bit_for_bit(zero1_store, tmp_path):
         assert torch.equal(a, b)
 
 
-def test_interrupted_replay_is_resumed_or_discarded_never_silently_redone(store_copy):
+def test_interrupted_replay_is_resumed_or_discarded_never_silently_redone(store_copy, tmp_path):
     window = ["--from", "12", "--to", "19", "--checkpoint-every", "2", "--verify", "--json"]
     # a real SIGKILL of rank 0 once its shard of the replay's checkpoint 16 is written, before the commit:
     # rank 0 commits in order, so 12 and 14 are committed and 16 is not
@@ -172,6 +172,7 @@ def test_interrupted_replay_is_resumed_or_discarded_never_silently_redone(store_
     refused = error_line(replay_cli("run", str(store_copy), *window))
     assert "was interrupted" in refused and "--resume" in refused and "--discard" in refused
     assert tree_snapshot(store_copy) == before
+    discarded = shutil.copytree(store_copy, tmp_path / "discarded")
 
     resumed = replay_cli("run", str(store_copy), *window, "--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -180,9 +181,7 @@ def test_interrupted_replay_is_resumed_or_discarded_never_silently_redone(store_
     assert replay.manifest.resumes[0].from_step == 14              # its own last committed checkpoint
     assert answer["verification"]["bitwise"] and replay.read_steps()["step"].tolist() == list(range(10, 20))
 
-    killed = replay_cli("run", str(store_copy), *window, "--name", "again", env={"REPLAY_FAULT": "shard-half:14:0"})
-    assert killed.returncode != 0
-    redone = replay_cli("run", str(store_copy), *window, "--name", "again", "--discard")
+    redone = replay_cli("run", str(discarded), *window, "--discard")
     assert redone.returncode == 0, redone.stderr
     again = json.loads(redone.stdout)
     assert again["verification"]["bitwise"] and RunStore.open(again["replay"]).manifest.resumes == []

@@ -1,0 +1,271 @@
+"""The search for a BF16 flash-attention spike at laptop scale (Qiu & Yao's failure, small enough for a
+laptop): every recipe is recorded with the `reference` placement in BF16 (`reference-emu`: per-tile
+Pbar @ V and the O accumulator in BF16, as their released code) and, side by side, with the same kernel
+in FP32 (the control); where the BF16 arm spikes and the control does not, the same recipe runs with the
+safe-softmax fix and with an FP32 delta (`hp-delta`), over three seeds.
+
+    .venv/bin/python -m results.flash_search [--jobs 2] [--only NAME ...] [--out docs/flash-search.md]
+
+Every run is a `replay record` (the command is in the table); a complete store in the work directory
+(`runs/flash-search`) is reused, so an interrupted search continues where it stopped. A run's outcome is
+what its recorder detected online (the robust z rule of `spike.*`), plus its final and largest loss; with
+`numerics`, the mean tied-maxima rate per layer (`replay record --numerics`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from replay.launch.lifeline import child_env
+
+ARMS = {   # the attention plan of each arm; every run trains under BF16 autocast
+    "bf16": "reference-emu",
+    "fp32": "reference-emu:dtype=fp32",
+    "fix": "reference-emu:fix=safe-softmax",
+    "hp-delta": "reference-emu:hp-delta",
+}
+CONTROLS = ("fix", "hp-delta")
+SEEDS = (1, 2, 3)
+
+
+@dataclass
+class Recipe:
+    name: str
+    lead: str                     # which lead of the search it follows
+    data: str                     # "phrase:K:V" (a K-token phrase over V tokens, repeated), "random:V", "corpus"
+    samples: int                  # data.max_samples: how many sequences the run memorises (0: all)
+    steps: int
+    lr: float
+    sets: dict[str, object] = field(default_factory=dict)   # further --set keys
+    numerics: bool = False
+
+    def args(self, store: Path, data_file: Path | None, arm: str, seed: int) -> list[str]:
+        args = ["record", "--store", str(store), "--steps", str(self.steps), "--precision", "bf16", "--attention",
+                ARMS[arm], "--seed", str(seed), "--checkpoint-every", str(max(self.steps // 4, 1))]
+        if data_file is not None:
+            args += ["--data", str(data_file)]
+        if self.numerics and arm == "bf16":
+            args.append("--numerics")
+        sets = {"threads": 1, "snapshot_every": 0, "data.max_samples": self.samples, "optim.lr": self.lr,
+                "optim.min_lr": self.lr, "optim.warmup_steps": 0, "optim.weight_decay": 0.0, **self.sets}
+        for key, value in sets.items():
+            args += ["--set", f"{key}={value}"]
+        return args
+
+
+def _r(name, lead, data, samples, steps, lr, numerics=False, **sets) -> Recipe:
+    return Recipe(name, lead, data, samples, steps, lr, {k.replace("__", "."): v for k, v in sets.items()}, numerics)
+
+
+# The recipes, in the order they were tried. Names say data, model and optimiser.
+RECIPES = [
+    # lead: memorised repeated phrase (ties need identical BF16 keys: repeated tokens), Adam near zero gradient
+    _r("phrase8-n16-lr1e-3", "memorised phrase", "phrase:8:16", 16, 3000, 1e-3, numerics=True),
+    _r("phrase8-n16-lr3e-4", "memorised phrase", "phrase:8:16", 16, 4000, 3e-4),
+    _r("phrase4-n16-lr1e-3", "memorised phrase", "phrase:4:16", 16, 3000, 1e-3),
+    _r("phrase16-n16-lr1e-3", "memorised phrase", "phrase:16:64", 16, 3000, 1e-3),
+    _r("phrase8-n64-lr1e-3", "memorised phrase", "phrase:8:16", 64, 3000, 1e-3),
+    _r("phrase8-n16-lr3e-3", "high lr", "phrase:8:16", 16, 3000, 3e-3),
+    _r("phrase8-n16-lr1e-2", "high lr", "phrase:8:16", 16, 2000, 1e-2),
+    _r("phrase8-n16-lr1e-3-b2-0.99", "beta2", "phrase:8:16", 16, 3000, 1e-3, optim__beta2=0.99),
+    _r("phrase8-n16-lr1e-3-noclip", "no clipping", "phrase:8:16", 16, 3000, 1e-3, optim__grad_clip=0.0),
+    _r("phrase8-n16-lr3e-3-noclip", "no clipping", "phrase:8:16", 16, 3000, 3e-3, optim__grad_clip=0.0),
+    _r("phrase8-n16-lr1e-3-4L", "depth", "phrase:8:16", 16, 3000, 1e-3, model__n_layer=4),
+    _r("phrase8-n16-lr1e-3-4H", "heads", "phrase:8:16", 16, 3000, 1e-3, model__n_head=4),
+    _r("phrase8-n16-lr1e-3-w128", "width", "phrase:8:16", 16, 3000, 1e-3, model__n_embd=128),
+    _r("phrase8-n16-lr1e-3-seq128", "longer rows", "phrase:8:16", 16, 2000, 1e-3, model__block_size=128),
+    _r("phrase2-n16-lr1e-3", "more ties", "phrase:2:4", 16, 3000, 1e-3, numerics=True),
+    _r("random-n16-lr1e-3", "memorised noise", "random:64", 16, 3000, 1e-3),
+    _r("corpus-n8-lr3e-3", "spike preset's regime", "corpus", 8, 3000, 3e-3),
+    _r("corpus-n8-lr1e-3", "spike preset's regime", "corpus", 8, 3000, 1e-3),
+    _r("corpus-n64-lr1e-3", "less memorised", "corpus", 64, 3000, 1e-3),
+    _r("corpus-all-lr1e-3", "no memorisation", "corpus", 0, 3000, 1e-3),
+    _r("phrase8-n16-lr1e-3-long", "long run", "phrase:8:16", 16, 6000, 1e-3),
+    _r("phrase8-n16-lr3e-4-long", "long run", "phrase:8:16", 16, 8000, 3e-4),
+    _r("corpus-n8-lr1e-3-long", "long run", "corpus", 8, 6000, 1e-3),
+    _r("phrase8-n16-lr1e-3-eps1e-12", "Adam eps", "phrase:8:16", 16, 3000, 1e-3, optim__eps=1e-12),
+    _r("phrase8-n16-lr1e-3-b1-0.95", "beta1", "phrase:8:16", 16, 3000, 1e-3, optim__beta1=0.95),
+    _r("phrase8-n16-lr1e-3-batch32", "batch", "phrase:8:16", 16, 3000, 1e-3, batch_size=16, micro_batch_size=8),
+    _r("phrase8-n4-lr1e-3", "fewer samples", "phrase:8:16", 4, 3000, 1e-3),
+    _r("phrase8-n16-lr3e-3-4L-noclip", "deep, no clipping", "phrase:8:16", 16, 3000, 3e-3, model__n_layer=4,
+       optim__grad_clip=0.0),
+    _r("phrase8-n16-lr1e-3-w32", "narrow", "phrase:8:16", 16, 3000, 1e-3, model__n_embd=32),
+    _r("phrase8-n16-lr1e-3-8H", "head dim 8", "phrase:8:16", 16, 3000, 1e-3, model__n_head=8),
+]
+
+
+def write_data(spec: str, path: Path, block: int = 64, n_samples: int = 4096) -> Path | None:
+    """The token file a data spec names (None: the built-in corpus); deterministic."""
+    kind, *params = spec.split(":")
+    if kind == "corpus":
+        return None
+    n = n_samples * block + 1
+    rng = np.random.default_rng(0)
+    if kind == "phrase":
+        period, vocab = int(params[0]), int(params[1])
+        tokens = np.resize(rng.permutation(vocab)[:period] if period <= vocab else rng.integers(0, vocab, period), n)
+    elif kind == "random":
+        tokens = rng.integers(0, int(params[0]), n)
+    else:
+        raise ValueError(f"unknown data spec {spec!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens.astype(np.uint16).tofile(path)
+    return path
+
+
+@dataclass
+class Outcome:
+    recipe: str
+    arm: str
+    seed: int
+    command: str
+    steps: int = 0
+    spikes: list[int] = field(default_factory=list)
+    final_loss: float = float("nan")
+    min_loss: float = float("nan")
+    max_loss_after_min: float = float("nan")
+    non_finite: bool = False
+    tie_rate: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def verdict(self) -> str:
+        if self.error:
+            return "failed"
+        if self.non_finite:
+            return "diverged"
+        return f"{len(self.spikes)} spike(s)" if self.spikes else "quiet"
+
+
+def outcome_of(store: Path, recipe: Recipe, arm: str, seed: int, command: str, seconds: float) -> Outcome:
+    from replay.store import RunStore
+
+    run = RunStore.open(store)
+    loss = run.read_steps(["loss"])["loss"]
+    o = Outcome(recipe.name, arm, seed, command, steps=len(loss), spikes=[int(e["step"]) for e in run.spikes],
+                seconds=seconds)
+    finite = loss[np.isfinite(loss)]
+    o.non_finite = len(finite) < len(loss)
+    if len(finite):
+        i = int(np.argmin(loss)) if not o.non_finite else int(np.nanargmin(np.where(np.isfinite(loss), loss, np.nan)))
+        o.final_loss, o.min_loss = float(loss[-1]), float(loss[i])
+        o.max_loss_after_min = float(np.nanmax(np.where(np.isfinite(loss[i:]), loss[i:], np.nan)))
+    if run.manifest.config.numerics:
+        o.tie_rate = [float(x) for x in np.nanmean(run.read_steps(["tied_rate"])["tied_rate"], axis=0)]
+    return o
+
+
+def run_one(work: Path, recipe: Recipe, arm: str, seed: int) -> Outcome:
+    store = work / "runs" / f"{recipe.name}-{arm}-s{seed}"
+    data_file = write_data(recipe.data, work / "data" / f"{recipe.data.replace(':', '-')}.bin",
+                           int(recipe.sets.get("model.block_size", 64)))
+    args = recipe.args(store, data_file, arm, seed)
+    command = shlex.join(["replay", *args])
+    done = work / "outcomes" / f"{store.name}.json"
+    if done.is_file():
+        saved = json.loads(done.read_text())
+        if saved["command"] == command:
+            return Outcome(**saved)
+    if store.exists():   # an interrupted run of an earlier search: record it anew
+        import shutil
+
+        shutil.rmtree(store)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True, env=child_env())
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        o = Outcome(recipe.name, arm, seed, command, seconds=seconds, error=proc.stderr.strip().splitlines()[-1])
+    else:
+        o = outcome_of(store, recipe, arm, seed, command, seconds)
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps(vars(o)))
+    print(f"  {store.name}: {o.verdict} {o.spikes[:5]} final {o.final_loss:.4f} ({seconds:.0f} s)", file=sys.stderr)
+    return o
+
+
+def search(work: Path, recipes: list[Recipe], jobs: int) -> list[Outcome]:
+    """Screen every recipe (BF16 and FP32 arms, seed 1, side by side); where BF16 alone spikes, run the
+    fix and hp-delta arms and the other seeds."""
+    lock = threading.Lock()
+    found: list[Outcome] = []
+
+    def one(job):
+        o = run_one(work, *job)
+        with lock:
+            found.append(o)
+        return o
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        screen = list(pool.map(one, [(r, arm, SEEDS[0]) for r in recipes for arm in ("bf16", "fp32")]))
+        by = {(o.recipe, o.arm): o for o in screen}
+        hits = [r for r in recipes if by[(r.name, "bf16")].spikes and not by[(r.name, "fp32")].spikes]
+        follow = [(r, arm, seed) for r in hits for seed in SEEDS for arm in ARMS
+                  if (arm, seed) not in (("bf16", SEEDS[0]), ("fp32", SEEDS[0]))]
+        list(pool.map(one, follow))
+    order = {(r.name): i for i, r in enumerate(recipes)}
+    return sorted(found, key=lambda o: (order[o.recipe], o.seed, list(ARMS).index(o.arm)))
+
+
+def hardware() -> str:
+    model = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.partition(":")[2].strip()
+            break
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def render(outcomes: list[Outcome], recipes: list[Recipe], minutes: float) -> str:
+    by_name = {r.name: r for r in recipes}
+    lines = [
+        "| recipe | lead | data (samples) | steps | lr | other | arm | seed | outcome | spike steps | final loss "
+        "(min) | tie rate per layer | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        r = by_name[o.recipe]
+        other = ", ".join(f"{k}={v}" for k, v in r.sets.items()) or "–"
+        spikes = ", ".join(map(str, o.spikes[:6])) + (" …" if len(o.spikes) > 6 else "") if o.spikes else "–"
+        ties = ", ".join(f"{t:.3f}" for t in o.tie_rate) if o.tie_rate else "–"
+        loss = f"{o.final_loss:.4f} ({o.min_loss:.4f})" if not o.error else o.error
+        lines.append(f"| {r.name} | {r.lead} | {r.data} ({r.samples or 'all'}) | {o.steps or r.steps} | {r.lr:g} | "
+                     f"{other} | {o.arm} | {o.seed} | {o.verdict} | {spikes} | {loss} | {ties} | {o.seconds:.0f} |")
+    return "\n".join(lines) + f"\n\n_{len(outcomes)} runs, {minutes:.0f} min of wall time on {hardware()}, " \
+                              f"{datetime.date.today().isoformat()}._\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m results.flash_search", description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=Path("runs/flash-search"))
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (each takes one core)")
+    p.add_argument("--only", nargs="*", help="recipe names (default: all)")
+    p.add_argument("--table", type=Path, default=None, help="write the markdown table here")
+    args = p.parse_args(argv)
+    recipes = [r for r in RECIPES if not args.only or r.name in args.only]
+    unknown = set(args.only or ()) - {r.name for r in RECIPES}
+    if unknown:
+        p.error(f"unknown recipe(s): {', '.join(sorted(unknown))}")
+    t0 = time.perf_counter()
+    outcomes = search(args.work, recipes, args.jobs)
+    table = render(outcomes, recipes, (time.perf_counter() - t0) / 60)
+    if args.table:
+        args.table.write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
