@@ -127,13 +127,14 @@ def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
             values["update_rel_head"] /= item.ckpt.step - item.prev.step
         per_layer.append(values)
     out = {name: np.stack([v[name] for v in per_layer]) for name in per_layer[0]}
-    out["max_logit"], out["tie_rate"] = probe_metrics(item)
+    out.update(probe_metrics(item))
     return out
 
 
-def probe_metrics(item: MetricItem) -> tuple[np.ndarray, np.ndarray]:
+def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     """Run the model's first blocks (FP32, eager attention) on the probe batch and measure each layer
-    of the item's block: max attention logit and BF16 tied-maxima rate per head."""
+    of the item's block: per head the max attention logit, the BF16 tied-maxima rate and the attention
+    entropy; per layer log Z (metrics.py says what each is)."""
     from transformers import GPT2Model
 
     from replay.train.model import BODY, gpt2_config
@@ -150,20 +151,23 @@ def probe_metrics(item: MetricItem) -> tuple[np.ndarray, np.ndarray]:
     model = GPT2Model(gpt2_config(cfg, vocab_size=wte.shape[0], n_layer=hi)).eval()
     model.set_attn_implementation("eager")
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all(k.startswith("ln_f") for k in missing), (missing, unexpected)
+    assert not missing and not unexpected, (missing, unexpected)
     x = torch.tensor(item.probe, dtype=torch.long)[:, :-1]
     with torch.no_grad():
+        # hidden[l] is block l's input; the last entry is the last block's output after ln_f
         hidden = model(input_ids=x, output_hidden_states=True).hidden_states
-        logits, ties = [], []
+        per_head: dict[str, list[np.ndarray]] = {}
+        z = []
         for layer in range(lo, hi):
             block = model.h[layer]
             qkv = block.attn.c_attn(block.ln_1(hidden[layer]))
             b, t, _ = qkv.shape
-            q, k, _v = (z.view(b, t, item.n_head, -1).transpose(1, 2) for z in qkv.split(item.n_embd, dim=2))
-            m, r = M.attention_probe(q, k)
-            logits.append(m)
-            ties.append(r)
-    return np.stack(logits), np.stack(ties)
+            q, k, _v = (y.view(b, t, item.n_head, -1).transpose(1, 2) for y in qkv.split(item.n_embd, dim=2))
+            for name, values in M.attention_probe(q, k).items():
+                per_head.setdefault(name, []).append(values)
+            out = hidden[layer + 1]
+            z.append(M.log_z(out, model.ln_f, wte) if layer + 1 < hi else M.log_z(out, torch.nn.Identity(), wte))
+    return {**{name: np.stack(v) for name, v in per_head.items()}, "log_z": np.array(z)}
 
 
 def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:

@@ -11,6 +11,12 @@ the robust z-score of its last value against that history, the detector's MAD ru
 the floor is also one probe row, its resolution). A unit's score is its largest |z|; a layer's is the
 largest over its own signals and its heads'. At least two earlier checkpoints with a value are needed.
 
+Early warnings. For every signal of every unit, its lead time before a spike: the longest run of
+checkpoints that ends at the last one before the spike in which every value is at least WARN_Z robust
+z-scores (of one sign) away from the signal's history before the run; the lead is the spike's step
+minus the run's first checkpoint. A signal with a lead left its own history that many steps before
+the spike and did not come back.
+
 The trajectory: the run's own checkpoints, or, when a plain replay (no overrides) that verified bit
 for bit against the record covers the spike with more checkpoints before it, that replay's: the same
 trajectory, sampled more densely (`replay run STORE --from A --to B --checkpoint-every 1`).
@@ -30,10 +36,11 @@ from replay.recorder import spikes
 # (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
 HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],
                 *[("update_rel_head", m) for m in HEAD_MATRICES], *[("update_cos_head", m) for m in ("q", "k")],
-                ("max_logit", None), ("tie_rate", None)]
-# ... and of a layer's whole matrices [checkpoint, layer, matrix]
-LAYER_SIGNALS = [*[("spectral", m) for m in MATRICES], *[("update_rel", m) for m in MATRICES]]
+                ("max_logit", None), ("tie_rate", None), ("attn_entropy", None)]
+# ... and of a layer as a whole [checkpoint, layer(, matrix)]
+LAYER_SIGNALS = [*[("spectral", m) for m in MATRICES], *[("update_rel", m) for m in MATRICES], ("log_z", None)]
 MIN_HISTORY = 2
+WARN_Z = 6.0   # the recorder's own spike threshold (spike.threshold)
 
 
 @dataclass
@@ -55,6 +62,24 @@ class Anomaly:
 
 
 @dataclass
+class Lead:
+    layer: int
+    head: int | None                    # None: a signal of the layer as a whole
+    signal: str
+    since: int                          # the first checkpoint of the run of departed values
+    lead: int                           # spike step - since
+    z: float                            # the last value's robust z against the history before `since`
+
+    @property
+    def unit(self) -> str:
+        return f"layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit, "layer": self.layer, "head": self.head, "signal": self.signal,
+                "since": self.since, "lead": self.lead, "z": self.z}
+
+
+@dataclass
 class Localisation:
     spike: int
     trajectory: str = "run"             # "run", or the id of the bitwise plain replay it was read from
@@ -62,6 +87,7 @@ class Localisation:
     history: list[int] = field(default_factory=list)      # the checkpoints it is compared with
     heads: list[Anomaly] = field(default_factory=list)    # ranked, most anomalous first
     layers: list[Anomaly] = field(default_factory=list)
+    leads: list[Lead] = field(default_factory=list)       # early warnings, longest lead first
 
     @property
     def found(self) -> bool:
@@ -69,7 +95,8 @@ class Localisation:
 
     def to_dict(self) -> dict[str, Any]:
         return {"spike": self.spike, "trajectory": self.trajectory, "checkpoint": self.checkpoint, "history": self.history,
-                "heads": [a.to_dict() for a in self.heads], "layers": [a.to_dict() for a in self.layers]}
+                "heads": [a.to_dict() for a in self.heads], "layers": [a.to_dict() for a in self.layers],
+                "leads": [w.to_dict() for w in self.leads]}
 
     def lines(self, top: int) -> list[str]:
         """The ranking in words, its `top` first units of each kind."""
@@ -82,6 +109,10 @@ class Localisation:
             out.append(f"  {title}:")
             out += [f"    {a.unit:<16} z={a.score:8.1f}  {a.signal}: {a.value:.4g} (median {a.baseline:.4g})"
                     for a in ranking[:top]]
+        out.append(f"  early warnings (|z| >= {WARN_Z:g} from a checkpoint on, until the spike): "
+                   + ("none" if not self.leads else f"{len(self.leads)} signal(s), longest lead first"))
+        out += [f"    {w.unit:<16} {w.lead:5d} steps  {w.signal} (since checkpoint {w.since}, z={w.z:.1f})"
+                for w in self.leads[:top]]
         return out
 
 
@@ -139,7 +170,43 @@ def localise(table: dict[str, Any], spike: int, trajectory: str = "run") -> Loca
         return Localisation(spike, trajectory)
     steps = sub["step"].tolist()
     return Localisation(spike, trajectory, int(steps[-1]), [int(s) for s in steps[:-1]],
-                        sorted(heads, key=lambda a: -a.score), sorted(layers, key=lambda a: -a.score))
+                        sorted(heads, key=lambda a: -a.score), sorted(layers, key=lambda a: -a.score),
+                        lead_times(sub, spike, floors))
+
+
+def lead_times(table: dict[str, Any], spike: int, floors: dict[str, float] | None = None) -> list[Lead]:
+    """The early warnings of every unit's signals (see the module's rule), over the table's checkpoints
+    at or before the spike; longest lead first."""
+    steps = table["step"]
+    n_layer, n_head = table["spectral_qk"].shape[1:]
+    out = []
+    for layer in range(n_layer):
+        units = [(None, LAYER_SIGNALS, lambda v: v[:, layer])]
+        units += [(head, HEAD_SIGNALS, lambda v, h=head: v[:, layer, h]) for head in range(n_head)]
+        for head, signals, pick in units:
+            for metric, matrix in signals:
+                name = f"{metric}[{matrix}]" if matrix else metric
+                since, z = departure(pick(_signal(table, metric, matrix)), (floors or {}).get(name, 0.0))
+                if since is not None:
+                    out.append(Lead(layer, head, name, int(steps[since]), spike - int(steps[since]), z))
+    return sorted(out, key=lambda w: (-w.lead, -abs(w.z)))
+
+
+def departure(series: np.ndarray, floor: float = 0.0) -> tuple[int | None, float]:
+    """(index where the run of departed values that ends at the series' last value begins, the last
+    value's z against the history before it), or (None, nan) when the last value has not departed."""
+    last = len(series) - 1
+    since, z_last = None, float("nan")
+    for start in range(last, 0, -1):
+        history = series[:start][np.isfinite(series[:start])]
+        run = series[start:]
+        if len(history) < MIN_HISTORY or not np.all(np.isfinite(run)):
+            break
+        zs = [robust_z(history, float(x), floor)[0] for x in run]
+        if not (all(z >= WARN_Z for z in zs) or all(z <= -WARN_Z for z in zs)):
+            break
+        since, z_last = start, zs[-1]
+    return since, z_last
 
 
 def localise_store(store_path) -> list[Localisation]:

@@ -17,7 +17,13 @@ Definitions (stated once, used everywhere):
 - probe: on fixed samples of the run's own data, the FP32 attention logits S = q k^T / sqrt(hd) of each
   head (causal); max logit = max of S; a row has tied maxima at BF16 when, with q and k rounded to BF16
   and S rounded to BF16 (what a BF16 matmul writes), two or more entries equal the row max (rows with
-  one visible key cannot tie and are left out).
+  one visible key cannot tie and are left out); attention entropy = the mean over rows of
+  -sum_j P_ij ln P_ij with P = softmax(S) (nats; the same rows: collapse is its fall towards 0).
+- log Z of a layer: the mean over the probe's positions of logsumexp(ln_f(h) W_E^T), h the layer's
+  output and W_E the (tied) token embedding: the output logits' log partition function (PaLM's z-loss
+  quantity) read through the final layer norm and the unembedding; the last layer's is the model's own.
+- update-to-weight RMS ratio of a matrix: RMS(D_t) / RMS(W_prev), which is the relative update norm
+  above (both have the same number of entries).
 - weight distance of two tensors a (reference) and b: max |a - b|, Frobenius ||a - b||_F, relative
   ||a - b||_F / ||a||_F, and Wasserstein-1 between the two value distributions
   (`scipy.stats.wasserstein_distance` of the flattened values).
@@ -116,19 +122,27 @@ def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | Non
     return out
 
 
-def attention_probe(q: torch.Tensor, k: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Max attention logit and rate of rows with tied maxima at BF16, per head, from one layer's
-    q and k [batch, head, seq, hd] (FP32) under a causal mask."""
+def attention_probe(q: torch.Tensor, k: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per head, from one layer's q and k [batch, head, seq, hd] (FP32) under a causal mask: the max
+    attention logit ("max_logit"), the rate of rows with tied maxima at BF16 ("tie_rate") and the mean
+    attention entropy ("attn_entropy")."""
     hd, T = q.shape[-1], q.shape[-2]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     scale = hd ** -0.5
-    s = (q @ k.transpose(-1, -2)) * scale
-    max_logit = s.masked_fill(~causal, -torch.inf).amax(dim=(0, 2, 3))
+    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~causal, -torch.inf)
+    p = torch.softmax(s, dim=-1)
+    entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=-1)   # [batch, head, seq]
     s16 = (q.bfloat16().float() @ k.bfloat16().float().transpose(-1, -2)).bfloat16().float()
     s16 = s16.masked_fill(~causal, -torch.inf)
     ties = (s16 == s16.amax(dim=-1, keepdim=True)).sum(dim=-1) >= 2      # [batch, head, seq]
-    rows = ties[..., 1:].float().mean(dim=(0, 2))                       # row 0 sees one key only
-    return max_logit.numpy(), rows.numpy()
+    return {"max_logit": s.amax(dim=(0, 2, 3)).numpy(),
+            "tie_rate": ties[..., 1:].float().mean(dim=(0, 2)).numpy(),    # row 0 sees one key only
+            "attn_entropy": entropy[..., 1:].mean(dim=(0, 2)).numpy()}
+
+
+def log_z(h: torch.Tensor, ln_f: torch.nn.Module, wte: torch.Tensor) -> float:
+    """Mean over positions of logsumexp(ln_f(h) @ wte^T), h [batch, seq, d] (FP32)."""
+    return float(torch.logsumexp(ln_f(h) @ wte.T, dim=-1).mean())
 
 
 def tensor_distances(a: np.ndarray, b: np.ndarray) -> dict[str, float]:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from replay.analysis.localise import Localisation, localise_store
+from replay.analysis.localise import WARN_Z, Localisation, localise_store
 from replay.analysis.names import HEAD_MATRICES
 from replay.analysis.results import read_distances, read_metrics
 from replay.bisect.session import Session
@@ -129,7 +129,19 @@ def _ranking_html(found: Localisation, top: int) -> str:
     return (f"<p>Spike at step <b>{found.spike}</b>: checkpoint {found.checkpoint} against {len(found.history)} "
             f"earlier checkpoints ({found.history[0]}..{found.history[-1]}) of {where}.</p>"
             "<table class='ranking'><tr><th>unit</th><th>name</th><th>robust z</th><th>signal</th>"
-            "<th>value</th><th>median before</th></tr>" + "".join(rows) + "</table>")
+            "<th>value</th><th>median before</th></tr>" + "".join(rows) + "</table>" + _leads_html(found, top))
+
+
+def _leads_html(found: Localisation, top: int) -> str:
+    if not found.leads:
+        return (f"<p>Early warnings: no signal stayed {WARN_Z:g} robust z-scores away from its own history up to "
+                "the spike.</p>")
+    rows = "".join(f"<tr><td>{html.escape(w.unit)}</td><td>{html.escape(w.signal)}</td><td>{w.lead}</td>"
+                   f"<td>{w.since}</td><td>{w.z:.1f}</td></tr>" for w in found.leads[:top])
+    return (f"<p>Early warnings: {len(found.leads)} signal(s) left their own history and stayed out (|z| &ge; "
+            f"{WARN_Z:g}) until the spike; the longest leads first.</p><table class='leads'><tr><th>unit</th>"
+            "<th>signal</th><th>lead (steps)</th><th>since checkpoint</th><th>z at the last</th></tr>"
+            + rows + "</table>")
 
 
 def _bisect_html(session: Session) -> str:

@@ -41,6 +41,8 @@ METRICS: dict[str, tuple[str, ...]] = {
     "update_srank_head": ("head_matrix", "head"),
     "max_logit": ("head",),
     "tie_rate": ("head",),
+    "attn_entropy": ("head",),
+    "log_z": (),
 }
 
 
@@ -69,7 +71,6 @@ class MetricsTable:
         if not has_analysis(store_path):
             root = zarr.open_group(LocalStore(Path(store_path)), mode="r+")
             group = root.create_group(GROUP)
-            sizes = _sizes(n_layer, n_head)
             group.create_array("checkpoint", shape=(0,), dtype="int64", chunks=(1024,), dimension_names=("checkpoint",),
                                fill_value=-1)
             for name, values in (("layer", np.arange(n_layer)), ("head", np.arange(n_head))):
@@ -78,17 +79,21 @@ class MetricsTable:
             for name, values in (("matrix", MATRICES), ("head_matrix", HEAD_MATRICES)):
                 arr = group.create_array(name, shape=(len(values),), dtype=str, dimension_names=(name,))
                 arr[...] = np.array(values)
-            for name, dims in METRICS.items():
-                shape = (0, n_layer, *(sizes[d] for d in dims))
-                group.create_array(name, shape=shape, dtype="float64", chunks=(1, layer_block, *shape[2:]),
-                                   dimension_names=("checkpoint", "layer", *dims), fill_value=np.nan)
+            _create_metrics(group, list(METRICS), n_layer, n_head, layer_block, 0)
             n_blocks = -(-n_layer // layer_block)
             group.create_array("done", shape=(0, n_blocks), dtype="uint8", chunks=(1, 1), fill_value=0,
                                dimension_names=("checkpoint", "block"), config={"write_empty_chunks": True})
             # the attributes last: a group without them is an unfinished creation, redone next time
             group.update_attributes({"schema": SCHEMA, "n_layer": n_layer, "n_head": n_head,
                                      "layer_block": layer_block, "probe": probe, "rows": []})
-        return cls(store_path)
+        table = cls(store_path)
+        missing = [name for name in METRICS if name not in table.group]
+        if missing:   # analysed before these metrics existed: every row is computed again, once
+            attrs = table.attrs
+            _create_metrics(table.group, missing, attrs["n_layer"], attrs["n_head"], attrs["layer_block"],
+                            table.group["checkpoint"].shape[0])
+            table.group["done"][...] = 0
+        return table
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -103,6 +108,15 @@ class MetricsTable:
 
     def done(self) -> np.ndarray:
         return self.group["done"][...].astype(bool)
+
+
+def _create_metrics(group: zarr.Group, names: list[str], n_layer: int, n_head: int, layer_block: int,
+                    rows: int) -> None:
+    sizes = _sizes(n_layer, n_head)
+    for name in names:
+        shape = (rows, n_layer, *(sizes[d] for d in METRICS[name]))
+        group.create_array(name, shape=shape, dtype="float64", chunks=(1, layer_block, *shape[2:]),
+                           dimension_names=("checkpoint", "layer", *METRICS[name]), fill_value=np.nan)
 
 
 def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]) -> list[int]:
@@ -156,8 +170,12 @@ def read_metrics(store_path: str | Path) -> dict[str, Any] | None:
     complete = group["done"][...].astype(bool).all(axis=1) if steps.size else np.zeros(0, bool)
     order = [i for i in np.argsort(steps, kind="stable") if complete[i]]
     out: dict[str, Any] = {"step": steps[order], "attrs": dict(group.attrs)}
-    for name in METRICS:
-        out[name] = group[name][...][order] if order else np.zeros((0, *group[name].shape[1:]))
+    n_layer, n_head = out["attrs"]["n_layer"], out["attrs"]["n_head"]
+    for name, dims in METRICS.items():
+        if name in group:
+            out[name] = group[name][...][order] if order else np.zeros((0, *group[name].shape[1:]))
+        else:   # analysed before this metric existed (the next `replay analyze` computes it)
+            out[name] = np.full((len(order), n_layer, *(_sizes(n_layer, n_head)[d] for d in dims)), np.nan)
     return out
 
 

@@ -58,6 +58,27 @@ def test_an_interrupted_analysis_resumes_without_recomputing(replayed_copy, anal
     _same_results(replayed_copy, analysed_store)
 
 
+def test_an_analysis_from_before_a_metric_existed_is_completed(analysed_store, ray_local, tmp_path):
+    """An analysis group without the early-warning signals (as `replay analyze` wrote it before they
+    existed) reads with NaN there, and the next analysis computes every row again."""
+    import shutil
+
+    import zarr
+
+    store = tmp_path / "run"
+    shutil.copytree(analysed_store, store)
+    for where in (store, store / "replays/lr2"):
+        group = zarr.open_group(str(where / "analysis"), mode="r+")
+        for name in ("attn_entropy", "log_z"):
+            del group[name]
+    old = read_metrics(store)
+    assert np.isnan(old["attn_entropy"]).all() and np.isnan(old["log_z"]).all()
+    assert old["step"].tolist() == read_metrics(analysed_store)["step"].tolist()
+    summary = analyze(store)
+    assert (summary.computed, summary.skipped) == (6, 1)   # every checkpoint again; the distances were whole
+    _same_results(store, analysed_store)
+
+
 def test_rerunning_computes_only_what_is_new(replayed_copy, ray_local):
     first = analyze(replayed_copy)
     assert (first.computed, first.skipped) == (7, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay.analysis.localise import localise, robust_z
+from replay.analysis.localise import WARN_Z, departure, localise, robust_z
 from replay.analysis.results import METRICS
 
 
@@ -60,3 +60,28 @@ def test_too_few_checkpoints_before_the_spike():
     found = localise(_table(), spike=15)             # checkpoints 0 and 10 only: no history to speak of
     assert not found.found and found.spike == 15 and not found.heads
     assert found.lines(5) == ["spike at step 15: too few analysed checkpoints before it to localise"]
+
+
+def test_a_signal_that_drifts_away_before_the_spike_has_its_lead_time():
+    table = _table(n_ckpt=12)
+    table["attn_entropy"][8:, 1, 2] = [0.8, 0.6, 0.4, 0.2]     # layer 1 head 2 collapses from checkpoint 80 on
+    table["log_z"][10:, 0] = [2.0, 3.0]                        # layer 0's log Z from checkpoint 100 on
+    found = localise(table, spike=115)
+    first = found.leads[0]
+    assert (first.layer, first.head, first.signal, first.since, first.lead) == (1, 2, "attn_entropy", 80, 35)
+    assert first.z < -WARN_Z
+    z_leads = [w for w in found.leads if w.signal == "log_z"]
+    assert [(w.layer, w.head, w.since, w.lead) for w in z_leads] == [(0, None, 100, 15)]
+    noise = [w for w in found.leads if (w.layer, w.head, w.signal) not in {(1, 2, "attn_entropy"), (0, None, "log_z")}]
+    assert not noise, noise
+
+
+def test_a_departure_that_comes_back_is_no_warning():
+    flat = 1.0 + 0.01 * np.random.default_rng(1).standard_normal(10)
+    series = flat.copy()
+    series[6] = 2.0                          # out at one checkpoint, back in before the last
+    since, z = departure(series)
+    assert since is None and np.isnan(z)
+    series[8:] = [2.0, 2.5]                  # out for the last two: the run starts at index 8
+    since, z = departure(series)
+    assert since == 8 and z == pytest.approx(robust_z(series[:8], 2.5)[0])

@@ -131,6 +131,39 @@ def test_probe_logits_and_ties_match_transformers_forward(context):
             assert table["tie_rate"][i, layer, h] == pytest.approx(ties[:, 1:].mean(), abs=1.5 / ties[:, 1:].size)
 
 
+def test_attention_entropy_and_log_z_match_transformers_forward(context):
+    """Entropy from transformers' own attention probabilities (eager, output_attentions), log Z from its
+    LM head's logits (the last layer) and from each block's output through ln_f and the tied embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    store, cfg, table, steps, weights = context
+    tokens = store.read_tokens()
+    T = cfg.block_size
+    x = torch.tensor(np.stack([tokens[i * T:i * T + T] for i in table["attrs"]["probe"]["sample_ids"]])
+                     .astype(np.int64))
+    i = len(steps) - 1
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=T, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                                       n_head=cfg.n_head, attn_implementation="eager")).eval()
+    model.load_state_dict(store.read_shard(steps[i], 0)["state"]["replicated"]["model"])
+    outputs = {}
+    for layer, block in enumerate(model.transformer.h):
+        block.register_forward_hook(lambda m, a, out, layer=layer: outputs.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        out = model(input_ids=x, output_attentions=True)
+    for layer in range(cfg.n_layer):
+        p = out.attentions[layer].double().numpy()                 # [batch, head, query, key]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=-1)
+        np.testing.assert_allclose(table["attn_entropy"][i, layer], h[:, :, 1:].mean(axis=(0, 2)), rtol=1e-5)
+        with torch.no_grad():
+            lens = model.transformer.ln_f(outputs[layer]) @ model.transformer.wte.weight.T
+        np.testing.assert_allclose(table["log_z"][i, layer], torch.logsumexp(lens.double(), -1).mean().item(),
+                                   rtol=1e-5)
+    z_model = torch.logsumexp(out.logits.double(), dim=-1).mean().item()
+    np.testing.assert_allclose(table["log_z"][i, cfg.n_layer - 1], z_model, rtol=1e-5)
+    assert np.all(table["attn_entropy"][i] > 0) and np.all(table["attn_entropy"][i] < np.log(T))
+
+
 def test_replay_distances_against_the_run(analysed_store):
     """The diverging replay's checkpoint 20 against the run's: every distance, recomputed."""
     from tests.analysis.conftest import DIVERGING_REPLAY
