@@ -176,18 +176,21 @@ def outcome_of(store: Path, recipe: Recipe, arm: str, seed: int, command: str, s
 
 
 def loss_spikes(loss: np.ndarray) -> list[int]:
-    """Steps whose loss is MIN_RISE nats above the median of the WINDOW steps before and Z robust z-scores
-    out (non-finite losses count)."""
+    """The first step of each spike: a loss MIN_RISE nats above the median of the WINDOW steps before and
+    Z robust z-scores out, or a non-finite one; steps within WINDOW of a spike's last step belong to it."""
     from replay.recorder.spikes import robust_z
 
-    out = []
+    out: list[int] = []
+    last = -WINDOW - 1
     for step in range(WINDOW, len(loss)):
         history = loss[step - WINDOW:step]
         history = history[np.isfinite(history)]
-        if not np.isfinite(loss[step]):
-            out.append(step)
-        elif len(history) and loss[step] - np.median(history) >= MIN_RISE and robust_z(history, float(loss[step]))[0] >= Z:
-            out.append(step)
+        high = not np.isfinite(loss[step]) or (len(history) > 0 and loss[step] - np.median(history) >= MIN_RISE
+                                               and robust_z(history, float(loss[step]))[0] >= Z)
+        if high:
+            if step - last > WINDOW:
+                out.append(step)
+            last = step
     return out
 
 
@@ -244,6 +247,67 @@ def search(work: Path, recipes: list[Recipe], jobs: int) -> list[Outcome]:
     return sorted(found, key=lambda o: (order[o.recipe], o.seed, list(ARMS).index(o.arm)))
 
 
+def done_outcomes(work: Path, recipes: list[Recipe]) -> list[Outcome]:
+    """The outcomes of the runs an earlier search finished, in the search's order."""
+    out = []
+    for r in recipes:
+        for seed in SEEDS:
+            for arm in ARMS:
+                if (work / "outcomes" / f"{r.name}-{arm}-s{seed}.json").is_file():
+                    out.append(run_one(work, r, arm, seed))
+    return out
+
+
+def signature(store: Path) -> dict[str, list[float]]:
+    """The mechanism's signature at a run's last checkpoint: per layer, the largest per-head spectral norm
+    of W_Q,h and of W_Q,h W_K,h^T; with --numerics, per layer, the median cosine of successive W_Q gradient
+    errors and the mean tied-maxima rate over the run."""
+    from replay.analysis import metrics as M
+    from replay.recorder import model_key
+    from replay.store import RunStore
+    from replay.train.model import layer_weights
+
+    run = RunStore.open(store)
+    cfg = run.manifest.config.model
+    step = run.checkpoints()[-1].step
+    keys = {layer: {name: model_key(k) for name, k in layer_weights(layer).items()} for layer in range(cfg.n_layer)}
+    tensors = run.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
+    out: dict[str, list[float]] = {"w_q": [], "w_qk": []}
+    for layer in range(cfg.n_layer):
+        mats = M.layer_matrices({n: tensors[k].float().numpy() for n, k in keys[layer].items()}, cfg.n_embd)
+        w = M.weight_metrics(mats, cfg.n_head)
+        out["w_q"].append(float(w["spectral_head"][0].max()))
+        out["w_qk"].append(float(w["spectral_qk"].max()))
+    if run.manifest.config.numerics:
+        s = run.read_steps(["wq_err_cos", "tied_rate"])
+        out["wq_err_cos"] = [float(x) for x in np.nanmedian(s["wq_err_cos"], axis=0)]
+        out["tie_rate"] = [float(x) for x in np.nanmean(s["tied_rate"], axis=0)]
+    return out
+
+
+def render_signatures(work: Path, recipes: list[Recipe]) -> str:
+    """The signature table of every recipe whose BF16 and FP32 arms both ran (seed 1)."""
+    lines = ["| recipe | arm | step | max spectral norm of W_Q,h per layer | of W_Q,h W_K,h^T | median cos of "
+             "successive W_Q grad errors | tie rate |", "|---|---|---|---|---|---|---|"]
+    fmt = lambda xs: ", ".join(f"{x:.3g}" for x in xs) if xs else "–"
+    for r in recipes:
+        for arm in ARMS:
+            store = work / "runs" / f"{r.name}-{arm}-s{SEEDS[0]}"
+            if not (work / "outcomes" / f"{store.name}.json").is_file() or not store.exists():
+                continue
+            sig = signature(store)
+            step = last_checkpoint(store)
+            lines.append(f"| {r.name} | {arm} | {step} | {fmt(sig['w_q'])} | {fmt(sig['w_qk'])} | "
+                         f"{fmt(sig.get('wq_err_cos', []))} | {fmt(sig.get('tie_rate', []))} |")
+    return "\n".join(lines) + "\n"
+
+
+def last_checkpoint(store: Path) -> int:
+    from replay.store import RunStore
+
+    return RunStore.open(store).checkpoints()[-1].step
+
+
 def hardware() -> str:
     model = "unknown CPU"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -253,7 +317,7 @@ def hardware() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def render(outcomes: list[Outcome], recipes: list[Recipe], minutes: float) -> str:
+def render(outcomes: list[Outcome], recipes: list[Recipe]) -> str:
     by_name = {r.name: r for r in recipes}
     lines = [
         "| recipe | lead | data (samples) | steps | lr | other | arm | seed | outcome | spike steps | detector "
@@ -269,8 +333,9 @@ def render(outcomes: list[Outcome], recipes: list[Recipe], minutes: float) -> st
         lines.append(f"| {r.name} | {r.lead} | {r.data} ({r.samples or 'all'}) | {o.steps or r.steps} | {r.lr:g} | "
                      f"{other} | {o.arm} | {o.seed} | {o.verdict} | {spikes} | {o.detector} | {loss} | {ties} | "
                      f"{o.seconds:.0f} |")
-    return "\n".join(lines) + f"\n\n_{len(outcomes)} runs, {minutes:.0f} min of wall time on {hardware()}, " \
-                              f"{datetime.date.today().isoformat()}._\n"
+    minutes = sum(o.seconds for o in outcomes) / 60
+    return "\n".join(lines) + f"\n\n_{len(outcomes)} runs, {minutes:.0f} min of run time (two at a time) on " \
+                              f"{hardware()}, {datetime.date.today().isoformat()}._\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,15 +343,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path("runs/flash-search"))
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each takes one core)")
     p.add_argument("--only", nargs="*", help="recipe names (default: all)")
-    p.add_argument("--table", type=Path, default=None, help="write the markdown table here")
+    p.add_argument("--table", type=Path, default=None, help="write the markdown tables here")
+    p.add_argument("--done-only", action="store_true", help="run nothing: the tables of the runs already done")
     args = p.parse_args(argv)
     recipes = [r for r in RECIPES if not args.only or r.name in args.only]
     unknown = set(args.only or ()) - {r.name for r in RECIPES}
     if unknown:
         p.error(f"unknown recipe(s): {', '.join(sorted(unknown))}")
-    t0 = time.perf_counter()
-    outcomes = search(args.work, recipes, args.jobs)
-    table = render(outcomes, recipes, (time.perf_counter() - t0) / 60)
+    outcomes = done_outcomes(args.work, recipes) if args.done_only else search(args.work, recipes, args.jobs)
+    table = render(outcomes, recipes) + "\n" + render_signatures(args.work, recipes)
     if args.table:
         args.table.write_text(table)
     print(table)

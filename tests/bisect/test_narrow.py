@@ -91,12 +91,11 @@ def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, ray_local, t
         assert tried and not any(p["prevented"] for p in tried)
 
 
-def test_an_interrupted_bisect_is_marked_failed(spike_store, ray_local, tmp_path):
+def test_an_interrupted_bisect_is_marked_failed(spike_store, tmp_path):
     store = tmp_path / "spike"
     shutil.copytree(spike_store, store, ignore=shutil.ignore_patterns("replays", "bisect", "analysis"))
     proc = subprocess.Popen([sys.executable, "-m", "replay", "bisect", str(store), "--by", "steps", "--fix",
                              "lr-scale=0.5", "--workers", "1"], cwd=REPO, start_new_session=True,
-                            env=os.environ | {"RAY_ADDRESS": ray_local},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not [b for b in RunStore.open(store).bisect_sessions() if b.get("status") == "running" and b["probes"]]:
