@@ -126,8 +126,11 @@ def write_data(spec: str, path: Path, block: int = 64, n_samples: int = 4096) ->
         tokens = rng.integers(0, int(params[0]), n)
     else:
         raise ValueError(f"unknown data spec {spec!r}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tokens.astype(np.uint16).tofile(path)
+    if not path.is_file():   # written once, whole: running recordings map it, and a rewrite under them kills them
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tokens.astype(np.uint16).tofile(tmp)
+        tmp.replace(path)
     return path
 
 
