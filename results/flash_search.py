@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -261,7 +262,7 @@ def done_outcomes(work: Path, recipes: list[Recipe]) -> list[Outcome]:
     return out
 
 
-def signature(store: Path) -> dict[str, list[float]]:
+def signature(store: Path) -> dict[str, Any]:
     """The mechanism's signature at a run's last checkpoint: per layer, the largest per-head spectral norm
     of W_Q,h and of W_Q,h W_K,h^T; with --numerics, per layer, the median cosine of successive W_Q gradient
     errors and the mean tied-maxima rate over the run."""
@@ -275,7 +276,7 @@ def signature(store: Path) -> dict[str, list[float]]:
     step = run.checkpoints()[-1].step
     keys = {layer: {name: model_key(k) for name, k in layer_weights(layer).items()} for layer in range(cfg.n_layer)}
     tensors = run.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
-    out: dict[str, list[float]] = {"w_q": [], "w_qk": []}
+    out: dict[str, Any] = {"step": step, "w_q": [], "w_qk": []}
     for layer in range(cfg.n_layer):
         mats = M.layer_matrices({n: tensors[k].float().numpy() for n, k in keys[layer].items()}, cfg.n_embd)
         w = M.weight_metrics(mats, cfg.n_head)
@@ -299,16 +300,9 @@ def render_signatures(work: Path, recipes: list[Recipe]) -> str:
             if not (work / "outcomes" / f"{store.name}.json").is_file() or not store.exists():
                 continue
             sig = signature(store)
-            step = last_checkpoint(store)
-            lines.append(f"| {r.name} | {arm} | {step} | {fmt(sig['w_q'])} | {fmt(sig['w_qk'])} | "
+            lines.append(f"| {r.name} | {arm} | {sig['step']} | {fmt(sig['w_q'])} | {fmt(sig['w_qk'])} | "
                          f"{fmt(sig.get('wq_err_cos', []))} | {fmt(sig.get('tie_rate', []))} |")
     return "\n".join(lines) + "\n"
-
-
-def last_checkpoint(store: Path) -> int:
-    from replay.store import RunStore
-
-    return RunStore.open(store).checkpoints()[-1].step
 
 
 def hardware() -> str:
