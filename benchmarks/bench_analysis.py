@@ -9,8 +9,9 @@ built-in corpus with a checkpoint before every step, through `replay record`.
    with one BLAS/torch thread (target <= 2 s); and, for context, the rest of a work item (reading the
    tensors, update statistics, the probe forward).
 2. The analysis with 1 then 2 workers (`analysis.jobs.analyze`, what `replay analyze --workers W` runs, each
-   on a local Ray cluster of its own) on the same store (analysis removed in between), twice, alternated: the speed-up of the work itself (the `seconds` each reports, Ray start-up excluded;
-   target >= 1.7x).
+   on a local Ray cluster of its own) on the same store (analysis removed in between), twice, alternated:
+   the speed-up of the work itself (the `seconds` each reports, Ray start-up excluded; target >= 1.7x).
+   --quick runs each once, on the cluster at RAY_ADDRESS where one is set (the test suite's).
 
     .venv/bin/python benchmarks/bench_analysis.py [--quick]
 """
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the tiny model, each worker count once (seconds; the "
                                                           "suite runs it to keep the benchmark working)")
     quick = ap.parse_args().quick
+    if not quick:
+        os.environ.pop("RAY_ADDRESS", None)   # the speed-up is measured on local clusters of 1 and 2 CPUs
     torch.set_num_threads(1)
     print(hardware())
     work = Path(tempfile.mkdtemp(prefix="bench-analysis-"))

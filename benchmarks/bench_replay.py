@@ -48,15 +48,17 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="30 steps, no one-step replay (seconds; the suite runs it "
-                                                          "to keep the benchmark working)")
+    ap.add_argument("--quick", action="store_true", help="30 steps of the `tiny` preset on one rank, no one-step "
+                                                          "replay (seconds; the suite runs it to keep the benchmark "
+                                                          "working)")
     quick = ap.parse_args().quick
     steps = 30 if quick else 80
+    args = ["--preset", "tiny", "--nproc", "1", "--checkpoint-every", "20"] if quick else ARGS
     print(hardware())
     work = Path(tempfile.mkdtemp(prefix="bench_replay_"))
     try:
         store = work / "run"
-        timed("-m", "replay", "record", "--store", str(store), *ARGS, "--steps", str(steps))
+        timed("-m", "replay", "record", "--store", str(store), *args, "--steps", str(steps))
         timed("-m", "replay", "run", str(store), "--from", "20", "--to", str(steps - 1), "--name", "window")
         run = RunStore.open(store)
         rec = run.read_steps(["step_time"])["step_time"][21:steps]

@@ -7,12 +7,12 @@ that matter: a step whose loss is 0.1 nats or more above the median of the 50 be
 z-scores out (the recorder's online detector also fires on wobbles of a loss memorised to 1e-5, which
 the table counts apart).
 
-    .venv/bin/python -m results.flash_search [--jobs 2] [--only NAME ...] [--out docs/flash-search.md]
+    .venv/bin/python -m results.flash_search [--jobs 2] [--only NAME ...] [--table FILE] [--done-only]
 
-Every run is a `replay record` (the command is in the table); a complete store in the work directory
+Every run is a `replay record` (the command is in the table); a finished run in the work directory
 (`runs/flash-search`) is reused, so an interrupted search continues where it stopped. A run's outcome is
-what its recorder detected online (the robust z rule of `spike.*`), plus its final and largest loss; with
-`numerics`, the mean tied-maxima rate per layer (`replay record --numerics`).
+its loss spikes by the rule above, how often its recorder's detector fired, its final and smallest loss;
+with `numerics`, the mean tied-maxima rate per layer (`replay record --numerics`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Recipe:
     lr: float
     sets: dict[str, object] = field(default_factory=dict)   # further --set keys
     numerics: bool = False
+    screen: tuple[int, ...] = SEEDS[:1]   # the seeds whose BF16 and FP32 arms are run before any follow-up
 
     def args(self, store: Path, data_file: Path | None, arm: str, seed: int) -> list[str]:
         args = ["record", "--store", str(store), "--steps", str(self.steps), "--precision", "bf16", "--attention",
@@ -71,8 +72,9 @@ class Recipe:
         return args
 
 
-def _r(name, lead, data, samples, steps, lr, numerics=False, **sets) -> Recipe:
-    return Recipe(name, lead, data, samples, steps, lr, {k.replace("__", "."): v for k, v in sets.items()}, numerics)
+def _r(name, lead, data, samples, steps, lr, numerics=False, screen=SEEDS[:1], **sets) -> Recipe:
+    return Recipe(name, lead, data, samples, steps, lr, {k.replace("__", "."): v for k, v in sets.items()}, numerics,
+                  screen)
 
 
 # The recipes, in the order they were tried. Names say data, model and optimiser.
@@ -110,6 +112,15 @@ RECIPES = [
        optim__grad_clip=0.0),
     _r("phrase8-n16-lr1e-3-w32", "narrow", "phrase:8:16", 16, 3000, 1e-3, model__n_embd=32),
     _r("phrase8-n16-lr1e-3-8H", "head dim 8", "phrase:8:16", 16, 3000, 1e-3, model__n_head=8),
+    # around the one BF16-only spike (seed 1 of phrase8-n16-lr3e-3-4L-noclip), every seed screened
+    *[_r(name, f"near the candidate: {lead}", data, 16, steps, lr, screen=SEEDS, model__n_layer=layers,
+         optim__grad_clip=0.0, **sets)
+      for name, lead, data, steps, lr, layers, sets in [
+          ("phrase8-n16-lr3e-3-4L-noclip-long", "longer", "phrase:8:16", 5000, 3e-3, 4, {}),
+          ("phrase8-n16-lr5e-3-4L-noclip", "higher lr", "phrase:8:16", 3000, 5e-3, 4, {}),
+          ("phrase8-n16-lr2e-3-4L-noclip", "lower lr", "phrase:8:16", 3000, 2e-3, 4, {}),
+          ("phrase8-n16-lr3e-3-6L-noclip", "deeper", "phrase:8:16", 3000, 3e-3, 6, {}),
+          ("phrase8-n16-lr3e-3-4L4H-noclip", "more heads", "phrase:8:16", 3000, 3e-3, 4, {"model__n_head": 4})]],
 ]
 
 
@@ -229,8 +240,8 @@ def run_one(work: Path, recipe: Recipe, arm: str, seed: int) -> Outcome:
 
 
 def search(work: Path, recipes: list[Recipe], jobs: int) -> list[Outcome]:
-    """Screen every recipe (BF16 and FP32 arms, seed 1, side by side); where BF16 alone spikes, run the
-    fix and hp-delta arms and the other seeds."""
+    """Screen every recipe (BF16 and FP32 arms of its screening seeds, side by side); where BF16 alone spikes
+    on one of them, run the fix and hp-delta arms and the other seeds."""
     lock = threading.Lock()
     found: list[Outcome] = []
 
@@ -241,11 +252,12 @@ def search(work: Path, recipes: list[Recipe], jobs: int) -> list[Outcome]:
         return o
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        screen = list(pool.map(one, [(r, arm, SEEDS[0]) for r in recipes for arm in ("bf16", "fp32")]))
-        by = {(o.recipe, o.arm): o for o in screen}
-        hits = [r for r in recipes if by[(r.name, "bf16")].spikes and not by[(r.name, "fp32")].spikes]
+        screen = list(pool.map(one, [(r, arm, seed) for r in recipes for seed in r.screen for arm in ("bf16", "fp32")]))
+        by = {(o.recipe, o.arm, o.seed): o for o in screen}
+        hits = [r for r in recipes if any(by[(r.name, "bf16", s)].spikes and not by[(r.name, "fp32", s)].spikes
+                                          for s in r.screen)]
         follow = [(r, arm, seed) for r in hits for seed in SEEDS for arm in ARMS
-                  if (arm, seed) not in (("bf16", SEEDS[0]), ("fp32", SEEDS[0]))]
+                  if not (seed in r.screen and arm in ("bf16", "fp32"))]
         list(pool.map(one, follow))
     order = {(r.name): i for i, r in enumerate(recipes)}
     return sorted(found, key=lambda o: (order[o.recipe], o.seed, list(ARMS).index(o.arm)))

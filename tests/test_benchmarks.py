@@ -4,6 +4,7 @@ which only the numbers they print feel."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,10 +25,12 @@ def test_every_benchmark_is_here():
 
 
 @pytest.fixture(scope="module")
-def quick_runs() -> dict[str, subprocess.CompletedProcess]:
+def quick_runs(ray_local) -> dict[str, subprocess.CompletedProcess]:
+    """Every benchmark's quick mode; the analysis benchmark's uses the session's Ray cluster."""
     def run(script: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=child_env(),
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO,
+                              env=child_env(os.environ | {"RAY_ADDRESS": ray_local}), capture_output=True, text=True,
+                              timeout=300)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(BENCHMARKS, pool.map(run, BENCHMARKS)))

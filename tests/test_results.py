@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shlex
 import shutil
@@ -54,13 +55,14 @@ def pair(cell: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def quick(reported_spike, tmp_path_factory):
+def quick(reported_spike, ray_local, tmp_path_factory):
+    """The pipeline's commands that use Ray (analyze, bisect, compare) use the session's cluster."""
     tmp = tmp_path_factory.mktemp("results")
     shutil.copytree(reported_spike, tmp / "spike")
     out, work = tmp / "docs", tmp / "work"
     proc = subprocess.run([sys.executable, "-m", "results.make_results", "--quick", "--out", str(out), "--work",
                            str(work), "--story-store", str(tmp / "spike"), "--jobs", "2"], cwd=REPO, capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, work, (out / "results.md").read_text()
 

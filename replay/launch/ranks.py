@@ -215,7 +215,7 @@ def wait_for_ranks(procs: list[subprocess.Popen], grace: float = 5.0) -> str | N
     failed: list[tuple[int, int]] = []
     deadline = None
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):   # every rank polled: a dead rank is seen while others run
             new = [(rank, p.returncode) for rank, p in enumerate(procs)
                    if p.returncode not in (None, 0) and rank not in dict(failed)]
             failed += sorted(new, key=lambda f: f[1] >= 0)   # in one pass, a rank killed outright came first
