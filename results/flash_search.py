@@ -43,6 +43,7 @@ ARMS = {   # the attention plan of each arm; every run trains under BF16 autocas
 }
 CONTROLS = ("fix", "hp-delta")
 SEEDS = (1, 2, 3)
+CANDIDATE = "phrase8-n16-lr3e-3-4L-noclip"   # the one recipe whose BF16 arm alone spiked (seed 1)
 WINDOW, MIN_RISE, Z = 50, 0.1, 6.0   # what counts as a spike here (see above)
 
 
@@ -274,10 +275,10 @@ def done_outcomes(work: Path, recipes: list[Recipe]) -> list[Outcome]:
     return out
 
 
-def signature(store: Path) -> dict[str, Any]:
-    """The mechanism's signature at a run's last checkpoint: per layer, the largest per-head spectral norm
-    of W_Q,h and of W_Q,h W_K,h^T; with --numerics, per layer, the median cosine of successive W_Q gradient
-    errors and the mean tied-maxima rate over the run."""
+def signature(store: Path, step: int | None = None) -> dict[str, Any]:
+    """The mechanism's signature at a checkpoint (default: the run's last): per layer, the largest per-head
+    spectral norm of W_Q,h and of W_Q,h W_K,h^T; with --numerics, per layer, the median cosine of successive
+    W_Q gradient errors and the mean tied-maxima rate over the run."""
     from replay.analysis import metrics as M
     from replay.recorder import model_key
     from replay.store import RunStore
@@ -285,7 +286,7 @@ def signature(store: Path) -> dict[str, Any]:
 
     run = RunStore.open(store)
     cfg = run.manifest.config.model
-    step = run.checkpoints()[-1].step
+    step = run.checkpoints()[-1].step if step is None else step
     keys = {layer: {name: model_key(k) for name, k in layer_weights(layer).items()} for layer in range(cfg.n_layer)}
     tensors = run.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
     out: dict[str, Any] = {"step": step, "w_q": [], "w_qk": []}
@@ -314,6 +315,23 @@ def render_signatures(work: Path, recipes: list[Recipe]) -> str:
             sig = signature(store)
             lines.append(f"| {r.name} | {arm} | {sig['step']} | {fmt(sig['w_q'])} | {fmt(sig['w_qk'])} | "
                          f"{fmt(sig.get('wq_err_cos', []))} | {fmt(sig.get('tie_rate', []))} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_growth(work: Path, recipe: str, seed: int) -> str:
+    """The signature of every arm of one recipe and seed at each of its checkpoints: does W_Q grow in the
+    BF16 arm and not in the others over the same steps?"""
+    from replay.store import RunStore
+
+    lines = ["| arm | step | max spectral norm of W_Q,h per layer | of W_Q,h W_K,h^T |", "|---|---|---|---|"]
+    fmt = lambda xs: ", ".join(f"{x:.3g}" for x in xs)
+    for arm in ARMS:
+        store = work / "runs" / f"{recipe}-{arm}-s{seed}"
+        if not (work / "outcomes" / f"{store.name}.json").is_file() or not store.exists():
+            continue
+        for ckpt in RunStore.open(store).checkpoints()[1:]:
+            sig = signature(store, ckpt.step)
+            lines.append(f"| {arm} | {ckpt.step} | {fmt(sig['w_q'])} | {fmt(sig['w_qk'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -361,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown recipe(s): {', '.join(sorted(unknown))}")
     outcomes = done_outcomes(args.work, recipes) if args.done_only else search(args.work, recipes, args.jobs)
     table = render(outcomes, recipes) + "\n" + render_signatures(args.work, recipes)
+    if CANDIDATE in {r.name for r in recipes}:
+        table += f"\n{CANDIDATE}, seed {SEEDS[0]}, at every checkpoint:\n\n" + render_growth(args.work, CANDIDATE, SEEDS[0])
     if args.table:
         args.table.write_text(table)
     print(table)
