@@ -20,6 +20,8 @@ measurement uses a 1-rank, 1-thread recording, where 2 probes fit.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import sys
@@ -59,19 +61,24 @@ def workers_pair(name: str, store: Path, root: Path, *args: str) -> None:
     print(f"  speed-up 2 vs 1 workers: {one['seconds'] / two['seconds']:.2f}x (same verdict: {same})")
 
 
-def warm_vs_fresh(store: Path, root: Path, windows: list[tuple[int, int]]) -> None:
+def warm_vs_fresh(record: list[str], root: Path, windows: list[tuple[int, int]]) -> None:
+    """Record `replay record ARGS` on warm ranks (in this process, as `replay demo` does), then time the
+    same replays with fresh ranks (`replay run` commands) and on those warm ranks."""
+    from replay.cli import main as replay_main
     from replay.launch.pool import RankPool
     from replay.replayer.overrides import Overrides
     from replay.replayer.replays import ReplayRequest, run
 
-    fresh = fresh_copy(store, root / "fresh")
-    t = time.perf_counter()
-    for a, b in windows:
-        cli("run", str(fresh), "--from", str(a), "--to", str(b), "--lr-scale", "0.5")
-    cold = time.perf_counter() - t
-    warm_store = fresh_copy(store, root / "warm")
+    store = root / "recorded"
     with RankPool(2) as pool:
-        run(warm_store, ReplayRequest(29, 29), pool=pool)   # start the pool (not timed)
+        with contextlib.redirect_stdout(io.StringIO()):   # the recording's summary is not the benchmark's
+            replay_main(["record", "--store", str(store), *record], standalone_mode=False)   # on the pool
+        fresh = fresh_copy(store, root / "fresh")
+        t = time.perf_counter()
+        for a, b in windows:
+            cli("run", str(fresh), "--from", str(a), "--to", str(b), "--lr-scale", "0.5")
+        cold = time.perf_counter() - t
+        warm_store = fresh_copy(store, root / "warm")
         t = time.perf_counter()
         for a, b in windows:
             run(warm_store, ReplayRequest(a, b, overrides=Overrides(lr_scale=0.5)), pool=pool)
@@ -91,8 +98,7 @@ def main() -> None:
     try:
         if quick:
             plant_degenerate_samples(root / "train.bin", 37, [1, 6])
-            cli("record", "--store", str(root / "planted"), "--data", str(root / "train.bin"), *RECORD_ARGS)
-            warm_vs_fresh(root / "planted", root, [(30, 39)])
+            warm_vs_fresh(["--data", str(root / "train.bin"), *RECORD_ARGS], root, [(30, 39)])
             return
         spike = root / "spike"
         cli("record", "--store", str(spike), "--preset", "spike", "--nproc", "2")
@@ -110,9 +116,7 @@ def main() -> None:
         cli("record", "--store", str(planted), "--data", str(root / "train.bin"), *args, *wider)
         workers_pair("planted data, 1 rank x 1 thread, 4 x 256 model", planted, root, "--by", "data")
 
-        planted2 = root / "planted2"
-        cli("record", "--store", str(planted2), "--data", str(root / "train.bin"), *RECORD_ARGS)
-        warm_vs_fresh(planted2, root, [(30, 39), (31, 40), (32, 41)])
+        warm_vs_fresh(["--data", str(root / "train.bin"), *RECORD_ARGS], root, [(30, 39), (31, 40), (32, 41)])
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
