@@ -339,12 +339,15 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
 @click.option("--horizon", type=int, default=10, show_default=True,
               help="Steps after the spike that must stay quiet for a probe to prevent it.")
 @click.option("--threshold", type=float, help="The detector's robust-z threshold (default: the recording's).")
+@click.option("--min-delta", type=click.FloatRange(min=0.0),
+              help="The detector's smallest rise above the median, in nats (default: the recording's "
+                   "spike.min_delta, 0): set it for a loss memorised near 0, whose wobbles otherwise count.")
 @click.option("--max-probes", type=int, default=200, show_default=True,
               help="Probe budget of the session; past it, the answer is not minimal (and says so).")
 @_ray_options
 @click.option("--json", "as_json", is_flag=True, help="Print the session (verdict, phases, probes) as JSON.")
 @_main_errors
-def bisect(store, spike, by, fix, horizon, threshold, max_probes, ray_address, workers, as_json) -> None:
+def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray_address, workers, as_json) -> None:
     """Narrow a loss spike in STORE down with replays ("probes") run in parallel as Ray tasks.
 
     First a plain replay from the nearest checkpoint before the spike must reproduce it. Then: the
@@ -358,8 +361,8 @@ def bisect(store, spike, by, fix, horizon, threshold, max_probes, ray_address, w
     from replay.bisect.narrow import BisectConfig
     from replay.bisect.narrow import bisect as run_bisect
 
-    cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, max_probes=max_probes,
-                       workers=workers, address=ray_address)
+    cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, min_delta=min_delta,
+                       max_probes=max_probes, workers=workers, address=ray_address)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
     click.echo(json.dumps(session.to_dict(), indent=2) if as_json else "\n".join(session.verdict.lines(_sample_lines(store))))
 

@@ -56,6 +56,7 @@ class SpikeConfig:
     window: int = 50              # recent global losses the robust baseline is computed from
     threshold: float = 6.0        # fires when loss > median + threshold * 1.4826 * MAD ...
     min_rise: float = 0.5         # ... and loss > median * (1 + min_rise): ignores noise on flat curves
+    min_delta: float = 0.0        # ... and loss > median + min_delta (nats): ignores wobbles of a loss near 0
     warmup: int = 20              # no detection before this many steps
 
 

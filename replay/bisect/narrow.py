@@ -64,6 +64,7 @@ class BisectConfig:
     fix: str = "safe-softmax"
     horizon: int = 10              # steps after the spike that must stay quiet (rule.py)
     threshold: float | None = None # the detector's robust-z threshold (default: the recording's)
+    min_delta: float | None = None # the detector's smallest rise in nats (default: the recording's)
     lookback: int = 4              # checkpoints before the spike the steps search considers
     max_probes: int = 200          # a session's budget; delta debugging stops early (not minimal) past it
     workers: int | None = None
@@ -124,11 +125,13 @@ class Bisect:
         self.fix = parse_counterfactual(cfg.fix)
         self._check_counterfactual()
         spike_cfg = self.run_cfg.spike
-        if cfg.threshold is not None:
-            spike_cfg = type(spike_cfg)(**{**asdict(spike_cfg), "threshold": cfg.threshold})
+        overrides = {k: v for k, v in (("threshold", cfg.threshold), ("min_delta", cfg.min_delta)) if v is not None}
+        spike_cfg = type(spike_cfg)(**{**asdict(spike_cfg), **overrides})
         self.rule = Rule(spike_cfg, cfg.horizon)
         self.params = {"spike": self.spike, "by": cfg.by, "fix": cfg.fix, "horizon": cfg.horizon,
                        "threshold": spike_cfg.threshold, "lookback": cfg.lookback}
+        if spike_cfg.min_delta:   # only where set: the sessions of earlier versions keep their ids
+            self.params["min_delta"] = spike_cfg.min_delta
         digest = hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]
         self.id = f"spike-{self.spike}-{cfg.by}-{digest}"
         previous = {s["id"]: s for s in self.record.bisect_sessions()}.get(self.id)

@@ -29,9 +29,10 @@ class Rule:
 
     def describe(self) -> str:
         c = self.spike
+        floor = f" and > median + {c.min_delta:g}" if c.min_delta else ""
         return (f"the spike is prevented when no step up to {self.horizon} steps after it has loss > median + "
-                f"{c.threshold:g} x 1.4826 x MAD of the previous {c.window} steps and > median x {1 + c.min_rise:g} "
-                "(the recording's detector)")
+                f"{c.threshold:g} x 1.4826 x MAD of the previous {c.window} steps and > median x {1 + c.min_rise:g}"
+                f"{floor} (the recording's detector)")
 
 
 @dataclass

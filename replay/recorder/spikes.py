@@ -4,6 +4,8 @@ A step's global loss is a spike when, over the last `window` steps before it,
 
     loss > median + threshold * 1.4826 * MAD      (a robust z-score above `threshold`)
     loss > median * (1 + min_rise)                 (and a real rise, not noise on a flat curve)
+    loss > median + min_delta                      (and by at least min_delta nats: 0 by default; a loss
+                                                    memorised to 1e-8 otherwise "spikes" on wobbles of 1e-8)
 
 once at least `warmup` steps have been seen. Consecutive spiking steps are one event (reported at the
 first); the detector re-arms when the loss falls back below the rule. Non-finite losses always fire.
@@ -48,7 +50,8 @@ class SpikeDetector:
         if self.seen < max(self.cfg.warmup, 3) or len(self.history) < 3:
             return False, math.nan, math.nan, 0.0
         score, median, spread = robust_z(np.fromiter(self.history, dtype=np.float64), loss)
-        fires = score > self.cfg.threshold and loss > median * (1 + self.cfg.min_rise)
+        fires = (score > self.cfg.threshold and loss > median * (1 + self.cfg.min_rise)
+                 and loss > median + self.cfg.min_delta)
         return fires, median, spread, score
 
     def update(self, step: int, loss: float) -> SpikeEvent | None:

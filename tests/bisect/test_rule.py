@@ -68,3 +68,17 @@ def test_a_spike_already_under_way_when_the_window_opens_counts(tmp_path):
     probe = _store(tmp_path / "a", _flat(2, 3) + [3.0] * 8, first_step=18)
     found = judge(record, probe, RULE, 21, 25)
     assert not found.prevented and found.spike_at == 21
+
+
+def test_min_delta_judges_a_memorised_loss_by_its_real_rises(tmp_path):
+    """On a loss memorised near 0, a wobble of 1e-7 is a 'spike' by the relative rule alone; with
+    min_delta (the recording's spike.min_delta, or bisect --min-delta) only a rise of that many nats is."""
+    tiny = lambda n, seed: list(1e-8 * (1 + 0.1 * np.random.default_rng(seed).standard_normal(n)))
+    record = _store(tmp_path / "run", tiny(40, 0))
+    wobble = tiny(10, 1)
+    wobble[3] = 1e-7
+    probe = _store(tmp_path / "a", wobble, first_step=20)
+    floored = Rule(SpikeConfig(window=10, threshold=6.0, min_rise=0.5, warmup=5, min_delta=0.1), horizon=5)
+    assert not judge(record, probe, RULE, 20, 25).prevented
+    assert judge(record, probe, floored, 20, 25).prevented
+    assert "and > median + 0.1 (" in floored.describe() and "and > median +" not in RULE.describe()

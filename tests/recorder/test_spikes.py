@@ -30,6 +30,16 @@ def test_threshold_is_a_setting():
     assert detect_spikes(losses, SpikeConfig(threshold=3, min_rise=2.0)) == []
 
 
+def test_min_delta_ignores_wobbles_of_a_loss_memorised_near_zero():
+    rng = np.random.default_rng(0)
+    losses = np.abs(rng.normal(1e-8, 2e-9, 300))   # a memorised loss: a relative rule sees noise as rises
+    losses[100] = 5e-8                             # a wobble: 5x the median, but 4e-8 nats
+    losses[200] = 0.3                              # the loss breaks
+    assert [e.step for e in detect_spikes(losses, SpikeConfig())] == [100, 200]
+    assert [e.step for e in detect_spikes(losses, SpikeConfig(min_delta=0.1))] == [200]
+    assert detect_spikes(losses, SpikeConfig(min_delta=0.5)) == []
+
+
 def test_non_finite_loss_always_fires():
     losses = _noisy_decay(100)
     losses[60] = np.nan
