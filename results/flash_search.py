@@ -210,19 +210,29 @@ def loss_spikes(loss: np.ndarray) -> list[int]:
     return out
 
 
+def _paths(work: Path, recipe: str, arm: str, seed: int) -> tuple[Path, Path]:
+    """(the run's store, the file of its outcome, written once the run finished)."""
+    name = f"{recipe}-{arm}-s{seed}"
+    return work / "runs" / name, work / "outcomes" / f"{name}.json"
+
+
+def _done(work: Path, recipe: Recipe, arm: str, seed: int) -> Outcome:
+    """The outcome of a finished run, read again from its store (a failed run's from its file)."""
+    store, done = _paths(work, recipe.name, arm, seed)
+    saved = json.loads(done.read_text())
+    if saved["error"]:
+        return Outcome(**saved)
+    return outcome_of(store, recipe, arm, seed, saved["command"], saved["seconds"])
+
+
 def run_one(work: Path, recipe: Recipe, arm: str, seed: int) -> Outcome:
-    store = work / "runs" / f"{recipe.name}-{arm}-s{seed}"
+    store, done = _paths(work, recipe.name, arm, seed)
     data_file = write_data(recipe.data, work / "data" / f"{recipe.data.replace(':', '-')}.bin",
                            int(recipe.sets.get("model.block_size", 64)))
     args = recipe.args(store, data_file, arm, seed)
     command = shlex.join(["replay", *args])
-    done = work / "outcomes" / f"{store.name}.json"
-    if done.is_file():   # the run finished in an earlier search: its outcome is read again from its store
-        saved = json.loads(done.read_text())
-        if saved["command"] == command:
-            if saved["error"]:
-                return Outcome(**saved)
-            return outcome_of(store, recipe, arm, seed, command, saved["seconds"])
+    if done.is_file() and json.loads(done.read_text())["command"] == command:   # finished in an earlier search
+        return _done(work, recipe, arm, seed)
     if store.exists():   # an interrupted run of an earlier search: record it anew
         import shutil
 
@@ -265,14 +275,9 @@ def search(work: Path, recipes: list[Recipe], jobs: int) -> list[Outcome]:
 
 
 def done_outcomes(work: Path, recipes: list[Recipe]) -> list[Outcome]:
-    """The outcomes of the runs an earlier search finished, in the search's order."""
-    out = []
-    for r in recipes:
-        for seed in SEEDS:
-            for arm in ARMS:
-                if (work / "outcomes" / f"{r.name}-{arm}-s{seed}.json").is_file():
-                    out.append(run_one(work, r, arm, seed))
-    return out
+    """The outcomes of the runs an earlier search finished, in the search's order (nothing is run)."""
+    return [_done(work, r, arm, seed) for r in recipes for seed in SEEDS for arm in ARMS
+            if _paths(work, r.name, arm, seed)[1].is_file()]
 
 
 def signature(store: Path, step: int | None = None) -> dict[str, Any]:
@@ -309,8 +314,8 @@ def render_signatures(work: Path, recipes: list[Recipe]) -> str:
     fmt = lambda xs: ", ".join(f"{x:.3g}" for x in xs) if xs else "–"
     for r in recipes:
         for arm in ARMS:
-            store = work / "runs" / f"{r.name}-{arm}-s{SEEDS[0]}"
-            if not (work / "outcomes" / f"{store.name}.json").is_file() or not store.exists():
+            store, done = _paths(work, r.name, arm, SEEDS[0])
+            if not done.is_file() or not store.exists():
                 continue
             sig = signature(store)
             lines.append(f"| {r.name} | {arm} | {sig['step']} | {fmt(sig['w_q'])} | {fmt(sig['w_qk'])} | "
@@ -326,8 +331,8 @@ def render_growth(work: Path, recipe: str, seed: int) -> str:
     lines = ["| arm | step | max spectral norm of W_Q,h per layer | of W_Q,h W_K,h^T |", "|---|---|---|---|"]
     fmt = lambda xs: ", ".join(f"{x:.3g}" for x in xs)
     for arm in ARMS:
-        store = work / "runs" / f"{recipe}-{arm}-s{seed}"
-        if not (work / "outcomes" / f"{store.name}.json").is_file() or not store.exists():
+        store, done = _paths(work, recipe, arm, seed)
+        if not done.is_file() or not store.exists():
             continue
         for ckpt in RunStore.open(store).checkpoints()[1:]:
             sig = signature(store, ckpt.step)

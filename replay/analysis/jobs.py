@@ -165,8 +165,8 @@ def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
             q, k, _v = (y.view(b, t, item.n_head, -1).transpose(1, 2) for y in qkv.split(item.n_embd, dim=2))
             for name, values in M.attention_probe(q, k).items():
                 per_head.setdefault(name, []).append(values)
-            out = hidden[layer + 1]
-            z.append(M.log_z(out, model.ln_f, wte) if layer + 1 < hi else M.log_z(out, torch.nn.Identity(), wte))
+            norm = model.ln_f if layer + 1 < hi else torch.nn.Identity()   # the last entry has had ln_f
+            z.append(M.log_z(hidden[layer + 1], norm, wte))
     return {**{name: np.stack(v) for name, v in per_head.items()}, "log_z": np.array(z)}
 
 

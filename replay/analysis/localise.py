@@ -43,6 +43,10 @@ MIN_HISTORY = 2
 WARN_Z = 6.0   # the recorder's own spike threshold (spike.threshold)
 
 
+def unit_name(layer: int, head: int | None) -> str:
+    return f"layer {layer}" + ("" if head is None else f" head {head}")
+
+
 @dataclass
 class Anomaly:
     layer: int
@@ -54,7 +58,7 @@ class Anomaly:
 
     @property
     def unit(self) -> str:
-        return f"layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
+        return unit_name(self.layer, self.head)
 
     def to_dict(self) -> dict[str, Any]:
         return {"unit": self.unit, "layer": self.layer, "head": self.head, "score": self.score,
@@ -72,7 +76,7 @@ class Lead:
 
     @property
     def unit(self) -> str:
-        return f"layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
+        return unit_name(self.layer, self.head)
 
     def to_dict(self) -> dict[str, Any]:
         return {"unit": self.unit, "layer": self.layer, "head": self.head, "signal": self.signal,
