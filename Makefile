@@ -1,5 +1,5 @@
 # Entry points, each setting everything up first: `make demo` (the main job), `make test`, `make test-fast`,
-# `make bench`, `make soak` and `make results`.
+# `make bench`, `make soak`, `make results` and, on a CUDA machine, `make gpu-check`.
 # TORCH is installed before the package so pip never resolves an unpinned torch to the CUDA build;
 # on a GPU machine use e.g. `make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
 PYTHON ?= python3
@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test test-fast bench soak results clean
+.PHONY: setup demo test test-fast bench soak results gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,10 @@ bench: setup
 	$(PY) benchmarks/bench_analysis.py
 	$(PY) benchmarks/bench_bisect.py
 	$(PY) benchmarks/bench_attention.py
+
+# Every GPU test and GPU measurement (a CUDA GPU; see docs/gpu.md), into runs/gpu-check/report.md.
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs

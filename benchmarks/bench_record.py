@@ -86,16 +86,19 @@ def n_params(model: torch.nn.Module) -> int:
 
 # -- 1. recording overhead ---------------------------------------------------------------------------------
 
-def bench_overhead(workdir: Path, timed_steps: int, batch: int, warmup: int = 10) -> None:
+def bench_overhead(workdir: Path, timed_steps: int, batch: int, sets: list[str] = SMALL, device: str = "cpu",
+                   warmup: int = 10) -> None:
+    """On a GPU in BF16 autocast (the GPU's training precision), on the CPU in FP32."""
     steps = warmup + timed_steps + 1   # the run goes on past the timed window: its final checkpoint is not in it
-    cfg = build_config("tiny", None, [*SMALL, f"batch_size={batch}", f"micro_batch_size={batch}", f"steps={steps}",
-                                      f"checkpoint_every={CHECKPOINT_EVERY}", f"snapshot_every={SNAPSHOT_EVERY}"])
+    cfg = build_config("tiny", None, [*sets, f"batch_size={batch}", f"micro_batch_size={batch}", f"steps={steps}",
+                                      f"checkpoint_every={CHECKPOINT_EVERY}", f"snapshot_every={SNAPSHOT_EVERY}",
+                                      f"precision={'bf16' if device == 'cuda' else 'fp32'}"])
     data = make_data(cfg, builtin_corpus(cfg.data.corpus_bytes))
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
     path = str(create_run_store(str(workdir / "run"), cfg).path)
 
     def make_step():   # a training loop of the user's own, as the README's Python API shows it
-        model = build_model(cfg.model, data.vocab_size, cfg.seed)
+        model = build_model(cfg.model, data.vocab_size, cfg.seed).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                 eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
@@ -103,7 +106,8 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, warmup: int = 10
 
         def train_step(ids) -> tuple[float, float, float]:
             opt.zero_grad(set_to_none=True)
-            loss = lm_loss(model, *data.batch(ids))
+            with torch.autocast(device, torch.bfloat16, enabled=cfg.precision == "bf16"):
+                loss = lm_loss(model, *(t.to(device) for t in data.batch(ids)))
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             lr = sched.get_last_lr()[0]
@@ -164,15 +168,15 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, warmup: int = 10
           f"the final Recorder.close() {1e3 * close_s:.0f} ms, not counted)", flush=True)
     print(f"  ({timed_steps} steps per variant, alternating step by step after {warmup} warm-up steps; "
           f"{n_params(state.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers x {cfg.model.n_embd}, "
-          f"seq {cfg.model.block_size}, batch {cfg.batch_size})", flush=True)
+          f"seq {cfg.model.block_size}, batch {cfg.batch_size}, {cfg.precision} on {device})", flush=True)
 
 
 # -- 2. checkpoint throughput ------------------------------------------------------------------------------
 
-def trained_state(sets: list[str]) -> tuple[dict, int]:
+def trained_state(sets: list[str], device: str = "cpu") -> tuple[dict, int]:
     """{"model", "optimizer"} state after one AdamW step (random gradients), and the parameter count."""
     cfg = build_config("tiny", None, sets)
-    model = build_model(cfg.model, cfg.model.vocab_size or 256, cfg.seed)
+    model = build_model(cfg.model, cfg.model.vocab_size or 256, cfg.seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -291,9 +295,10 @@ def _like(tree):
     return tree
 
 
-def bench_blocking(sets: list[str], repeats: int) -> None:
-    """What the training thread waits for per checkpoint: the copy into the recorder's buffer."""
-    tree, params = trained_state(sets)
+def bench_blocking(sets: list[str], repeats: int, device: str = "cpu") -> None:
+    """What the training thread waits for per checkpoint: the copy into the recorder's buffer (from the
+    GPU's memory, for a state on the GPU)."""
+    tree, params = trained_state(sets, device)
     t0 = time.perf_counter()
     spare = pack(tree).buffer
     cold = time.perf_counter() - t0
@@ -312,6 +317,16 @@ def bench_blocking(sets: list[str], repeats: int) -> None:
     print(f"training thread blocked per checkpoint ({params / 1e6:.0f}M params + AdamW state): "
           f"{statistics.median(warm):.3f} s (the copy into a reused buffer; {cold:.3f} s for the first, into a "
           f"new one) vs {statistics.median(save):.3f} s for torch.save, which blocks for its whole write", flush=True)
+    if device == "cuda":   # page-locked memory lets the GPU copy by DMA at full speed
+        pinned = torch.empty(len(spare), dtype=torch.uint8, pin_memory=True).numpy()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pack(tree, into=pinned)
+            times.append(time.perf_counter() - t0)
+        print(f"  the same copy into a pinned (page-locked) buffer: {statistics.median(times):.3f} s "
+              f"({len(spare) / MB / statistics.median(times):.0f} MB/s; reused buffer "
+              f"{len(spare) / MB / statistics.median(warm):.0f} MB/s)", flush=True)
 
 
 def bench_choices(workdir: Path, sets: list[str], repeats: int = 3) -> None:
@@ -369,6 +384,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="20 steps at batch 2, only the small model (seconds; the "
                                                           "suite runs it to keep the benchmark working)")
     ap.add_argument("--dir", default=None, help="where the store and torch files go (default: system temp)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: only the GPU measurements: the overhead on GPT-2 small in BF16 on the GPU, and the "
+                         "training thread's share of a checkpoint of a state in GPU memory")
     args = ap.parse_args()
 
     configure_determinism(os.cpu_count())
@@ -377,6 +395,11 @@ def main() -> None:
         warm_memory()
     with tempfile.TemporaryDirectory(prefix="bench-record-", dir=args.dir) as tmp:
         workdir = Path(tmp)
+        if args.device == "cuda":
+            print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
+            bench_overhead(workdir, timed_steps=20 if args.quick else 100, batch=8, sets=LARGE, device="cuda")
+            bench_blocking(LARGE, repeats=5, device="cuda")
+            return
         bench_overhead(workdir, timed_steps=20 if args.quick else 300, batch=2 if args.quick else 16)
         bench_throughput(workdir, SMALL, "4 layers x 128", repeats=2 if args.quick else 5)
         if not args.quick:

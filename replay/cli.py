@@ -254,8 +254,9 @@ def _tile(text: str) -> tuple[int, int]:
 
 
 @main.command()
-@click.option("--mode", type=click.Choice(["sweep", "mechanism", "all"]), default="all", show_default=True,
-              help="Golden et al.'s deviation sweep, Qiu & Yao's tied-maxima bias, or both.")
+@click.option("--mode", type=click.Choice(["sweep", "mechanism", "all", "flash"]), default="all", show_default=True,
+              help="Golden et al.'s deviation sweep, Qiu & Yao's tied-maxima bias, or both; flash (a CUDA GPU): "
+              "the real flash kernel against FP64 and, bit for bit, against the emulation.")
 @click.option("--precisions", callback=_csv("precisions", str), help="e.g. bf16,fp16,fp32")
 @click.option("--seq-lens", callback=_csv("integers", int), help="e.g. 128,256,512,1024,2048")
 @click.option("--tiles", callback=_csv("tiles BRxBC", _tile), help="e.g. 32x32,64x64,128x128,64x128,128x64")
@@ -278,6 +279,15 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     from replay.experiments import golden, mechanism
 
     out = Path(out_dir)
+    if mode == "flash":
+        from replay.experiments import flash_check
+
+        given = {k: v for k, v in dict(precisions=precisions, seq_lens=seq_lens, tiles=tiles,
+                                       head_dims=head_dims).items() if v}
+        config = flash_check.FlashCheckConfig(**given)
+        flash_check.check_cuda()
+        result = flash_check.run_flash_check(config, out / "flash", progress=lambda m: click.echo(m, err=True))
+        click.echo("\n".join(result.summary_lines()))
     if mode in ("sweep", "all"):
         given = {k: v for k, v in dict(precisions=precisions, seq_lens=seq_lens, tiles=tiles,
                                        head_dims=head_dims).items() if v}

@@ -162,7 +162,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         acc = torch.zeros(G, r1 - r0, d, device=q.device)
         attended = torch.zeros(G, r1 - r0, dtype=torch.bool, device=q.device)
         last_col = M if not causal else min(M, r1 + (M - N))
-        for c0 in range(0, last_col, opts.block_c):
+        for c0 in _key_tiles(last_col, opts):
             c1 = min(M, c0 + opts.block_c)
             s = qi @ kf[:, c0:c1].transpose(1, 2)
             s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
@@ -173,7 +173,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             l = alpha * l + p.sum(-1)
             pv = p if opts.hp_pv else p.to(lp).float()
             acc = alpha[..., None] * acc + pv @ vf[:, c0:c1]
-            m = m_use
+            m = torch.where(attended, m_use, m)   # as CUDA FA2: -inf until the row sees a key
         _check_underflow(l, attended, opts.fix)
         o = torch.where(l[..., None] > 0, acc * (1.0 / l)[..., None], torch.zeros_like(acc))   # as CUDA FA2
         out[:, r0:r1] = o.to(lp)
@@ -181,6 +181,12 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         if o_hp is not None:
             o_hp[:, r0:r1] = o
     return out, lse2, o_hp
+
+
+def _key_tiles(last_col: int, opts: AttentionOptions) -> range:
+    """First columns of the key tiles a row tile visits, in the forward's order."""
+    tiles = range(0, last_col, opts.block_c)
+    return tiles[::-1] if opts.key_order == "decreasing" else tiles
 
 
 def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal, scale, mask):

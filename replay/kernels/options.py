@@ -11,6 +11,7 @@ from replay.errors import UsageError
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PLACEMENTS = ("fa2", "reference")
+KEY_ORDERS = ("increasing", "decreasing")
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,17 @@ class AttentionOptions:
     hp_delta: bool = False          # backward D = rowsum(dO * O) from an FP32 O instead of the stored one
     hp_pv: bool = False             # Pbar @ V (and the O accumulator) in FP32: Pbar is not rounded first
     dtype: str | None = None        # compute precision; None: the inputs' dtype
+    key_order: str = "increasing"   # forward order of the key tiles; "decreasing" as CUDA FA2's loop runs
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
             raise UsageError(f"unknown rounding placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
         if self.block_r < 1 or self.block_c < 1:
             raise UsageError(f"tile sizes must be >= 1, got B_r={self.block_r}, B_c={self.block_c}")
+        if self.key_order not in KEY_ORDERS:
+            raise UsageError(f"unknown key order {self.key_order!r}; choose one of {', '.join(KEY_ORDERS)}")
+        if self.key_order != "increasing" and self.placement != "fa2":
+            raise UsageError("the decreasing key order is CUDA FA2's loop, an option of the fa2 placement only")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UsageError(f"unknown precision {self.dtype!r}; choose one of {', '.join(DTYPES)}")
 

@@ -9,7 +9,8 @@ A backend spec is `NAME[:OPTION,OPTION=VALUE,...]`:
     triton-fa2[:...]                the Triton kernels (a GPU, or TRITON_INTERPRET=1 for a slow CPU run)
 
     options of the last three: fix=safe-softmax, beta=7, tie=exact|1e-3, br=128, bc=128, hp-delta, hp-pv,
-    dtype=bf16|fp16|fp32 (compute precision; default: the model's activations)
+    dtype=bf16|fp16|fp32 (compute precision; default: the model's activations), keys=decreasing (the
+    forward visits the key tiles last to first, as CUDA FA2 does; fa2 placement only)
 
 A plan gives every head of every layer a backend: `SPEC(;TARGET=SPEC)*` with TARGET `L` (layer L),
 `L.H` (head H of layer L) or `L.H1-H2` (a range of heads); the most specific entry wins. Example:
@@ -27,6 +28,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -89,6 +91,7 @@ class BackendSpec:
         parts += ["hp-delta"] if o.hp_delta else []
         parts += ["hp-pv"] if o.hp_pv else []
         parts += [f"dtype={o.dtype}"] if o.dtype else []
+        parts += [f"keys={o.key_order}"] if o.key_order != default.key_order else []
         return self.name + (":" + ",".join(parts) if parts else "")
 
     def check_available(self) -> None:
@@ -106,7 +109,7 @@ def _option(item: str, text: str) -> tuple[str, str | None]:
 
 
 def _emulation_options(name: str, opts: dict[str, str | None], text: str) -> AttentionOptions:
-    known = {"fix", "beta", "tie", "br", "bc", "hp-delta", "hp-pv", "dtype"}
+    known = {"fix", "beta", "tie", "br", "bc", "hp-delta", "hp-pv", "dtype", "keys"}
     unknown = set(opts) - known
     if unknown:
         raise UsageError(f"unknown option {sorted(unknown)[0]!r} in {text!r}; known: {', '.join(sorted(known))}")
@@ -122,7 +125,8 @@ def _emulation_options(name: str, opts: dict[str, str | None], text: str) -> Att
         return AttentionOptions(
             placement=EMULATED[name], fix=fix,
             block_r=int(opts.get("br") or AttentionOptions.block_r), block_c=int(opts.get("bc") or AttentionOptions.block_c),
-            hp_delta="hp-delta" in opts, hp_pv="hp-pv" in opts, dtype=opts.get("dtype"))
+            hp_delta="hp-delta" in opts, hp_pv="hp-pv" in opts, dtype=opts.get("dtype"),
+            key_order=opts.get("keys") or AttentionOptions.key_order)
     except ValueError as e:
         raise UsageError(f"bad option value in {text!r}: {e}") from None
 
@@ -261,12 +265,19 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
             dtype = DTYPES[spec.dtype] if spec.dtype else q.dtype
             return baseline_attention(q, k, v, dtype, causal=True, scale=scaling, mask=keep).to(q.dtype)
         if spec.name == "triton-fa2":
-            if keep is not None:
-                raise UsageError("triton-fa2 takes no padding masks; use fa2-emu for padded batches")
             from replay.kernels.triton_fa2 import triton_flash_attention
 
-            return triton_flash_attention(q, k, v, spec.options, causal=True, scale=scaling)
+            return triton_flash_attention(q, k, v, spec.options, causal=True, scale=scaling, defer_checks=True,
+                                          mask=keep)
         return flash_attention(q, k, v, spec.options, causal=True, scale=scaling, mask=keep, site=site)
+
+
+def raise_deferred() -> None:
+    """Raise what the backends checked without making the host wait for the GPU (triton-fa2's underflow
+    check); the trainer calls it once per step."""
+    module = sys.modules.get("replay.kernels.triton_fa2")
+    if module is not None:
+        module.raise_deferred()
 
 
 def _replay_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from replay.errors import UsageError
+from replay.kernels.baseline import causal_mask
 from replay.kernels.options import DTYPES, AttentionOptions
 
 LOG2E = math.log2(math.e)
@@ -78,33 +79,64 @@ def available() -> tuple[bool, str]:
 
 def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            opts: AttentionOptions = AttentionOptions(), causal: bool = True,
-                           scale: float | None = None) -> torch.Tensor:
-    """q: [..., N, d], k and v: [..., M, d]. Causal means query i is the (M - N + i)-th key."""
+                           scale: float | None = None, defer_checks: bool = False,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [..., N, d], k and v: [..., M, d]. Causal means query i is the (M - N + i)-th key. `mask` (bool,
+    True = attend; padding) broadcasts to [..., N, M] and is combined with the causal mask.
+
+    With the fix, a beta whose probabilities underflow is an error (`_check_underflow`). Checking waits
+    for the GPU; `defer_checks` instead notes the failure on the GPU and `raise_deferred()` raises it (the
+    trainer calls it once per step, after the loss has made the host wait anyway)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _TritonFlash.apply(q, k, v, opts, causal, scale)
+    return _TritonFlash.apply(q, k, v, opts, causal, scale, defer_checks and not INTERPRETED, mask)
 
 
-def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix) -> None:
-    """As the emulation: a row that attends to keys but whose probabilities all underflowed (row sum 0
-    on the GPU, where exp2 flushes subnormals; NaN from 1/l in the interpreter) is an error, not zeros."""
-    attends = torch.arange(n, device=lse2.device) + (m - n) >= 0 if causal else torch.ones(n, dtype=torch.bool,
-                                                                                             device=lse2.device)
-    bad = ~torch.isfinite(lse2[:, attends]) | ~torch.isfinite(out[:, attends]).all(-1)
-    if bool(bad.any()):
-        raise UsageError(f"safe-softmax beta={fix.beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some "
-                         "rows, which would silently zero their output; use a smaller beta (the paper uses 2-8)")
+_underflowed: dict[torch.device, tuple[torch.Tensor, float]] = {}   # device -> (flag on it, the beta)
+
+
+def raise_deferred() -> None:
+    """Raise the error a deferred check noted since the last call (reads one flag per device)."""
+    for device, (flag, beta) in list(_underflowed.items()):
+        if bool(flag):
+            del _underflowed[device]
+            raise UsageError(_underflow_message(beta))
+
+
+def _underflow_message(beta: float) -> str:
+    return (f"safe-softmax beta={beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some rows, which would "
+            "silently zero their output; use a smaller beta (the paper uses 2-8)")
+
+
+def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, mask) -> None:
+    """As the emulation: a row that attends to keys but whose probabilities all underflowed (a row sum of
+    0, and so an infinite lse2, where exp2 flushes subnormals to zero; an infinite 1/l, and so a non-finite
+    O, where it does not) is an error, not zeros."""
+    first = max(0, n - m) if causal else 0   # rows before it see no key: their lse2 is +inf by design
+    if mask is None:
+        bad = ~torch.isfinite(lse2[:, first:]).all() | ~torch.isfinite(out[:, first:]).all()
+    else:   # rows whose every key is padding see nothing either
+        keep = mask.bool() & causal_mask(n, m, mask.device) if causal else mask.bool()
+        attends = keep.any(-1).reshape(-1, n)
+        bad = ((~torch.isfinite(lse2) | ~torch.isfinite(out).all(-1)) & attends).any()
+    if defer:
+        flag, _ = _underflowed.get(lse2.device, (torch.zeros((), dtype=torch.bool, device=lse2.device), 0.0))
+        _underflowed[lse2.device] = (flag.logical_or_(bad), fix.beta)
+    elif bool(bad):
+        raise UsageError(_underflow_message(fix.beta))
 
 
 class _TritonFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float):
+    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, defer_checks: bool, mask):
         lp = _check(q, k, v, opts)
         in_dtype, q_shape, k_shape = q.dtype, q.shape, k.shape
         q3, k3, v3 = (_kernel_layout(t, lp) for t in (q, k, v))
-        out, lse2, o_hp = _forward(q3, k3, v3, opts, causal, scale, _is_bf16(lp))
+        mask4 = _mask_layout(mask, q.shape[:-2], q.shape[-2], k.shape[-2], q3.device)
+        out, lse2, o_hp = _forward(q3, k3, v3, mask4, opts, causal, scale, _is_bf16(lp))
         if opts.fix is not None:
-            _check_underflow(out, lse2, causal, q3.shape[1], k3.shape[1], opts.fix)
+            _check_underflow(out, lse2, causal, q3.shape[1], k3.shape[1], opts.fix, defer_checks, mask4)
         ctx.save_for_backward(q3, k3, v3, out, lse2, o_hp)
+        ctx.mask4 = mask4
         ctx.opts, ctx.causal, ctx.scale, ctx.lp, ctx.in_dtype = opts, causal, scale, lp, in_dtype
         ctx.shapes = q_shape, k_shape
         return out.to(lp).reshape(q_shape).to(in_dtype)
@@ -114,10 +146,11 @@ class _TritonFlash(torch.autograd.Function):
     def backward(ctx, dout):
         q3, k3, v3, out, lse2, o_hp = ctx.saved_tensors
         do3 = _kernel_layout(dout, ctx.lp)
-        dq, dk, dv = _backward(q3, k3, v3, out, lse2, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, _is_bf16(ctx.lp))
+        dq, dk, dv = _backward(q3, k3, v3, out, lse2, o_hp, do3, ctx.mask4, ctx.opts, ctx.causal, ctx.scale,
+                               _is_bf16(ctx.lp))
         q_shape, k_shape = ctx.shapes
         return (dq.to(ctx.lp).reshape(q_shape).to(ctx.in_dtype), dk.to(ctx.lp).reshape(k_shape).to(ctx.in_dtype),
-                dv.to(ctx.lp).reshape(k_shape).to(ctx.in_dtype), None, None, None)
+                dv.to(ctx.lp).reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None)
 
 
 def _check(q, k, v, opts: AttentionOptions) -> torch.dtype:
@@ -154,30 +187,59 @@ def _kernel_layout(t: torch.Tensor, lp: torch.dtype) -> torch.Tensor:
     return (t.float() if INTERPRETED else t).contiguous()
 
 
+def _mask_layout(mask, lead: torch.Size, n: int, m: int, device) -> torch.Tensor | None:
+    """The padding mask as uint8 [L0, L1, N, M] over q's leading dims (L1 the last of them, usually the
+    heads), a strided view of the caller's mask where it can be: a mask broadcast over heads is not copied."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool or mask.device.type != device.type:
+        raise UsageError(f"the padding mask must be a bool tensor on {device.type} (True = attend), "
+                         f"got {mask.dtype} on {mask.device.type}")
+    try:
+        full = mask.expand(*lead, n, m)
+    except RuntimeError:
+        raise UsageError(f"the padding mask {tuple(mask.shape)} does not broadcast to {(*lead, n, m)}") from None
+    four = full.reshape(-1, lead[-1] if lead else 1, n, m)
+    return four.view(torch.uint8)
+
+
 def _f32(x: float) -> float:
     """x rounded to FP32, as the kernels receive it (and as the emulation's FP32 tensor arithmetic uses it)."""
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-def _launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int) -> None:
+def _launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
     """The one place a kernel is launched (tests swap it for an offline compile for a GPU target)."""
     try:
-        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=2, enable_fp_fusion=True)
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
     except triton.runtime.errors.OutOfResources as error:
+        if num_stages > 2:   # a GPU with less shared memory than an H100's: pipeline less deeply
+            return _launch(kernel, grid, args, constexprs, num_warps, 2)
         raise UsageError(f"{kernel.__name__} does not fit this GPU with these tiles ({error}); "
                          "choose a smaller block_r or block_c") from error
 
 
-def _common_constexprs(opts: AttentionOptions, causal: bool, is_bf16: bool, d: int) -> dict:
-    return dict(CAUSAL=causal, IS_BF16=is_bf16, EMULATE_LP=INTERPRETED, BLOCK_R=opts.block_r,
-                BLOCK_C=opts.block_c, BLOCK_D=max(16, triton.next_power_of_2(d)))
+def _common_constexprs(opts: AttentionOptions, causal: bool, is_bf16: bool, d: int, mask4) -> dict:
+    return dict(CAUSAL=causal, MASKED=mask4 is not None, IS_BF16=is_bf16, EMULATE_LP=INTERPRETED,
+                BLOCK_R=opts.block_r, BLOCK_C=opts.block_c, BLOCK_D=max(16, triton.next_power_of_2(d)))
 
 
-def _num_warps(opts: AttentionOptions) -> int:
-    return 8 if opts.block_r * opts.block_c >= 128 * 64 else 4
+def _mask_args(mask4, unused: torch.Tensor) -> tuple:
+    """The mask's pointer, strides and slices per outer index; `unused` stands in when there is none."""
+    if mask4 is None:
+        return unused, 0, 0, 0, 0, 1
+    return (mask4, *mask4.stride(), mask4.shape[1])
 
 
-def _forward(q, k, v, opts: AttentionOptions, causal: bool, scale: float, is_bf16: bool):
+def _warps_and_stages(opts: AttentionOptions, forward: bool) -> tuple[int, int]:
+    """Launch settings, chosen on an H100 (docs/gpu.md): large tiles want 8 warps, and the forward a
+    third pipeline stage. They move no rounding point: the tiles and the loop orders are the options'."""
+    if opts.block_r * opts.block_c >= 128 * 64:
+        return (8, 3) if forward else (8, 2)
+    return 4, 2
+
+
+def _forward(q, k, v, mask4, opts: AttentionOptions, causal: bool, scale: float, is_bf16: bool):
     """q, k, v: [G, n, d] in kernel layout. Returns O (kernel layout), lse2 and the FP32 O (or None)."""
     G, N, d = q.shape
     M = k.shape[1]
@@ -186,29 +248,32 @@ def _forward(q, k, v, opts: AttentionOptions, causal: bool, scale: float, is_bf1
     o_hp = torch.empty(G, N, d, dtype=torch.float32, device=q.device) if opts.hp_delta else None
     fix = opts.fix
     o_hp_or_unused = lse2 if o_hp is None else o_hp   # written only with HP_DELTA
-    args = (q, k, v, out, o_hp_or_unused, lse2, N, M, d, _f32(scale * LOG2E), _f32(scale),
-            _f32(fix.beta if fix else 1.0), _f32(fix.tie_tol if fix else 0.0))
-    constexprs = _common_constexprs(opts, causal, is_bf16, d) | dict(
-        FIX=fix is not None, TIE_EXACT=not (fix and fix.tie_tol), HP_PV=opts.hp_pv, HP_DELTA=opts.hp_delta)
-    _launch(_fwd_kernel, (triton.cdiv(N, opts.block_r), G), args, constexprs, _num_warps(opts))
+    args = (q, k, v, *_mask_args(mask4, lse2), out, o_hp_or_unused, lse2, N, M, d, _f32(scale * LOG2E),
+            _f32(scale), _f32(fix.beta if fix else 1.0), _f32(fix.tie_tol if fix else 0.0))
+    constexprs = _common_constexprs(opts, causal, is_bf16, d, mask4) | dict(
+        FIX=fix is not None, TIE_EXACT=not (fix and fix.tie_tol), HP_PV=opts.hp_pv, HP_DELTA=opts.hp_delta,
+        DECREASING=opts.key_order == "decreasing")
+    _launch(_fwd_kernel, (triton.cdiv(N, opts.block_r), G), args, constexprs, *_warps_and_stages(opts, forward=True))
     return out, lse2, o_hp
 
 
-def _backward(q, k, v, out, lse2, o_hp, do, opts: AttentionOptions, causal: bool, scale: float, is_bf16: bool):
+def _backward(q, k, v, out, lse2, o_hp, do, mask4, opts: AttentionOptions, causal: bool, scale: float,
+              is_bf16: bool):
     """All in kernel layout. Returns dq, dk, dv in kernel layout."""
     G, N, d = q.shape
     M = k.shape[1]
     delta = torch.empty(G, N, dtype=torch.float32, device=q.device)
-    consts = _common_constexprs(opts, causal, is_bf16, d)
-    warps = _num_warps(opts)
+    consts = _common_constexprs(opts, causal, is_bf16, d, mask4)
+    launch = _warps_and_stages(opts, forward=False)
+    masking = _mask_args(mask4, lse2)
     _launch(_delta_kernel, (triton.cdiv(N, opts.block_r), G), (do, out if o_hp is None else o_hp, delta, N, d),
-            dict(BLOCK_R=opts.block_r, BLOCK_D=consts["BLOCK_D"]), 4)
+            dict(BLOCK_R=opts.block_r, BLOCK_D=consts["BLOCK_D"]), 4, 2)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     c, scale = _f32(scale * LOG2E), _f32(scale)
-    _launch(_dkdv_kernel, (triton.cdiv(M, opts.block_c), G), (q, k, v, do, lse2, delta, dk, dv, N, M, d, c, scale),
-            consts, warps)
-    _launch(_dq_kernel, (triton.cdiv(N, opts.block_r), G), (q, k, v, do, lse2, delta, dq, N, M, d, c, scale),
-            consts, warps)
+    _launch(_dkdv_kernel, (triton.cdiv(M, opts.block_c), G),
+            (q, k, v, *masking, do, lse2, delta, dk, dv, N, M, d, c, scale), consts, *launch)
+    _launch(_dq_kernel, (triton.cdiv(N, opts.block_r), G),
+            (q, k, v, *masking, do, lse2, delta, dq, N, M, d, c, scale), consts, *launch)
     return dq, dk, dv
 
 
@@ -272,21 +337,32 @@ def _keep(rows, cols, N, M, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, rows, cols, N, M, CAUSAL: tl.constexpr):
-    """S = Q K^T in FP32, -inf where not attended."""
+def _mask_base(MASK, head, mask_s0, mask_s1, mask_l1):
+    """Where this (batch x head) slice's padding mask starts: slice `head` is [head // L1, head % L1]."""
+    return MASK + (head // mask_l1) * mask_s0 + (head % mask_l1) * mask_s1
+
+
+@triton.jit
+def _scores(q, k, rows, cols, N, M, mask, mask_sn, mask_sm, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """S = Q K^T in FP32, -inf where not attended (causally, or by the padding mask starting at `mask`)."""
     s = _dot(q, tl.trans(k))
-    return tl.where(_keep(rows, cols, N, M, CAUSAL), s, float("-inf"))
+    keep = _keep(rows, cols, N, M, CAUSAL)
+    if MASKED:
+        pad = tl.load(mask + rows[:, None] * mask_sn + cols[None, :] * mask_sm, mask=keep, other=0)
+        keep = keep & (pad != 0)
+    return tl.where(keep, s, float("-inf"))
 
 
 @triton.jit
 def _safe_offset(s, row_max, scale, beta, tie_tol, TIE_EXACT: tl.constexpr):
-    """flash_emu._safe_offset: the row max, or with several ties beta * max (max > 0) or 0 (max < 0)."""
-    finite = tl.abs(s) < float("inf")
+    """flash_emu._safe_offset: the row max, or with several ties beta * max (max > 0) or 0 (max < 0).
+    Masked scores (-inf) never count as ties: they cannot equal a finite max, and a row with no finite
+    score is left alone."""
     if TIE_EXACT:
-        tied = finite & (s == row_max[:, None])
+        tied = s == row_max[:, None]
     else:
-        tied = finite & ((row_max[:, None] - s) * scale <= tie_tol)
-    several = tl.sum(tied.to(tl.int32), 1) > 1
+        tied = (row_max[:, None] - s) * scale <= tie_tol   # NaN or +inf for masked scores: never tied
+    several = (tl.sum(tied.to(tl.int32), 1) > 1) & (row_max > float("-inf"))
     offset = tl.where(several & (row_max > 0), row_max * beta, row_max)
     return tl.where(several & (row_max < 0), 0.0, offset)
 
@@ -312,23 +388,26 @@ def _causal_row_start(c0, N, M, BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr):
 # -- kernels ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, O_HP, LSE2, N, M, HEAD_DIM, c, scale, beta, tie_tol,
-                CAUSAL: tl.constexpr, FIX: tl.constexpr, TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr,
-                HP_DELTA: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
+def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, O, O_HP, LSE2, N, M, HEAD_DIM, c,
+                scale, beta, tie_tol, CAUSAL: tl.constexpr, MASKED: tl.constexpr, FIX: tl.constexpr, TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr,
+                HP_DELTA: tl.constexpr, DECREASING: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK_R
     head = tl.program_id(1).to(tl.int64)
     q_base, kv_base = head * N * HEAD_DIM, head * M * HEAD_DIM
     rows = r0 + tl.arange(0, BLOCK_R)
     q = _load_tile(Q + q_base, rows, N, HEAD_DIM, BLOCK_D)
+    mask = _mask_base(MASK, head, mask_s0, mask_s1, mask_l1)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for c0 in range(0, _causal_column_end(r0, N, M, BLOCK_R, CAUSAL), BLOCK_C):
+    n_tiles = tl.cdiv(_causal_column_end(r0, N, M, BLOCK_R, CAUSAL), BLOCK_C)
+    for i in range(0, n_tiles):
+        c0 = (n_tiles - 1 - i) * BLOCK_C if DECREASING else i * BLOCK_C
         cols = c0 + tl.arange(0, BLOCK_C)
         k = _load_tile(K + kv_base, cols, M, HEAD_DIM, BLOCK_D)
         v = _load_tile(V + kv_base, cols, M, HEAD_DIM, BLOCK_D)
-        s = _scores(q, k, rows, cols, N, M, CAUSAL)
+        s = _scores(q, k, rows, cols, N, M, mask, mask_sn, mask_sm, CAUSAL, MASKED)
         tile_max = tl.max(s, 1)
         if FIX:
             tile_max = _safe_offset(s, tile_max, scale, beta, tie_tol, TIE_EXACT)
@@ -342,7 +421,7 @@ def _fwd_kernel(Q, K, V, O, O_HP, LSE2, N, M, HEAD_DIM, c, scale, beta, tie_tol,
         else:
             pv = _dot(_round_lp(p, IS_BF16, EMULATE_LP), v)
         acc = alpha[:, None] * acc + pv
-        m = m_use
+        m = m_new   # as CUDA FA2: -inf until the row sees a key
     l_safe = tl.where(l > 0, l, 1.0)   # l = 0: the row attends to nothing (its O is 0, its lse2 +inf)
     o = tl.where(l[:, None] > 0, acc * tl.math.div_rn(1.0, l_safe)[:, None], 0.0)   # CUDA FA2: acc * (1 / l)
     _store_tile(O + q_base, rows, N, HEAD_DIM, _round_lp(o, IS_BF16, EMULATE_LP), BLOCK_D)
@@ -363,10 +442,10 @@ def _delta_kernel(DO, O, DELTA, N, HEAD_DIM, BLOCK_R: tl.constexpr, BLOCK_D: tl.
 
 
 @triton.jit
-def _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c,
-                  CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr):
+def _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm,
+                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr):
     """One tile of the backward: P = exp2(S*c - lse2) in FP32, and round(P * (dO V^T - D))."""
-    s = _scores(q, k, rows, cols, N, M, CAUSAL)
+    s = _scores(q, k, rows, cols, N, M, mask, mask_sn, mask_sm, CAUSAL, MASKED)
     p = tl.math.exp2(s * c - lse2[:, None])
     dp = _dot(do, tl.trans(v))
     ds = _round_lp(p * (dp - delta[:, None]), IS_BF16, EMULATE_LP)
@@ -381,11 +460,12 @@ def _load_row_stats(LSE2, DELTA, head, rows, N):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, N, M, HEAD_DIM, c, scale,
-                 CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dkdv_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, DO, LSE2, DELTA, DK, DV, N, M,
+                 HEAD_DIM, c, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, IS_BF16: tl.constexpr,
+                 EMULATE_LP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     c0 = tl.program_id(0) * BLOCK_C
     head = tl.program_id(1).to(tl.int64)
+    mask = _mask_base(MASK, head, mask_s0, mask_s1, mask_l1)
     q_base, kv_base = head * N * HEAD_DIM, head * M * HEAD_DIM
     cols = c0 + tl.arange(0, BLOCK_C)
     k = _load_tile(K + kv_base, cols, M, HEAD_DIM, BLOCK_D)
@@ -397,7 +477,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, N, M, HEAD_DIM, c, scale,
         q = _load_tile(Q + q_base, rows, N, HEAD_DIM, BLOCK_D)
         do = _load_tile(DO + q_base, rows, N, HEAD_DIM, BLOCK_D)
         lse2, delta = _load_row_stats(LSE2, DELTA, head, rows, N)
-        p, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, CAUSAL, IS_BF16, EMULATE_LP)
+        p, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm, CAUSAL, MASKED,
+                              IS_BF16, EMULATE_LP)
         dv = dv + _dot(tl.trans(_round_lp(p, IS_BF16, EMULATE_LP)), do)
         dk = dk + _dot(tl.trans(ds), q)
     _store_tile(DK + kv_base, cols, M, HEAD_DIM, _round_lp(dk * scale, IS_BF16, EMULATE_LP), BLOCK_D)
@@ -405,11 +486,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, N, M, HEAD_DIM, c, scale,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, N, M, HEAD_DIM, c, scale,
-               CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
+def _dq_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, DO, LSE2, DELTA, DQ, N, M, HEAD_DIM,
+               c, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK_R
     head = tl.program_id(1).to(tl.int64)
+    mask = _mask_base(MASK, head, mask_s0, mask_s1, mask_l1)
     q_base, kv_base = head * N * HEAD_DIM, head * M * HEAD_DIM
     rows = r0 + tl.arange(0, BLOCK_R)
     q = _load_tile(Q + q_base, rows, N, HEAD_DIM, BLOCK_D)
@@ -420,6 +502,7 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, N, M, HEAD_DIM, c, scale,
         cols = c0 + tl.arange(0, BLOCK_C)
         k = _load_tile(K + kv_base, cols, M, HEAD_DIM, BLOCK_D)
         v = _load_tile(V + kv_base, cols, M, HEAD_DIM, BLOCK_D)
-        _, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, CAUSAL, IS_BF16, EMULATE_LP)
+        _, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm, CAUSAL, MASKED,
+                              IS_BF16, EMULATE_LP)
         dq = dq + _dot(ds, k)
     _store_tile(DQ + q_base, rows, N, HEAD_DIM, _round_lp(dq * scale, IS_BF16, EMULATE_LP), BLOCK_D)

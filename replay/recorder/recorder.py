@@ -40,7 +40,7 @@ from replay.recorder.writer import BackgroundWriter
 from replay.store import RunStore
 from replay.store.lease import Lease, require
 from replay.store.manifest import DataInfo, Manifest
-from replay.store.tensors import Packed, pack
+from replay.store.tensors import Packed, pack, whole_buffer
 
 
 # The layout of every checkpoint: each rank's shard is the tree {"state": TrainState.state_dict(rank), "rng":
@@ -248,8 +248,7 @@ class Recorder:
         return pack({"state": self.state.state_dict(self.rank), "rng": rng_state()}, into=spare)
 
     def _give_back(self, packed: Packed) -> None:
-        buffer = packed.buffer if packed.buffer.base is None else packed.buffer.base
-        self._spare.append(buffer)
+        self._spare.append(whole_buffer(packed.buffer))
 
     def _checkpoint(self, step: int, kind: str, packed: Packed | None = None) -> None:
         packed = self._capture() if packed is None else packed

@@ -108,13 +108,28 @@ def pack(tree: Any, into: np.ndarray | None = None) -> Packed:
     """Copy every tensor of `tree`, from any device, into one CPU buffer: `into` if it is large enough
     (a buffer used before: its pages are already mapped, so the copy runs at memory speed), else a new one."""
     lay = layout(tree)
-    buffer = into[:lay.size] if into is not None and len(into) >= lay.size else np.empty(lay.size, dtype=np.uint8)
+    buffer = into[:lay.size] if into is not None and len(into) >= lay.size else _host_buffer(lay)
     for path, t in lay.tensors.items():
         entry = lay.index[path]
         if t.numel():
             dst = torch.from_numpy(buffer[entry["offset"]: entry["offset"] + entry["nbytes"]])
             dst.view(t.dtype).view(t.shape).copy_(t)
     return Packed(lay.skeleton, lay.index, buffer)
+
+
+def _host_buffer(lay) -> np.ndarray:
+    """A new CPU buffer; page-locked when tensors come from a GPU, which then copies at full speed (on an
+    H100, 30 GB/s against 8 GB/s into pageable memory: docs/gpu.md)."""
+    if any(t.is_cuda for t in lay.tensors.values()):
+        return torch.empty(lay.size, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(lay.size, dtype=np.uint8)
+
+
+def whole_buffer(buffer: np.ndarray) -> np.ndarray:
+    """The buffer a `pack` result's buffer is a slice of (itself when it is whole)."""
+    while isinstance(buffer.base, np.ndarray):
+        buffer = buffer.base
+    return buffer
 
 
 def unpack(packed: Packed) -> Any:

@@ -26,7 +26,7 @@ from replay.store import RunStore
 from replay.store.lease import require
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.kernels.numerics import NumericsProbe
-from replay.kernels.registry import AttentionPlan, apply_plan
+from replay.kernels.registry import AttentionPlan, apply_plan, raise_deferred
 from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.model import build_model, lm_loss, lr_factor
 from replay.train.state import DeepSpeedTrainState, TorchTrainState
@@ -175,6 +175,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
         weight = kept_weight(schedule.recorded_ids[step], dropped) if dropped else 1.0
         with probe.collecting() if probe else contextlib.nullcontext():
             loss, grad_norm, lr = step_fn(active, ids, dropped, weight, scoped)
+        raise_deferred()
         event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
                                      tokens=ids.size * cfg.model.block_size,
                                      numerics=probe.end_step() if probe else None)

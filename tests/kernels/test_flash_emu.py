@@ -192,3 +192,35 @@ def test_padding_mask_excludes_keys():
     valid[0, :, :3] = False                               # rows that see only padding are 0 in both
     assert torch.allclose(got.double()[valid], ref[valid], atol=1e-5)
     assert math.isclose(got[0, :, :3].abs().max().item(), 0.0)
+
+
+def test_a_fully_masked_tile_leaves_the_row_as_if_it_were_absent():
+    """As CUDA FA2: a key tile a row attends none of (padding, or under `keys=decreasing` a causal row's
+    first visited tile) moves no bit; the running max stays -inf, not 0, until the row sees a key."""
+    q, k, v, _ = (t.bfloat16() for t in _inputs(seed=7, shape=(1, 2, 16, 16)))
+    k = -k.abs()
+    q = q.abs()   # every score negative: an offset of 0 instead of the row max would change Pbar's rounding
+    keep = torch.ones(1, 1, 16, 24, dtype=torch.bool)
+    keep[..., :8] = False   # keys 0-7, the first tile of 8, are padding
+    padded_k, padded_v = torch.cat([torch.randn(1, 2, 8, 16).bfloat16(), k], 2), torch.cat([v[:, :, :8], v], 2)
+    opts = AttentionOptions(block_r=8, block_c=8)
+    got = flash_attention(q, padded_k, padded_v, opts, causal=False, mask=keep)
+    assert torch.equal(got, flash_attention(q, k, v, opts, causal=False))
+
+
+def test_decreasing_key_order_visits_the_tiles_last_to_first():
+    """keys=decreasing is the increasing order on keys reversed tile by tile (the same tiles, visited
+    last to first); it agrees with FP64 as closely and is a different sum: some bits differ."""
+    q, k, v, do = _inputs(seed=8, shape=(2, 2, 256, 32))
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    opts = AttentionOptions(block_r=64, block_c=64)
+    backward = opts.with_(key_order="decreasing")
+    perm = torch.arange(256).view(4, 64).flip(0).reshape(-1)
+    got = flash_attention(q, k, v, backward, causal=False)
+    assert torch.equal(got, flash_attention(q, k[:, :, perm], v[:, :, perm], opts, causal=False))
+    increasing = flash_attention(q, k, v, opts, causal=False)
+    assert not torch.equal(got, increasing)
+    gold = baseline_attention(q.double(), k.double(), v.double(), torch.float64, causal=False)
+    assert (got.double() - gold).abs().max() <= 8 * UNIT[torch.bfloat16] * v.abs().max()
+    with pytest.raises(UsageError, match="fa2 placement only"):
+        AttentionOptions(placement="reference", key_order="decreasing")
