@@ -94,9 +94,12 @@ def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, ray_local, t
 def test_an_interrupted_bisect_is_marked_failed(spike_store, tmp_path):
     store = tmp_path / "spike"
     shutil.copytree(spike_store, store, ignore=shutil.ignore_patterns("replays", "bisect", "analysis"))
+    # Ctrl-C as at a terminal: a suite started in the background by a non-interactive shell ignores SIGINT,
+    # and a child would inherit that (Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([sys.executable, "-m", "replay", "bisect", str(store), "--by", "steps", "--fix",
                              "lr-scale=0.5", "--workers", "1"], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         while not [b for b in RunStore.open(store).bisect_sessions() if b.get("status") == "running" and b["probes"]]:
             assert proc.poll() is None, proc.stderr.read()
