@@ -8,9 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -55,53 +53,6 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-# -- work started early, collected later --------------------------------------------------------------
-# On its own the suite keeps about one of the two cores busy. What some tests only wait for (the benchmarks'
-# and the results pipeline's subprocesses) starts as soon as it can, on background threads: a test module
-# with a function `start_in_background()` has it called once its tests are collected; such work waits for a
-# session fixture with `wait_ready(name)`, which the fixture announces with `_announce`. The tests collect
-# the result with `in_background(name, fn).result()`.
-_jobs: dict[str, Future] = {}
-_ready: dict[str, Any] = {}
-_ready_changed = threading.Condition()
-
-
-def in_background(name: str, fn) -> Future:
-    """`fn()` on a daemon thread of its own, started once per name (a process that ends never waits for it:
-    the subprocesses it started end with this one, launch/lifeline.py)."""
-    if name not in _jobs:
-        future: Future = Future()
-
-        def run():
-            try:
-                future.set_result(fn())
-            except BaseException as e:
-                future.set_exception(e)
-        _jobs[name] = future
-        threading.Thread(target=run, name=f"background-{name}", daemon=True).start()
-    return _jobs[name]
-
-
-def wait_ready(name: str) -> Any:
-    """The value of session fixture `name`, once a test has made it."""
-    with _ready_changed:
-        _ready_changed.wait_for(lambda: name in _ready)
-    return _ready[name]
-
-
-def _announce(name: str, value: Any) -> None:
-    with _ready_changed:
-        _ready[name] = value
-        _ready_changed.notify_all()
-
-
-def pytest_collection_finish(session):
-    for module in dict.fromkeys(item.module for item in session.items if getattr(item, "module", None)):
-        start = getattr(module, "start_in_background", None)
-        if start is not None:
-            start()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def warm_ranks():
     """Two warm ranks for the session (launch/pool.py): every recording or replay on 2 local ranks that a
@@ -122,9 +73,7 @@ def ray_local() -> str:
 
     with guarded():
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-        address = ray.get_runtime_context().gcs_address
-        _announce("ray_local", address)
-        yield address
+        yield ray.get_runtime_context().gcs_address
         ray.shutdown()
 
 
@@ -224,7 +173,6 @@ def reported_spike(spike_store, ray_local, tmp_path_factory) -> Path:
     for args in (("analyze", str(store), "--workers", "2"), ("report", str(store))):
         result = replay_cli(*args)
         assert result.returncode == 0, result.stderr
-    _announce("reported_spike", (store, ray_local, tmp_path_factory))
     return store
 
 

@@ -1,7 +1,6 @@
 """Every benchmark runs in its quick mode, through its public entry points, and prints its ratios (never
-asserted on: the numbers are the benchmark's to report, not the suite's to judge). They run one after
-another in the background from the start of the suite, beside the other tests, which only the numbers
-they print feel."""
+asserted on: the numbers are the benchmark's to report, not the suite's to judge). They run two at a time,
+which only the numbers they print feel."""
 
 from __future__ import annotations
 
@@ -9,12 +8,13 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from replay.launch.lifeline import child_env
-from tests.conftest import REPO, in_background, wait_ready
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
@@ -26,27 +26,16 @@ def test_every_benchmark_is_here():
                           "bench_record.py", "bench_replay.py"]
 
 
-def _quick(script: str, ray_address: str | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | ({"RAY_ADDRESS": ray_address} if ray_address else {})
-    return subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=child_env(env),
-                          capture_output=True, text=True, timeout=300)
-
-
-def _every_quick_run() -> dict[str, subprocess.CompletedProcess]:
-    """One after another; the analysis benchmark's last, on the session's Ray cluster once there is one."""
-    runs = {script: _quick(script) for script in BENCHMARKS if script != "bench_analysis.py"}
-    runs["bench_analysis.py"] = _quick("bench_analysis.py", wait_ready("ray_local"))
-    return runs
-
-
-def start_in_background() -> None:
-    in_background("benchmarks", _every_quick_run)
-
-
 @pytest.fixture(scope="module")
 def quick_runs(ray_local) -> dict[str, subprocess.CompletedProcess]:
-    """Every benchmark's quick mode, started when the suite began (conftest.in_background)."""
-    return in_background("benchmarks", _every_quick_run).result()
+    """Every benchmark's quick mode; the analysis benchmark's uses the session's Ray cluster."""
+    def run(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO,
+                              env=child_env(os.environ | {"RAY_ADDRESS": ray_local}), capture_output=True, text=True,
+                              timeout=300)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(BENCHMARKS, pool.map(run, BENCHMARKS)))
 
 
 @pytest.mark.parametrize("script", BENCHMARKS)

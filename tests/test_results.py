@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from results import golden, qiu_yao, story
-from replay.launch.lifeline import child_env
-from tests.conftest import REPO, in_background, wait_ready
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -55,27 +54,15 @@ def pair(cell: str) -> tuple[str, str]:
     return first, second.rstrip(")")
 
 
-def _pipeline() -> tuple[Path, Path, subprocess.CompletedProcess]:
-    """The pipeline at its quick size, once the spike run is reported; its commands that use Ray (analyze,
-    bisect, compare) use the session's cluster."""
-    reported_spike, ray_local, tmp_path_factory = wait_ready("reported_spike")
+@pytest.fixture(scope="module")
+def quick(reported_spike, ray_local, tmp_path_factory):
+    """The pipeline's commands that use Ray (analyze, bisect, compare) use the session's cluster."""
     tmp = tmp_path_factory.mktemp("results")
     shutil.copytree(reported_spike, tmp / "spike")
     out, work = tmp / "docs", tmp / "work"
     proc = subprocess.run([sys.executable, "-m", "results.make_results", "--quick", "--out", str(out), "--work",
-                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "2"], cwd=REPO, capture_output=True,
-                          text=True, timeout=1200, env=child_env(os.environ | {"RAY_ADDRESS": ray_local}))
-    return out, work, proc
-
-
-def start_in_background() -> None:
-    in_background("results", _pipeline)
-
-
-@pytest.fixture(scope="module")
-def quick(reported_spike):
-    """The pipeline's run, started in the background as soon as the spike run was reported."""
-    out, work, proc = in_background("results", _pipeline).result()
+                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "2"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, work, (out / "results.md").read_text()
 
