@@ -1,0 +1,151 @@
+"""Attention plans for a model of your own that calls `torch.nn.functional.scaled_dot_product_attention`
+(nanoGPT, torchtitan and most hand-written models): no change to its code.
+
+    with sdpa_dispatch(model, AttentionPlan.parse("sdpa;1=fa2-emu:fix=safe-softmax")):
+        loss = model(x, y)          # layer 1's attention now runs the emulated FA2 with the fix
+
+The attention modules are found by a pattern of module names (`transformer.h.*.attn`) or, without one,
+as the innermost modules whose class name contains "Attention" (else those named `attn`, `attention`,
+`self_attn` or `self_attention`); the i-th of them, in the model's order, is layer i. A forward pre-hook on each notes which layer is
+running, and a TorchFunctionMode hands every SDPA call made inside one of them to that layer's backends
+(`registry.LayerAttention`: per head, with autocast off for our own backends). SDPA called anywhere else,
+and layers whose every head is `sdpa`, run PyTorch's own kernel untouched.
+
+The backends compute causal attention, so a call must be causal (`is_causal=True`, or a boolean mask
+that allows no future key: padding on top of causal). Dropout inside attention, additive float masks
+other than 0 / -inf, and grouped-query attention with fewer key heads are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from replay.errors import UsageError
+from replay.kernels.baseline import causal_mask
+from replay.kernels.registry import AttentionPlan, LayerAttention
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def attention_modules(model: torch.nn.Module, pattern: str | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """The model's attention modules in order (layer i is the i-th), by `pattern` or by their names."""
+    named = list(model.named_modules())
+    if pattern:
+        found = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
+        if not found:
+            hint = ", ".join(name for name, _ in named[1:6]) + (", ..." if len(named) > 6 else "")
+            raise UsageError(f"no module of the model matches {pattern!r} (its modules: {hint})")
+        return found
+    found = [(name, m) for name, m in named if name and "attention" in type(m).__name__.lower()]
+    found = found or [(name, m) for name, m in named if name.rsplit(".", 1)[-1].lower() in ATTENTION_NAMES]
+    innermost = [(name, m) for name, m in found
+                 if not any(other.startswith(name + ".") for other, _ in found if other != name)]
+    if not innermost:
+        raise UsageError("no attention module found (no class named *Attention*, no module named "
+                         f"{', '.join(ATTENTION_NAMES)}); name them with a pattern such as 'transformer.h.*.attn'")
+    return innermost
+
+
+ATTENTION_NAMES = ("attn", "attention", "self_attn", "self_attention")
+
+
+@contextlib.contextmanager
+def sdpa_dispatch(model: torch.nn.Module, plan: AttentionPlan, pattern: str | None = None) -> Iterator[list[str]]:
+    """Route the model's SDPA calls through `plan` while the context is open; yields the attention modules'
+    names (layer i is the i-th). Hooks and mode are removed on exit, whatever happens."""
+    modules = attention_modules(model, pattern)
+    plan.validate(len(modules), n_head=1 << 30)   # layers now; heads once a call shows how many there are
+    mode = _PlanMode(plan, len(modules))
+    handles = []
+    try:
+        for layer, (_, module) in enumerate(modules):
+            handles.append(module.register_forward_pre_hook(mode.entering(layer, module)))
+            handles.append(module.register_forward_hook(mode.leaving()))
+        with mode:
+            yield [name for name, _ in modules]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _PlanMode(TorchFunctionMode):
+    def __init__(self, plan: AttentionPlan, n_layer: int):
+        super().__init__()
+        self.plan, self.n_layer = plan, n_layer
+        self.active: list[tuple[int, torch.nn.Module]] = []   # the attention modules running, innermost last
+        self.layers: dict[tuple[int, int], LayerAttention] = {}
+
+    def entering(self, layer: int, module: torch.nn.Module):
+        def hook(*_):
+            self.active.append((layer, module))
+        return hook
+
+    def leaving(self):
+        def hook(*_):
+            self.active.pop()
+        return hook
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA or not self.active:
+            return func(*args, **kwargs)
+        layer, module = self.active[-1]
+        q, k, v = _call_args(args, kwargs)
+        n_head = q.shape[1]
+        attention = self.layers.get((layer, n_head))
+        if attention is None:
+            self.plan.validate(self.n_layer, n_head)
+            attention = self.layers[(layer, n_head)] = LayerAttention(self.plan, layer, n_head)
+        if all(spec.name == "sdpa" for spec, _ in attention.groups):
+            return func(*args, **kwargs)
+        keep, scale = _causal_keep(layer, q, k, args, kwargs)
+        return attention(module, q, k, v, keep, scale)
+
+
+_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _call_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bound = dict(zip(_PARAMS, args)) | kwargs
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if q.dim() != 4 or k.shape[1] != q.shape[1]:
+        raise UsageError(f"replay's attention backends take q, k, v as [batch, heads, seq, head_dim] with as many "
+                         f"key as query heads; this call has {tuple(q.shape)} and {tuple(k.shape)} (grouped-query "
+                         "attention: repeat the keys and values to the query heads before calling SDPA)")
+    return q, k, v
+
+
+def _causal_keep(layer: int, q, k, args, kwargs) -> tuple[torch.Tensor | None, float]:
+    """The call's mask as the backends take it (None: plain causal; else bool, True = attend), and its scale."""
+    bound = dict(zip(_PARAMS, args)) | kwargs
+    if bound.get("dropout_p", 0.0):
+        raise UsageError(f"layer {layer} calls SDPA with dropout_p={bound['dropout_p']}: replay's attention "
+                         "backends apply no attention dropout; set the model's attention dropout to 0")
+    mask, causal = bound.get("attn_mask"), bool(bound.get("is_causal", False))
+    scale = bound.get("scale") or q.shape[-1] ** -0.5
+    n, m = q.shape[-2], k.shape[-2]
+    if mask is None:
+        if not causal:
+            raise UsageError(f"layer {layer} calls SDPA without is_causal=True or a mask: replay's attention "
+                             "backends compute causal attention only")
+        return None, scale
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == float("-inf"))).all()):
+            raise UsageError(f"layer {layer} calls SDPA with an additive mask of values other than 0 and -inf; "
+                             "pass a boolean mask (True = attend)")
+        mask = mask == 0
+    if mask.dim() > 4 or mask.dim() >= 3 and mask.shape[-3] != 1:
+        raise UsageError(f"layer {layer} calls SDPA with a mask of shape {tuple(mask.shape)}: replay's attention "
+                         "backends take one mask for all heads, [batch, 1, seq, seq] or [seq, seq]")
+    keep = torch.broadcast_to(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), (q.shape[0], 1, n, m))
+    within = causal_mask(n, m, keep.device)
+    if not causal and bool((keep & ~within).any()):
+        raise UsageError(f"layer {layer} calls SDPA with a mask that lets queries see later keys: replay's "
+                         "attention backends compute causal attention only")
+    keep = keep & within
+    return (None if torch.equal(keep, within.expand_as(keep)) else keep), scale   # None: plain causal
