@@ -68,6 +68,11 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated sections (default: all)")
     parser.add_argument("--out", default="runs/gpu-check", help="directory of the report and the flash check's files")
     args = parser.parse_args()
+    if torch.version.cuda is None:
+        print(f"error: this torch ({torch.__version__}) is a CPU build; install the CUDA build, e.g. "
+              '`make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"` '
+              "(remove .venv first)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: the GPU check needs a CUDA GPU, and this machine has none; run it where `nvidia-smi` "
               "shows one", file=sys.stderr)

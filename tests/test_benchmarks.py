@@ -48,3 +48,13 @@ def test_the_benchmark_runs_quickly_and_prints_its_ratios(quick_runs, script):
     assert re.search(r"\d\.\d+x", result.stdout) or script in GPU_ONLY, result.stdout
     if script in GPU_ONLY:
         assert result.stdout.count("bit for bit") == 1, result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: the check would run")
+def test_the_gpu_check_says_in_one_line_why_it_cannot_run_here(tmp_path):
+    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path / "gc")], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+    why = "CPU build" if torch.version.cuda is None else "needs a CUDA GPU"
+    assert why in lines[0] and not (tmp_path / "gc" / "report.md").exists()
