@@ -115,8 +115,9 @@ def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, 
     if mask is None:
         bad = ~torch.isfinite(lse2[:, first:]).all() | ~torch.isfinite(out[:, first:]).all()
     else:   # rows whose every key is padding see nothing either
-        keep = mask.bool() & causal_mask(n, m, mask.device) if causal else mask.bool()
-        attends = keep.any(-1).reshape(-1, n)
+        shared = mask[:, :1] if mask.stride(1) == 0 else mask   # one mask for all heads: read it once
+        keep = shared.bool() & causal_mask(n, m, mask.device) if causal else shared.bool()
+        attends = keep.any(-1).expand(mask.shape[:3]).reshape(-1, n)
         bad = ((~torch.isfinite(lse2) | ~torch.isfinite(out).all(-1)) & attends).any()
     if defer:
         flag, _ = _underflowed.get(lse2.device, (torch.zeros((), dtype=torch.bool, device=lse2.device), 0.0))
