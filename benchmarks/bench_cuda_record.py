@@ -41,19 +41,21 @@ def replay(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return result, seconds
 
 
-def record_and_replay(workdir: Path, tokens: Path, attention: str, steps: int, every: int) -> str:
+def record_and_replay(workdir: Path, tokens: Path, attention: str, steps: int, every: int) -> tuple[bool, str]:
+    """(whether it recorded and replayed bit for bit, the line to print)."""
     store = workdir / attention.replace(":", "_")
     sets = [a for s in GPT2_SMALL for a in ("--set", s)]
     recorded, record_s = replay("record", "--store", store, "--data", tokens, "--steps", steps, "--checkpoint-every",
                                 every, "--precision", "bf16", "--attention", attention, "--set", "log_every=50", *sets)
     if recorded.returncode:
-        return f"{attention}: record failed (exit {recorded.returncode})"
+        return False, f"{attention}: record failed (exit {recorded.returncode})"
     step_s = statistics.median(RunStore.open(store).read_steps(["step_time"])["step_time"].tolist())
     start = (steps // 2) // every * every
     replayed, replay_s = replay("run", store, "--from", start, "--to", steps - 1, "--verify")
-    verdict = "bit for bit" if "bit for bit" in replayed.stdout else f"NOT bitwise: {replayed.stdout.strip()[-300:]}"
-    return (f"{attention:>12}: median step {1e3 * step_s:6.1f} ms recorded; record {record_s:5.1f} s "
-            f"({steps} steps), replay of steps {start}..{steps - 1} {replay_s:5.1f} s: {verdict}")
+    bitwise = replayed.returncode == 0 and "bit for bit" in replayed.stdout
+    verdict = "bit for bit" if bitwise else f"NOT bitwise: {replayed.stdout.strip()[-300:]}"
+    return bitwise, (f"{attention:>12}: median step {1e3 * step_s:6.1f} ms recorded; record {record_s:5.1f} s "
+                     f"({steps} steps), replay of steps {start}..{steps - 1} {replay_s:5.1f} s: {verdict}")
 
 
 def sdpa_kernels() -> list[str]:
@@ -77,7 +79,7 @@ def sdpa_kernels() -> list[str]:
     return sorted(n for n in names if any(w in n.lower() for w in ("flash", "fmha", "attention", "cudnn", "sdpa")))
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -88,18 +90,22 @@ def main() -> None:
         args.steps, args.checkpoint_every, args.attention = 20, 10, "sdpa"
     if not torch.cuda.is_available():
         print("skipped: no CUDA device on this machine (this benchmark records on the GPU)")
-        return
+        return 0
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-cuda-record-") as tmp:
         workdir = Path(tmp)
         tokens = workdir / "train.bin"
         builtin_corpus(1 << 23).astype(np.uint16).tofile(tokens)
+        failed = []
         for attention in args.attention.split(","):
             print(f"recording with {attention} ...", flush=True)
-            print(record_and_replay(workdir, tokens, attention, args.steps, args.checkpoint_every), flush=True)
+            ok, line = record_and_replay(workdir, tokens, attention, args.steps, args.checkpoint_every)
+            print(line, flush=True)
+            failed += [] if ok else [attention]
     print("attention kernels of one sdpa training step: " + "; ".join(sdpa_kernels()), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     follow_parent()   # started by the test suite: end with it
-    main()
+    sys.exit(main())

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
-from replay.kernels.registry import AttentionPlan, LayerAttention
+from replay.kernels.registry import AttentionPlan, LayerAttention, raise_deferred
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -65,12 +65,13 @@ def sdpa_dispatch(model: torch.nn.Module, plan: AttentionPlan, pattern: str | No
     try:
         for layer, (_, module) in enumerate(modules):
             handles.append(module.register_forward_pre_hook(mode.entering(layer, module)))
-            handles.append(module.register_forward_hook(mode.leaving()))
+            handles.append(module.register_forward_hook(mode.leaving(), always_call=True))   # also when it raises
         with mode:
             yield [name for name, _ in modules]
     finally:
         for handle in handles:
             handle.remove()
+    raise_deferred()   # what the backends noted without waiting for the GPU (triton-fa2's underflow check)
 
 
 class _PlanMode(TorchFunctionMode):
@@ -104,6 +105,9 @@ class _PlanMode(TorchFunctionMode):
         if all(spec.name == "sdpa" for spec, _ in attention.groups):
             return func(*args, **kwargs)
         keep, scale = _causal_keep(layer, q, k, args, kwargs)
+        device = q.device.type
+        if torch.is_autocast_enabled(device):   # SDPA under autocast computes in the autocast dtype
+            q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
         return attention(module, q, k, v, keep, scale)
 
 
@@ -133,7 +137,14 @@ def _causal_keep(layer: int, q, k, args, kwargs) -> tuple[torch.Tensor | None, f
         if not causal:
             raise UsageError(f"layer {layer} calls SDPA without is_causal=True or a mask: replay's attention "
                              "backends compute causal attention only")
-        return None, scale
+        if n == m:
+            return None, scale
+        if n > m:
+            raise UsageError(f"layer {layer} calls SDPA with is_causal=True and {n} queries for {m} keys: PyTorch "
+                             "aligns that mask to the top left, where the first queries see no key; replay's "
+                             "backends cannot; pass a boolean mask")
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()   # PyTorch's: top-left aligned
+        causal = False
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == float("-inf"))).all()):
             raise UsageError(f"layer {layer} calls SDPA with an additive mask of values other than 0 and -inf; "

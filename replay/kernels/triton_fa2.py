@@ -5,7 +5,7 @@ order). For BF16 or FP16 inputs, with round() meaning round-to-nearest-even to t
 forward, one program per (row tile, head):
   S     = Q K^T                        low-precision operands, FP32 accumulate
   r     = FP32 row max of the tile, or with `fix` the safe-softmax offset (`flash_emu._safe_offset`)
-  m     = max(m, r), 0 while the row has attended to nothing; c = FP32(scale * log2 e)
+  m     = max(m, r), -inf until the row attends to a key (exponents then use 0); c = FP32(scale * log2 e)
   Pbar  = exp2(S*c - m*c),  alpha = exp2(m_old*c - m*c)            FP32
   l     = alpha*l + rowsum(Pbar)                                    from the FP32 Pbar
   acc   = alpha*acc + round(Pbar) @ V                               FP32 accumulator; `hp_pv`: Pbar @ V in FP32
@@ -91,19 +91,21 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _TritonFlash.apply(q, k, v, opts, causal, scale, defer_checks and not INTERPRETED, mask)
 
 
-_underflowed: dict[torch.device, tuple[torch.Tensor, float]] = {}   # device -> (flag on it, the beta)
+_underflowed: dict[torch.device, tuple[torch.Tensor, set[float]]] = {}   # device -> (flag on it, the betas checked)
 
 
 def raise_deferred() -> None:
-    """Raise the error a deferred check noted since the last call (reads one flag per device)."""
-    for device, (flag, beta) in list(_underflowed.items()):
+    """Raise the error a deferred check noted since the last call (reads one flag per device), and forget
+    what was checked."""
+    for device, (flag, betas) in list(_underflowed.items()):
+        del _underflowed[device]
         if bool(flag):
-            del _underflowed[device]
-            raise UsageError(_underflow_message(beta))
+            raise UsageError(_underflow_message(*sorted(betas)))
 
 
-def _underflow_message(beta: float) -> str:
-    return (f"safe-softmax beta={beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some rows, which would "
+def _underflow_message(*betas: float) -> str:
+    which = f"beta={betas[0]:g}" if len(betas) == 1 else "one of beta=" + ", ".join(f"{b:g}" for b in betas)
+    return (f"safe-softmax {which} underflows: exp(-(beta - 1) * max score) is 0 for some rows, which would "
             "silently zero their output; use a smaller beta (the paper uses 2-8)")
 
 
@@ -120,8 +122,9 @@ def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, 
         attends = keep.any(-1).expand(mask.shape[:3]).reshape(-1, n)
         bad = ((~torch.isfinite(lse2) | ~torch.isfinite(out).all(-1)) & attends).any()
     if defer:
-        flag, _ = _underflowed.get(lse2.device, (torch.zeros((), dtype=torch.bool, device=lse2.device), 0.0))
-        _underflowed[lse2.device] = (flag.logical_or_(bad), fix.beta)
+        flag, betas = _underflowed.setdefault(lse2.device, (torch.zeros((), dtype=torch.bool, device=lse2.device), set()))
+        flag.logical_or_(bad)
+        betas.add(fix.beta)
     elif bool(bad):
         raise UsageError(_underflow_message(fix.beta))
 

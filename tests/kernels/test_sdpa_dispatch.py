@@ -188,3 +188,58 @@ def test_a_plan_beyond_the_model_is_refused_before_anything_runs():
         with sdpa_dispatch(model, AttentionPlan.parse("sdpa;1.4=fa2-emu")):
             model(torch.zeros(1, 8, dtype=torch.long))   # the heads are known once a call shows them
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+class _Call(nn.Module):
+    """An attention module that calls SDPA as given (`fn(q, k, v)`), for the cases below."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, q, k, v):
+        return self.fn(q, k, v)
+
+
+def test_fewer_queries_than_keys_follow_pytorchs_causal_alignment():
+    """SDPA's is_causal aligns the mask to the top left (query i sees keys 0..i) when there are fewer
+    queries than keys; the dispatch passes the backends that mask, and refuses more queries than keys."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 2, 4, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    model = nn.ModuleDict(dict(attn=_Call(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))))
+    plain = model.attn(q, k, v)
+    with sdpa_dispatch(model, AttentionPlan.parse("fa2-emu:dtype=fp32,br=16,bc=16")):
+        dispatched = model.attn(q, k, v)
+    assert torch.allclose(dispatched, plain, atol=1e-5)
+    with pytest.raises(UsageError, match="8 queries for 4 keys"):
+        with sdpa_dispatch(model, AttentionPlan.parse("fa2-emu")):
+            model.attn(k, q, q)
+
+
+def test_under_autocast_the_backends_get_the_autocast_precision():
+    """A model that upcasts q and k (as rotary embeddings do) and calls SDPA under BF16 autocast: SDPA
+    computes in BF16, and so do the backends."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 32, 16, generator=g) for _ in range(3))
+    model = nn.ModuleDict(dict(attn=_Call(
+        lambda a, b, c: F.scaled_dot_product_attention(a.float(), b.float(), c.bfloat16(), is_causal=True))))
+    with torch.autocast("cpu", torch.bfloat16), sdpa_dispatch(model, AttentionPlan.parse("fa2-emu")):
+        dispatched = model.attn(q, k, v)
+    want = flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), AttentionOptions(), causal=True)
+    assert dispatched.dtype == torch.bfloat16 and torch.equal(dispatched, want)
+
+
+def test_an_attention_forward_that_raises_leaves_no_layer_behind():
+    """After an attention module raised (and the caller carried on), SDPA outside the attention modules is
+    PyTorch's again, not that layer's."""
+    def failing(q, k, v):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        raise MemoryError("out of memory, say")
+
+    model = nn.ModuleDict(dict(attn=_Call(failing)))
+    q = torch.randn(1, 1, 8, 16)
+    with sdpa_dispatch(model, AttentionPlan.parse("fa2-emu")):
+        with pytest.raises(MemoryError):
+            model.attn(q, q, q)
+        bidirectional = F.scaled_dot_product_attention(q, q, q)   # not causal: refused inside a layer
+    assert torch.equal(bidirectional, F.scaled_dot_product_attention(q, q, q))
