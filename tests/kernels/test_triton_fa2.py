@@ -543,9 +543,7 @@ def test_interpreter_refuses_a_beta_whose_probabilities_underflow():
         "    except UsageError as e:\n"
         "        assert refused and 'underflows' in str(e), beta\n"
         "print('ok')\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+    _run_interpreted(script)
 
 
 def test_interpreter_takes_a_padding_mask_shared_by_the_heads():
@@ -573,6 +571,11 @@ def test_interpreter_takes_a_padding_mask_shared_by_the_heads():
         "assert outs[0][0][0, :, :5].abs().max() == 0 and outs[0][0][2, :, :20].abs().max() == 0\n"
         "assert outs[0][0][0, :, 5:].abs().amax(-1).min() > 0\n"
         "print('ok')\n")
+    _run_interpreted(script)
+
+
+def _run_interpreted(script: str) -> None:
+    """Run `script` in a TRITON_INTERPRET=1 subprocess; it prints "ok" last when its own asserts hold."""
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
