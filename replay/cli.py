@@ -279,23 +279,20 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     from replay.experiments import golden, mechanism
 
     out = Path(out_dir)
+    given = {k: v for k, v in dict(precisions=precisions, seq_lens=seq_lens, tiles=tiles, head_dims=head_dims).items()
+             if v}
     if mode == "flash":
         from replay.experiments import flash_check
 
-        given = {k: v for k, v in dict(precisions=precisions, seq_lens=seq_lens, tiles=tiles,
-                                       head_dims=head_dims).items() if v}
-        config = flash_check.FlashCheckConfig(**given)
-        flash_check.check_cuda()
-        result = flash_check.run_flash_check(config, out / "flash", progress=lambda m: click.echo(m, err=True))
+        result = flash_check.run_flash_check(flash_check.FlashCheckConfig(**given), out / "flash",
+                                             progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(result.summary_lines()))
     if mode in ("sweep", "all"):
-        given = {k: v for k, v in dict(precisions=precisions, seq_lens=seq_lens, tiles=tiles,
-                                       head_dims=head_dims).items() if v}
         result = golden.run_sweep(golden.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(result.summary_lines()))
     if mode in ("mechanism", "all"):
-        given = {"trials": trials} if trials else {}
-        result = mechanism.run_mechanism(mechanism.MechanismConfig(**given), out / "mechanism",
+        result = mechanism.run_mechanism(mechanism.MechanismConfig(**({"trials": trials} if trials else {})),
+                                         out / "mechanism",
                                   progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(result.summary_lines()))
     click.echo(f"wrote {out}/", err=True)

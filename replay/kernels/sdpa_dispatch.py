@@ -6,8 +6,9 @@
 
 The attention modules are found by a pattern of module names (`transformer.h.*.attn`) or, without one,
 as the innermost modules whose class name contains "Attention" (else those named `attn`, `attention`,
-`self_attn` or `self_attention`); the i-th of them, in the model's order, is layer i. A forward pre-hook on each notes which layer is
-running, and a TorchFunctionMode hands every SDPA call made inside one of them to that layer's backends
+`self_attn` or `self_attention`); the i-th of them, in the model's order, is layer i. A forward pre-hook
+on each notes which layer is running, and a TorchFunctionMode hands every SDPA call made inside one of them
+to that layer's backends
 (`registry.LayerAttention`: per head, with autocast off for our own backends). SDPA called anywhere else,
 and layers whose every head is `sdpa`, run PyTorch's own kernel untouched.
 
@@ -96,7 +97,8 @@ class _PlanMode(TorchFunctionMode):
         if func is not _SDPA or not self.active:
             return func(*args, **kwargs)
         layer, module = self.active[-1]
-        q, k, v = _call_args(args, kwargs)
+        bound = dict(zip(_PARAMS, args)) | kwargs
+        q, k, v = _qkv(bound)
         n_head = q.shape[1]
         attention = self.layers.get((layer, n_head))
         if attention is None:
@@ -104,7 +106,7 @@ class _PlanMode(TorchFunctionMode):
             attention = self.layers[(layer, n_head)] = LayerAttention(self.plan, layer, n_head)
         if all(spec.name == "sdpa" for spec, _ in attention.groups):
             return func(*args, **kwargs)
-        keep, scale = _causal_keep(layer, q, k, args, kwargs)
+        keep, scale = _causal_keep(layer, q, k, bound)
         device = q.device.type
         if torch.is_autocast_enabled(device):   # SDPA under autocast computes in the autocast dtype
             q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
@@ -114,8 +116,7 @@ class _PlanMode(TorchFunctionMode):
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _call_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    bound = dict(zip(_PARAMS, args)) | kwargs
+def _qkv(bound: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = bound["query"], bound["key"], bound["value"]
     if q.dim() != 4 or k.shape[1] != q.shape[1]:
         raise UsageError(f"replay's attention backends take q, k, v as [batch, heads, seq, head_dim] with as many "
@@ -124,9 +125,8 @@ def _call_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, k, v
 
 
-def _causal_keep(layer: int, q, k, args, kwargs) -> tuple[torch.Tensor | None, float]:
+def _causal_keep(layer: int, q, k, bound: dict) -> tuple[torch.Tensor | None, float]:
     """The call's mask as the backends take it (None: plain causal; else bool, True = attend), and its scale."""
-    bound = dict(zip(_PARAMS, args)) | kwargs
     if bound.get("dropout_p", 0.0):
         raise UsageError(f"layer {layer} calls SDPA with dropout_p={bound['dropout_p']}: replay's attention "
                          "backends apply no attention dropout; set the model's attention dropout to 0")

@@ -113,8 +113,8 @@ def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, 
     """As the emulation: a row that attends to keys but whose probabilities all underflowed (a row sum of
     0, and so an infinite lse2, where exp2 flushes subnormals to zero; an infinite 1/l, and so a non-finite
     O, where it does not) is an error, not zeros."""
-    first = max(0, n - m) if causal else 0   # rows before it see no key: their lse2 is +inf by design
     if mask is None:
+        first = max(0, n - m) if causal else 0   # rows before it see no key: their lse2 is +inf by design
         bad = ~torch.isfinite(lse2[:, first:]).all() | ~torch.isfinite(out[:, first:]).all()
     else:   # rows whose every key is padding see nothing either
         shared = mask[:, :1] if mask.stride(1) == 0 else mask   # one mask for all heads: read it once
@@ -122,7 +122,8 @@ def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, 
         attends = keep.any(-1).expand(mask.shape[:3]).reshape(-1, n)
         bad = ((~torch.isfinite(lse2) | ~torch.isfinite(out).all(-1)) & attends).any()
     if defer:
-        flag, betas = _underflowed.setdefault(lse2.device, (torch.zeros((), dtype=torch.bool, device=lse2.device), set()))
+        no_flag = (torch.zeros((), dtype=torch.bool, device=lse2.device), set())
+        flag, betas = _underflowed.setdefault(lse2.device, no_flag)
         flag.logical_or_(bad)
         betas.add(fix.beta)
     elif bool(bad):
@@ -393,8 +394,8 @@ def _causal_row_start(c0, N, M, BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, O, O_HP, LSE2, N, M, HEAD_DIM, c,
-                scale, beta, tie_tol, CAUSAL: tl.constexpr, MASKED: tl.constexpr, FIX: tl.constexpr, TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr,
-                HP_DELTA: tl.constexpr, DECREASING: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
+                scale, beta, tie_tol, CAUSAL: tl.constexpr, MASKED: tl.constexpr, FIX: tl.constexpr,
+                TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr, HP_DELTA: tl.constexpr, DECREASING: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK_R
     head = tl.program_id(1).to(tl.int64)
