@@ -31,7 +31,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from replay.launch.lifeline import child_env, follow_parent  # noqa: E402
+from replay.lifeline import child_env, follow_parent  # noqa: E402
 
 QUICK_RECORD = ["--steps", "3", "--checkpoint-every", "1", "--set", "snapshot_every=0"]
 RECORD = ["--preset", "gpt2-small", "--precision", "fp32", "--steps", "3", "--checkpoint-every", "1",
@@ -68,9 +68,7 @@ def main() -> None:
 
     from replay.analysis import jobs
     from replay.analysis import metrics as M
-    from replay.recorder import model_key
     from replay.store import RunStore
-    from replay.train.model import layer_weights
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny model, each worker count once (seconds; the "
@@ -91,11 +89,7 @@ def main() -> None:
         cfg = run.manifest.config.model
 
         def matrices(step: int) -> list[dict]:
-            keys = {layer: {name: model_key(key) for name, key in layer_weights(layer).items()}
-                    for layer in range(cfg.n_layer)}
-            tensors = run.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
-            return [M.layer_matrices({name: tensors[key].float().numpy() for name, key in keys[layer].items()},
-                                     cfg.n_embd) for layer in range(cfg.n_layer)]
+            return jobs.read_layers(run, step, range(cfg.n_layer))
 
         mats = matrices(2)
         spectral = best_of(3, lambda: [M.weight_metrics(m, cfg.n_head) for m in mats])

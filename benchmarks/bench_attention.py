@@ -28,7 +28,7 @@ from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 from replay.kernels.baseline import causal_mask
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
-from replay.launch.lifeline import follow_parent
+from replay.lifeline import follow_parent
 
 
 def hardware() -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_analysis import cli, hardware  # noqa: E402
-from replay.launch.lifeline import follow_parent  # noqa: E402
+from replay.lifeline import follow_parent  # noqa: E402
 from tests.bisect.planted import RECORD_ARGS, plant_degenerate_samples  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from replay.launch.lifeline import follow_parent
+from replay.lifeline import follow_parent
 from replay.store import RunStore
 from replay.train.data import builtin_corpus
 

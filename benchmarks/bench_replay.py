@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from replay.launch.lifeline import child_env, follow_parent
+from replay.lifeline import child_env, follow_parent
 from replay.store import RunStore
 
 ARGS = ["--nproc", "2", "--checkpoint-every", "20", "--set", "model.n_layer=4", "--set",

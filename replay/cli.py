@@ -52,9 +52,9 @@ def main(debug: bool) -> None:
     A run store (a Zarr directory) holds everything about one run: its config and environment, the
     exact samples of every step on every rank, metrics, spikes and committed checkpoints.
     """
-    from replay.launch.lifeline import follow_parent
+    from replay.lifeline import follow_parent
 
-    follow_parent()   # started by a script of ours (launch/lifeline.py): end with it
+    follow_parent()   # started by a script of ours (lifeline.py): end with it
     if debug:
         os.environ["REPLAY_DEBUG"] = "1"   # rank processes print tracebacks too
 
@@ -196,15 +196,17 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--lr-scale", type=float, help="Multiply the learning rate by X (of --layers/--heads only, if given).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted replay from its last committed checkpoint.")
 @click.option("--discard", is_flag=True, help="Remove an interrupted replay and run it anew.")
+@click.option("--allow-changed", is_flag=True, help="A run of your own script: replay it even if its files changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
 def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layers, heads, precision, fix, hp_delta,
-            skip, drop, lr_scale, resume, discard, as_json) -> None:
+            skip, drop, lr_scale, resume, discard, allow_changed, as_json) -> None:
     """Re-execute steps A..B of the run in STORE from its checkpoints, and store the replay inside it.
 
     Restores the latest committed checkpoint (or pre-spike snapshot) at or before A on every rank, with
     the recorded world size and launcher, and trains on exactly the recorded sample ids: bit for bit, or
-    with the overrides (each recorded in the replay's manifest; several may be combined).
+    with the overrides (each recorded in the replay's manifest; several may be combined). A run of your
+    own script (replay.recorder.Loop) is replayed by starting its recorded command again.
     """
     from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
     from replay.replayer.replays import ReplayRequest, run
@@ -218,7 +220,7 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     if resume and discard:
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
-                        resume=resume, discard=discard)
+                        resume=resume, discard=discard, allow_changed=allow_changed)
     result = run(store, req)
     v = result.verification
     if as_json:
@@ -352,9 +354,11 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
 @click.option("--max-probes", type=int, default=200, show_default=True,
               help="Probe budget of the session; past it, the answer is not minimal (and says so).")
 @_ray_options
+@click.option("--allow-changed", is_flag=True, help="A run of your own script: replay it even if its files changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the session (verdict, phases, probes) as JSON.")
 @_main_errors
-def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray_address, workers, as_json) -> None:
+def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray_address, workers, allow_changed,
+           as_json) -> None:
     """Narrow a loss spike in STORE down with replays ("probes") run in parallel as Ray tasks.
 
     First a plain replay from the nearest checkpoint before the spike must reproduce it. Then: the
@@ -369,7 +373,7 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
     from replay.bisect.narrow import bisect as run_bisect
 
     cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, min_delta=min_delta,
-                       max_probes=max_probes, workers=workers, address=ray_address)
+                       max_probes=max_probes, workers=workers, address=ray_address, allow_changed=allow_changed)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
     click.echo(json.dumps(session.to_dict(), indent=2) if as_json else "\n".join(session.verdict.lines(_sample_lines(store))))
 

@@ -3,6 +3,8 @@ they show (the store, the replays, the bisect sessions, the analysis)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,10 @@ def summarize(path: str) -> dict[str, Any]:
         "world_size": m.world_size,
         "launcher": m.launcher,
         "grad_accum": cfg.grad_accum,
+        "command": dataclasses.asdict(m.command) if m.command else None,
+        "layout": m.layout,
         "data": (f"{data.source or 'built-in'}, {data.bytes} bytes embedded" if data.embedded
+                 else f"{data.source} (not in the store)" if data.method == "none"
                  else f"{data.path or data.source} ({data.bytes} bytes)")
         + (f", {data.method} {data.digest[:12]}" if data.digest else ""),
         "data_fingerprint": vars(data),
@@ -89,12 +94,19 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
     if summary["schema"] < 2:
         lines.append(f"schema      {summary['schema']}, written by an older replay: read, replayed and analysed as "
                      "before; its run cannot be continued")
-    lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
-                 f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
-    lines.append(f"ranks       {summary['world_size']} ({summary['launcher']}"
-                 f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == 'deepspeed' else ''}), "
-                 f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
-                 f"{summary['grad_accum']} accumulation")
+    command = summary["command"]
+    if command:   # a script of the user's own: what replay knows of it is its command
+        lines.append(f"command     {command['launcher']} x {command['world_size']}: python {' '.join(command['argv'])}"
+                     f"  (in {command['cwd']}; {len(command['files'])} file(s) hashed)")
+        lines.append(f"model       {m['n_layer']} attention layers x {m['n_head']} heads, {cfg['precision']}, layout "
+                     f"{(summary['layout'] or {}).get('name', 'none')}")
+    else:
+        lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
+                     f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
+        lines.append(f"ranks       {summary['world_size']} ({summary['launcher']}"
+                     f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == 'deepspeed' else ''}), "
+                     f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
+                     f"{summary['grad_accum']} accumulation")
     lines.append(f"data        {summary['data']}")
     lines.append(f"steps       {summary['steps_recorded']} of {cfg['steps']} recorded"
                  + (f"; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"

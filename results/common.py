@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from replay.launch.lifeline import child_env, guarded
+from replay.lifeline import child_env, guarded
 
 
 def hardware() -> str:
@@ -114,7 +114,7 @@ def shared_ray() -> Iterator[None]:
     """One local Ray cluster for every command of the pipeline that uses Ray (each would otherwise start
     and stop a cluster of its own: seconds each, and several at once compete for the cores). Commands
     reach it through RAY_ADDRESS, so the command lines shown stay the ones a user types; its processes
-    end with this script, however it ends (launch/lifeline.py). Where RAY_ADDRESS is set already, the
+    end with this script, however it ends (lifeline.py). Where RAY_ADDRESS is set already, the
     commands use that cluster."""
     if os.environ.get("RAY_ADDRESS"):
         yield

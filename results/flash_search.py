@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.launch.lifeline import child_env
+from replay.lifeline import child_env
 
 ARMS = {   # the attention plan of each arm; every run trains under BF16 autocast
     "bf16": "reference-emu",
@@ -285,18 +285,14 @@ def signature(store: Path, step: int | None = None) -> dict[str, Any]:
     spectral norm of W_Q,h and of W_Q,h W_K,h^T; with --numerics, per layer, the median cosine of successive
     W_Q gradient errors and the mean tied-maxima rate over the run."""
     from replay.analysis import metrics as M
-    from replay.recorder import model_key
+    from replay.analysis.jobs import read_layers
     from replay.store import RunStore
-    from replay.train.model import layer_weights
 
     run = RunStore.open(store)
     cfg = run.manifest.config.model
     step = run.checkpoints()[-1].step if step is None else step
-    keys = {layer: {name: model_key(k) for name, k in layer_weights(layer).items()} for layer in range(cfg.n_layer)}
-    tensors = run.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
     out: dict[str, Any] = {"step": step, "w_q": [], "w_qk": []}
-    for layer in range(cfg.n_layer):
-        mats = M.layer_matrices({n: tensors[k].float().numpy() for n, k in keys[layer].items()}, cfg.n_embd)
+    for mats in read_layers(run, step, range(cfg.n_layer)):
         w = M.weight_metrics(mats, cfg.n_head)
         out["w_q"].append(float(w["spectral_head"][0].max()))
         out["w_qk"].append(float(w["spectral_qk"].max()))

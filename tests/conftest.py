@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from replay.launch.lifeline import child_env, guarded
+from replay.lifeline import child_env, guarded
 from replay.processes import alive, descendants
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def warm_ranks():
 def ray_local() -> str:
     """A real local Ray cluster, started once (about 3 s) and shared by the tests that use Ray: in this
     process, and by the commands a test starts with RAY_ADDRESS set to the address it yields. Its
-    processes end with the test run, however that ends (launch/lifeline.py)."""
+    processes end with the test run, however that ends (lifeline.py)."""
     import ray
 
     with guarded():

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from replay.errors import ChecksumError
-from replay.launch.lifeline import child_env
+from replay.lifeline import child_env
 from replay.processes import descendants
 from replay.store import RunStore
 from tests.conftest import TWO_RANK_ARGS, assert_gone, tensors_equal

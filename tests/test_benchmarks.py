@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from replay.launch.lifeline import child_env
+from replay.lifeline import child_env
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ PACKAGE = Path(replay.__file__).parent
 
 # Lowest first; a module may import its own layer and the ones below, never one above.
 LAYERS = [
-    ["replay", "replay.errors", "replay.processes"],
+    ["replay", "replay.errors", "replay.processes", "replay.lifeline"],
     ["replay.config"],
     ["replay.store"],
     ["replay.kernels"],

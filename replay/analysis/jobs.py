@@ -25,6 +25,7 @@ from replay.analysis.names import DISTANCES
 from replay.errors import StoreError, UsageError
 from replay.recorder import MODEL_KEYS, model_key
 from replay.store import RunStore
+from replay.store.layout import Layout, layout_of
 from replay.store.lease import require, writing
 
 LAYER_BLOCK = 4                         # layers per work item
@@ -50,7 +51,8 @@ class MetricItem:
     ckpt: Source
     prev: Source | None
     before: Source | None
-    probe: list[list[int]]              # token rows of the probe batch (block_size + 1 tokens each)
+    probe: list[list[int]] | None       # token rows of the probe batch (block_size + 1 tokens each); None:
+                                        # a model of the user's own (the probe runs the built-in GPT-2)
     lease: str = ""                     # the spec of the driver's lease: checked before writing
 
     @property
@@ -100,24 +102,33 @@ def run_item(item: MetricItem | DistanceItem) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _layer_keys(layer: int) -> dict[str, str]:
-    from replay.train.model import layer_weights
+def read_layers(store: RunStore, step: int, layers: range) -> list[dict[str, np.ndarray]]:
+    """Each layer's weight matrices at a checkpoint, as (in, out), by analysis name (store/layout.py)."""
+    layout = _layout(store)
+    keys = {layer: {role: model_key(key) for role, key in layout.keys(layer).items()} for layer in layers}
+    tensors = store.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
+    return [layout.matrices({role: tensors[key].float().numpy() for role, key in keys[layer].items()})
+            for layer in layers]
 
-    return {name: model_key(key) for name, key in layer_weights(layer).items()}
+
+def _layout(store: RunStore) -> Layout:
+    m = store.manifest
+    layout = layout_of(m.launcher, m.layout)
+    if layout is None:
+        raise UsageError(f"{store.path} was recorded by a loop that named no weight layout, so its per-head "
+                         "metrics cannot be found: record with Loop(..., layout='nanogpt' | 'hf-gpt2' | {...})")
+    return layout
 
 
-def _read_layers(src: Source, layers: range, n_embd: int) -> list[dict[str, np.ndarray]]:
-    keys = [k for layer in layers for k in _layer_keys(layer).values()]
-    tensors = RunStore.open(src.path).read_shard(src.step, 0, keys=keys)
-    return [M.layer_matrices({name: tensors[key].float().numpy() for name, key in _layer_keys(layer).items()},
-                             n_embd) for layer in layers]
+def _read_layers(src: Source, layers: range) -> list[dict[str, np.ndarray]]:
+    return read_layers(RunStore.open(src.path), src.step, layers)
 
 
 def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     layers = range(*item.block)
-    cur = _read_layers(item.ckpt, layers, item.n_embd)
-    prev = _read_layers(item.prev, layers, item.n_embd) if item.prev else [None] * len(layers)
-    before = _read_layers(item.before, layers, item.n_embd) if item.before else [None] * len(layers)
+    cur = _read_layers(item.ckpt, layers)
+    prev = _read_layers(item.prev, layers) if item.prev else [None] * len(layers)
+    before = _read_layers(item.before, layers) if item.before else [None] * len(layers)
     per_layer = []
     for i in range(len(layers)):
         values = M.weight_metrics(cur[i], item.n_head)
@@ -127,8 +138,14 @@ def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
             values["update_rel_head"] /= item.ckpt.step - item.prev.step
         per_layer.append(values)
     out = {name: np.stack([v[name] for v in per_layer]) for name in per_layer[0]}
-    out.update(probe_metrics(item))
+    out.update(probe_metrics(item) if item.probe else _no_probe(len(layers), item.n_head))
     return out
+
+
+def _no_probe(n_layers: int, n_head: int) -> dict[str, np.ndarray]:
+    """A model of the user's own has no probe (it needs the model's code and data): NaN."""
+    return {**{name: np.full((n_layers, n_head), np.nan) for name in ("max_logit", "tie_rate", "attn_entropy")},
+            "log_z": np.full(n_layers, np.nan)}
 
 
 def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
@@ -216,10 +233,11 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
     sources = checkpoint_sources(store)
     if not sources:
         return [], 0
-    probe = probe_batch(store)
+    builtin = store.manifest.launcher != "custom"
+    probe = probe_batch(store) if builtin else {"sample_ids": [], "tokens": None}
+    rows = len(probe["tokens"]) * (len(probe["tokens"][0]) - 2) if builtin else 0
     table = R.MetricsTable.open_or_create(store.path, cfg.n_layer, cfg.n_head, min(LAYER_BLOCK, cfg.n_layer),
-                                          {"sample_ids": probe["sample_ids"],
-                                           "rows": len(probe["tokens"]) * (len(probe["tokens"][0]) - 2)})
+                                          {"sample_ids": probe["sample_ids"], "rows": rows})
     # each checkpoint with the one and two before it (the update statistics' inputs)
     chain = [(src, sources[i - 1] if i >= 1 else None, sources[i - 2] if i >= 2 else None)
              for i, src in enumerate(sources)]
@@ -342,7 +360,7 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
     run = RunStore.open(store_path)
     if run.kind != "run":
         raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
-    run.check_rebuildable("replay analyze")
+    _layout(run)
     if not run.checkpoints():
         raise UsageError(f"{store_path} has no committed checkpoint to analyse")
     with writing(store_path, "replay analyze") as lease, ray_session(address, workers) as slots:
@@ -370,8 +388,6 @@ def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, 
     from replay.launch.ray_cluster import ray_session
 
     a, b = RunStore.open(a_path), RunStore.open(b_path)
-    for store in (a, b):
-        store.check_rebuildable("replay compare")
     if a.path.resolve() == b.path.resolve():
         raise UsageError("compare needs two different stores")
     if not {c.step for c in a.checkpoints()} & {c.step for c in b.checkpoints()}:

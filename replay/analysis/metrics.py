@@ -1,9 +1,8 @@
 """The numbers the analysis computes, as plain functions of tensors (no store, no Ray).
 
-GPT-2 layout (transformers' Conv1D keeps weights as (in, out)): `attn.c_attn.weight` is [d, 3d] with
-the Q, K and V blocks side by side, head h being columns h*hd:(h+1)*hd of each block; `attn.c_proj.weight`
-(W_O) is [d, d], head h being rows h*hd:(h+1)*hd; the MLP is `mlp.c_fc.weight` [d, 4d] and
-`mlp.c_proj.weight` [4d, d].
+A layer's matrices come as (in, out) (store/layout.py reads them so from any layout): W_Q, W_K, W_V are
+[d, d], head h being columns h*hd:(h+1)*hd; W_O is [d, d], head h being rows h*hd:(h+1)*hd; the MLP's
+"fc" [d, 4d] and "proj" [4d, d], where the layout names them (NaN where it does not).
 
 Definitions (stated once, used everywhere):
 - spectral norm: the largest singular value. Whole matrices: Lanczos (ARPACK) on the smaller Gram
@@ -51,14 +50,6 @@ def spectral_norm(m: np.ndarray) -> float:
     return float(np.sqrt(max(top, 0.0)))
 
 
-def layer_matrices(w: dict[str, np.ndarray], n_embd: int) -> dict[str, np.ndarray]:
-    """One layer's weight matrices by name, from {"c_attn", "c_proj", "c_fc", "mlp_proj"} tensors."""
-    d = n_embd
-    c_attn = w["c_attn"]
-    return {"q": c_attn[:, :d], "k": c_attn[:, d:2 * d], "v": c_attn[:, 2 * d:], "o": w["c_proj"],
-            "fc": w["c_fc"], "proj": w["mlp_proj"]}
-
-
 def head_slices(mats: dict[str, np.ndarray], n_head: int) -> dict[str, np.ndarray]:
     """[n_head, d, hd] slices of W_Q, W_K, W_V (columns) and of W_O (rows, transposed to [d, hd])."""
     d = mats["q"].shape[0]
@@ -86,7 +77,7 @@ def weight_metrics(mats: dict[str, np.ndarray], n_head: int) -> dict[str, np.nda
     r = {name: _r_factors(s) for name, s in heads.items()}
     per_head = np.stack([np.linalg.svd(r[name], compute_uv=False)[:, 0] for name in HEAD_MATRICES])
     qk = np.linalg.svd(r["q"] @ r["k"].transpose(0, 2, 1), compute_uv=False)[:, 0]
-    return {"spectral": np.array([spectral_norm(mats[name]) for name in MATRICES]),
+    return {"spectral": np.array([spectral_norm(mats[name]) if name in mats else np.nan for name in MATRICES]),
             "spectral_head": per_head, "spectral_qk": qk}
 
 
@@ -101,6 +92,8 @@ def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | Non
     if prev is None:
         return out
     for i, name in enumerate(MATRICES):
+        if name not in cur:   # a layout that names no MLP
+            continue
         d_t = cur[name].astype(np.float64) - prev[name]
         fro = np.linalg.norm(d_t)
         out["update_rel"][i] = fro / max(np.linalg.norm(prev[name]), 1e-30)

@@ -31,6 +31,7 @@ import numpy as np
 
 from replay import faults
 from replay.errors import ReplayError, UsageError
+from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides, apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
 from replay.store import RunStore
@@ -69,6 +70,7 @@ class BisectConfig:
     max_probes: int = 200          # a session's budget; delta debugging stops early (not minimal) past it
     workers: int | None = None
     address: str | None = None
+    allow_changed: bool = False    # a script of the user's own: replay it even if its files changed
 
 
 def parse_counterfactual(text: str) -> Overrides:
@@ -102,7 +104,9 @@ class Bisect:
         self.record = RunStore.open(store_path)
         if self.record.kind != "run":
             raise UsageError(f"{store_path} is a replay; bisect the run it belongs to")
-        self.record.check_rebuildable("replay bisect")
+        self.record.check_relaunchable("replay bisect")
+        if self.record.manifest.command is not None and not cfg.allow_changed:
+            check_unchanged(self.record.manifest.command, "bisecting it")
         if cfg.by not in PHASES:
             raise UsageError(f"--by must be one of {', '.join(PHASES)}, got {cfg.by!r}")
         if cfg.horizon < 1:
@@ -187,7 +191,8 @@ class Bisect:
         todo = {replay_id(r): r for r in baseline + requests if replay_id(r) not in self.session.probes}
         if todo:
             assert self.runner is not None
-            for (key, req), result in zip(todo.items(), self.runner.run(list(todo.values()))):
+            runs = [dataclasses.replace(r, allow_changed=self.cfg.allow_changed) for r in todo.values()]
+            for (key, req), result in zip(todo.items(), self.runner.run(runs)):
                 phase_of = "baseline" if baseline and key == replay_id(baseline[0]) else phase
                 found = judge(self.record, RunStore.open(self.record.path / "replays" / key), self.rule,
                               req.start, req.stop)
@@ -241,8 +246,10 @@ class Bisect:
             world = self.record.manifest.world_size
             cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
             self.width = slots
-            with ProbeRunner(self.store_path, world, cpus, slots, self.lease.spec) as self.runner:
-                self.say(f"probes run on {slots} Ray worker(s), each with {world} warm rank(s) on {cpus} CPU(s)")
+            warm = self.record.manifest.command is None   # a script of the user's own is started anew each time
+            with ProbeRunner(self.store_path, world, cpus, slots, self.lease.spec, warm) as self.runner:
+                self.say(f"probes run on {slots} Ray worker(s), each with {world} {'warm ' if warm else ''}rank(s) "
+                         f"on {cpus} CPU(s)")
                 phases = self.session.phases
                 start = self.checkpoints[-1]
                 for phase in PHASES[self.cfg.by]:
@@ -406,6 +413,11 @@ class Bisect:
                     "spike_at_without": everything["spike_at"]}
         steps, minimal = ddmin(batches, skipped, self.exhausted)
         steps = sorted(steps)
+        if self.record.manifest.launcher == "custom":   # a script of the user's own cannot leave samples out
+            self.say(f"data: skipping the batches of step(s) {', '.join(map(str, steps))} prevents the spike (a "
+                     "script of your own is narrowed down to batches, not samples)")
+            return {"window": [start, self.spike], "batches": steps, "samples": None, "minimal": minimal,
+                    "bound": bound, "rerun": self.command(self._without(start, Overrides(skip=steps)))}
         ids = self.record.read_steps(["sample_ids"])["sample_ids"]
         units = sorted({(s, int(i)) for s in steps for i in np.asarray(ids[s]).ravel()})
         per_step = {s: {u for u in units if u[0] == s} for s in steps}

@@ -1,7 +1,8 @@
 """Probes: the replays a bisect runs, in parallel on Ray actors.
 
 Each actor holds one CPU slot and a pool of warm ranks (launch/pool.py) of the record's world size, so
-a probe costs its steps rather than a process start-up. A probe is an ordinary replay, stored in the
+a probe costs its steps rather than a process start-up (a run of a script of the user's own starts the
+script for each probe: its code, not ours, builds the model). A probe is an ordinary replay, stored in the
 run store under its usual id (`steps-A-B-<overrides>`), so a finished probe is never run twice: not
 by a resumed bisect, not by another session, not by `replay run` with the same arguments.
 """
@@ -29,10 +30,11 @@ def request(start: int, stop: int, overrides: Overrides) -> ReplayRequest:
 class ProbeWorker:
     """A Ray actor: runs probes one at a time on its warm ranks (its CPUs: ranks x threads)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, warm: bool = True):
         log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{os.getpid()}.log"
-        self.pool = RankPool(world_size, log=log)
-        self.pool.start()   # every actor's ranks start at once, before the first probe
+        self.pool = RankPool(world_size, log=log) if warm else None
+        if self.pool is not None:
+            self.pool.start()   # every actor's ranks start at once, before the first probe
 
     def run(self, store: str, req: ReplayRequest, under: str) -> dict[str, Any]:
         """One probe, written under `under`: the spec of the bisect's lease of the store (store/lease.py)."""
@@ -51,19 +53,20 @@ class ProbeWorker:
                 "environment_notes": result.environment_notes, "node": socket.gethostname()}
 
     def close(self) -> None:
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 class ProbeRunner:
     """Runs batches of probe requests on `slots` actors of `cpus` CPUs each (inside an open ray_session),
     under `lease`, the spec of the bisect's lease."""
 
-    def __init__(self, store: str | Path, world_size: int, cpus: int, slots: int, lease: str):
+    def __init__(self, store: str | Path, world_size: int, cpus: int, slots: int, lease: str, warm: bool = True):
         import ray
 
         self.store, self.lease = str(store), lease
         actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1, **worker_options())(ProbeWorker)
-        self.actors = [actor.remote(world_size) for _ in range(slots)]
+        self.actors = [actor.remote(world_size, warm) for _ in range(slots)]
 
     def run(self, requests: list[ReplayRequest]) -> list[dict[str, Any]]:
         """Every request's result, in order; the requests run at once, one per actor."""

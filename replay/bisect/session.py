@@ -48,7 +48,8 @@ class Verdict:
         parts = [f"decided in steps {self.window[0]}..{self.window[1]}" if self.window else None,
                  f"layers {', '.join(map(str, self.layers))}" if self.layers else None,
                  f"heads {', '.join(f'{a}.{b}' for a, b in self.heads)}" if self.heads else None,
-                 f"samples {', '.join(f'{s}:{i}' for s, i in self.samples)}" if self.samples else None]
+                 f"samples {', '.join(f'{s}:{i}' for s, i in self.samples)}" if self.samples else
+                 f"batches of steps {', '.join(map(str, self.batches))}" if self.batches else None]
         return "; ".join(p for p in parts if p) or "nothing narrowed down"
 
     def lines(self, sample: Callable[[int, int], list[str]]) -> list[str]:
@@ -80,6 +81,8 @@ class Verdict:
                        f"{len(self.samples)} sample(s) prevents the spike:")
             for step, sample_id in self.samples:
                 out += sample(step, sample_id)
+        elif self.batches:
+            out.append(f"  data: skipping the batches of step(s) {', '.join(map(str, self.batches))} prevents the spike")
         elif self.data_window:
             out.append(f"  data: no batch is responsible: skipping every batch of steps {self.data_window[0]}.."
                        f"{self.data_window[1]} does not prevent the spike (it comes at step {self.spike_without_data} "

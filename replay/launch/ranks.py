@@ -1,7 +1,7 @@
 """Starting a recording: prepare the store once, then run the ranks.
 
 Local ranks are fresh `python -m replay.launch.worker STORE` processes with torchrun's environment (env://
-rendezvous on loopback), started here so that each one dies with this process (launch/lifeline.py).
+rendezvous on loopback), started here so that each one dies with this process (lifeline.py).
 Under an outer `torchrun`/`deepspeed` launcher (multi-node), `replay record` is itself a rank: rank 0
 prepares the store and the other ranks wait for its go.
 """
@@ -23,7 +23,7 @@ import numpy as np
 from replay.config import RunConfig
 from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.registry import check_attention
-from replay.launch.lifeline import child_env
+from replay.lifeline import child_env
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV, writing
 from replay.store.manifest import DataInfo, Manifest, ResumeInfo

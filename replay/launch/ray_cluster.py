@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from replay import faults
 from replay.errors import ReplayError, UsageError
-from replay.launch.lifeline import Guardian
+from replay.lifeline import Guardian
 
 RETRIES = 3
 
@@ -40,7 +40,7 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
             kwargs["address"] = address
         else:   # a cluster of our own, even where `ray start` left one running on this machine
             kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
-        if not address:   # the local cluster's processes must not outlive this one (launch/lifeline.py)
+        if not address:   # the local cluster's processes must not outlive this one (lifeline.py)
             guardian.start()
         try:
             with _quiet_stderr():

@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from replay.errors import ReplayError
-from replay.launch.lifeline import follow_parent
+from replay.lifeline import follow_parent
 
 
 def main(argv: list[str]) -> int:

@@ -55,7 +55,7 @@ def model_key(name: str) -> str:
 
 
 class TrainState(Protocol):
-    """What a checkpoint holds besides RNG states (see replay.train.state): {"replicated", "local"}."""
+    """What a checkpoint holds besides RNG states (see replay.recorder.state): {"replicated", "local"}."""
 
     def state_dict(self, rank: int) -> dict[str, Any]: ...
     def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any],

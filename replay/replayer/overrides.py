@@ -172,6 +172,9 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     if o.scoped and o.lr_scale is not None and launcher == "deepspeed":
         raise UsageError("--lr-scale on --layers/--heads needs the local launcher: DeepSpeed partitions the "
                          "optimizer's updates")
+    if o.touches_attention and cfg.model.n_layer == 0:
+        raise UsageError("attention overrides need the model's attention modules, and none was found when this run "
+                         "was recorded: record with Loop(..., attention='PATTERN') naming them")
     plan = AttentionPlan.parse(cfg.model.attention)
     scope = o.scope(cfg.model.n_layer, cfg.model.n_head)
     for layer, head in scope:
@@ -205,6 +208,12 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
         raise UsageError(f"--drop step {outside[0]} is outside the window {window[0]}..{window[1]}")
     if o.drop and launcher == "deepspeed":
         raise UsageError("--drop needs the local launcher (DeepSpeed scales the loss itself); use --skip")
+    if o.drop and launcher == "custom":
+        raise UsageError("--drop needs the built-in trainer (it reweights the loss over the kept samples, which "
+                         "replay cannot do inside your script); use --skip")
+    if o.scoped and o.lr_scale is not None and launcher == "custom":
+        raise UsageError("--lr-scale on --layers/--heads needs the built-in trainer (it knows which parameters hold "
+                         "a head); use --lr-scale on the whole model")
     both = sorted({s for s, _ in o.drop} & set(o.skip))
     if both:
         raise UsageError(f"step {both[0]} is both skipped and has samples dropped; give it to one of --skip, --drop")

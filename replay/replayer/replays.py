@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replay.config import RunConfig
+from replay.recorder.command import check_unchanged
 from replay.errors import UsageError
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
@@ -43,6 +44,7 @@ class ReplayRequest:
     overrides: Overrides = field(default_factory=Overrides)
     resume: bool = False            # continue an interrupted replay from its last committed checkpoint
     discard: bool = False           # remove an interrupted replay and run it anew
+    allow_changed: bool = False     # a script of the user's own: run it even if its files changed
 
 
 @dataclass
@@ -92,7 +94,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     parent = RunStore.open(store_path, mode="a")
     if parent.kind != "run":
         raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
-    parent.check_rebuildable("replay run")
+    parent.check_relaunchable("replay run")
     if req.stop < req.start:
         raise UsageError(f"--to {req.stop} is before --from {req.start}")
     if req.start < 0 or req.stop >= parent.end_step:
@@ -106,6 +108,8 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     ckpt = before[-1]
     recorded = parent.manifest
     cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), recorded.launcher)
+    if recorded.command is not None and not req.allow_changed:
+        check_unchanged(recorded.command, "replaying it")
     if req.overrides.drop:
         ids = parent.read_steps(["sample_ids"])["sample_ids"]
         for step, sample in req.overrides.drop:
@@ -140,8 +144,8 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
                              f"{existing.end_step - 1}): pass --resume to continue it or --discard to start it anew")
         shutil.rmtree(path)   # discarded, or nothing committed to resume from: run it anew
     RunStore.create(path, Manifest(kind="replay", config=cfg, world_size=recorded.world_size,
-                                   launcher=recorded.launcher, data=recorded.data, created=time.time(), replay=spec),
-                    first_step=ckpt.step)
+                                   launcher=recorded.launcher, data=recorded.data, created=time.time(), replay=spec,
+                                   command=recorded.command, layout=recorded.layout), first_step=ckpt.step)
     return path, cfg, True, False
 
 
@@ -153,6 +157,7 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
     bisect's probes), the lease of the process this one works for is checked; the replay's own lease
     is taken in both cases (store/lease.py)."""
     from replay.launch.ranks import run_ranks
+    from replay.launch.script import run_script
     from replay.recorder.environment import environment_notes
 
     RunStore.open(store_path)   # a missing store is named before anything is made
@@ -160,7 +165,9 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
         path, cfg, pending, resume = prepare(store_path, req)
         recorded = RunStore.open(store_path).manifest
         notes = environment_notes(recorded.environment)
-        if pending:
+        if pending and recorded.command is not None:
+            run_script(str(path), recorded.command, resume, lease.spec)
+        elif pending:
             run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec, pool=pool)
         result = Replay(path, created=pending, environment_notes=notes)
         result.verification = verify(RunStore.open(store_path), RunStore.open(path))

@@ -38,6 +38,18 @@ class ResumeInfo:
 
 
 @dataclass
+class CommandInfo:
+    """How a training script of the user's own was started, so that a replay can start it again."""
+
+    argv: list[str]                # the interpreter's arguments (sys.orig_argv without the executable)
+    cwd: str
+    launcher: str                  # "torchrun" (torch.distributed's environment) or "python" (one process)
+    world_size: int
+    files: dict[str, str]          # the script and the local modules it imported: path -> sha256
+    env: dict[str, str] = field(default_factory=dict)   # the variables that change what runs (PYTHONPATH)
+
+
+@dataclass
 class ReplaySpec:
     """What makes a store a replay of its parent run's steps `start`..`stop`."""
 
@@ -68,6 +80,8 @@ class Manifest:
     launch_id: str | None = None   # under an outer launcher: the launch that prepared the store
     steps_recorded: int | None = None
     replay: ReplaySpec | None = None
+    command: CommandInfo | None = None   # a loop of the user's own (recorder/loop.py): how to start it again
+    layout: dict[str, Any] | None = None  # where its attention weights live (store/layout.py)
     schema: int = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,6 +93,10 @@ class Manifest:
             out["launch_id"] = self.launch_id
         if self.steps_recorded is not None:
             out["steps_recorded"] = self.steps_recorded
+        if self.command is not None:
+            out["command"] = asdict(self.command)
+        if self.layout is not None:
+            out["layout"] = self.layout
         if self.replay is not None:
             spec = asdict(self.replay)
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
@@ -98,7 +116,8 @@ class Manifest:
                    world_size=d["world_size"], launcher=d["launcher"], data=DataInfo(**data), created=d["created"],
                    status=d.get("status", "unknown"), resumes=[ResumeInfo(**r) for r in d.get("resumes", [])],
                    environment=d.get("environment") or {}, launch_id=d.get("launch_id"),
-                   steps_recorded=d.get("steps_recorded"), replay=replay)
+                   steps_recorded=d.get("steps_recorded"), replay=replay,
+                   command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"))
 
     @property
     def last_environment(self) -> dict[str, Any]:

@@ -173,11 +173,16 @@ class RunStore:
         self.root.update_attributes(seal(dataclasses.replace(self.manifest, **fields).to_dict()))
 
     def check_rebuildable(self, command: str) -> None:
-        """Refuse, in one line, what needs the built-in trainer to rebuild the run (replays, bisect, analysis)."""
+        """Refuse, in one line, what needs the built-in trainer to rebuild the run (a resumed recording)."""
         if self.manifest.launcher == "custom":
-            raise UsageError(f"{self.path} was recorded by a training loop of your own (the Python Recorder API); "
-                             f"`{command}` rebuilds runs of the built-in GPT-2 trainer and cannot re-run yours: "
-                             "`replay info`, `batch` and `spikes` read it")
+            raise UsageError(f"{self.path} was recorded by a training loop of your own; `{command}` continues runs "
+                             "of the built-in trainer: run your script again with Loop(..., resume=True)")
+
+    def check_relaunchable(self, command: str) -> None:
+        """Refuse, in one line, a store whose run cannot be started again (replays, bisect)."""
+        if self.manifest.launcher == "custom" and self.manifest.command is None:
+            raise UsageError(f"{self.path} was recorded by the Recorder API without its command, so `{command}` "
+                             "cannot start it again; record with replay.recorder.Loop, which keeps the command")
 
     # -- bisect sessions (replay/bisect) ------------------------------------------------------------
 

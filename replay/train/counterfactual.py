@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from replay.train.state import unwrap
+from replay.recorder.state import unwrap
 
 
 def keep_mask(micro_ids: np.ndarray, dropped: frozenset[int]) -> torch.Tensor | None:

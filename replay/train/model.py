@@ -16,13 +16,6 @@ from replay.kernels.registry import AttentionPlan, apply_plan
 BODY = "transformer."   # GPT2LMHeadModel's prefix of the GPT2Model inside it
 
 
-def layer_weights(layer: int) -> dict[str, str]:
-    """The state-dict keys of block `layer`'s four weight matrices (GPT-2's Conv1D layout: (in, out))."""
-    p = f"{BODY}h.{layer}."
-    return {"c_attn": p + "attn.c_attn.weight", "c_proj": p + "attn.c_proj.weight",
-            "c_fc": p + "mlp.c_fc.weight", "mlp_proj": p + "mlp.c_proj.weight"}
-
-
 def gpt2_config(cfg: ModelConfig, vocab_size: int, n_layer: int | None = None) -> GPT2Config:
     """transformers' config for this model (optionally only its first `n_layer` blocks)."""
     hf_logging.set_verbosity_error()

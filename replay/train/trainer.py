@@ -29,7 +29,7 @@ from replay.kernels.numerics import NumericsProbe
 from replay.kernels.registry import AttentionPlan, apply_plan, raise_deferred
 from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.model import build_model, lm_loss, lr_factor
-from replay.train.state import DeepSpeedTrainState, TorchTrainState
+from replay.recorder.state import DeepSpeedTrainState, TorchTrainState
 
 
 @dataclass

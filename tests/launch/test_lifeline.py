@@ -1,4 +1,4 @@
-"""Every process the tool starts dies with the process that started it (launch/lifeline.py): real SIGKILLs,
+"""Every process the tool starts dies with the process that started it (lifeline.py): real SIGKILLs,
 then every process of that run is checked by pid (and start time, so a reused pid cannot pass)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from replay.config import RunConfig
 from replay.recorder import Recorder, RecorderConfig, SpikeEvent, create_run_store, resume_run_store
 from replay.store import RunStore
-from replay.train.state import TorchTrainState
+from replay.recorder.state import TorchTrainState
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
 
@@ -106,8 +106,9 @@ def test_bad_recorder_settings_are_value_errors():
 
 
 def test_a_store_of_an_own_loop_is_read_but_never_rebuilt(tmp_path):
-    """`replay run`, `bisect` and `analyze` rebuild the built-in trainer's runs: on a store of your own loop
-    they refuse in one line and write nothing; `info` and `batch` read it."""
+    """`replay run` and `bisect` start a run's command again, which the bare Recorder does not keep, and
+    `analyze` needs a weight layout: on such a store they refuse in one line and write nothing; `info` and
+    `batch` read it."""
     path = tmp_path / "run"
     create_run_store(str(path), RunConfig(steps=6))
     gen = torch.Generator().manual_seed(3)
@@ -118,9 +119,10 @@ def test_a_store_of_an_own_loop_is_read_but_never_rebuilt(tmp_path):
     _train(rec, model, opt, sched, 0, 6, data)
     rec.close()
     before = tree_snapshot(path)
-    for command in (["run", str(path), "--from", "3", "--to", "4"], ["analyze", str(path)], ["bisect", str(path)]):
+    for command in (["run", str(path), "--from", "3", "--to", "4"], ["bisect", str(path)]):
         line = error_line(replay_cli(*command))
-        assert "was recorded by a training loop of your own" in line and f"`replay {command[0]}`" in line
+        assert "was recorded by the Recorder API without its command" in line and f"`replay {command[0]}`" in line
+    assert "named no weight layout" in error_line(replay_cli("analyze", str(path)))
     assert tree_snapshot(path) == before
     rows = json.loads(replay_cli("batch", str(path), "--step", "4", "--json").stdout)
     assert [r["sample_id"] for r in rows] == [8, 9] and "not in the store" in rows[0]["text"]

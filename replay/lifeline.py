@@ -88,7 +88,7 @@ class Guardian:
         # In a session of its own: whatever kills the driver's process group (a Ctrl-C, `kill -- -PGID`) must
         # not stop the guardian half-way through its work (a process it had frozen would stay frozen).
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "replay.launch.lifeline", str(os.getpid()), str(read_fd)],
+            [sys.executable, "-m", "replay.lifeline", str(os.getpid()), str(read_fd)],
             pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         os.close(read_fd)
 

@@ -1,0 +1,80 @@
+"""The user's command, as part of the record: how the training script was started, and what it ran.
+
+A replay of a loop of the user's own starts the recorded command again, so the record keeps the
+interpreter's arguments, the working directory, the launcher and world size, the few environment variables
+that change what runs (PYTHONPATH, thread counts), and a hash of every file of
+the user's code the process had imported: the script and its local modules (files outside the Python
+installation and its site-packages). A replay refuses a changed file unless the user allows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from replay.errors import UsageError
+from replay.store.manifest import CommandInfo
+
+
+ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")   # kept with the command: they change what runs
+
+
+def capture(world_size: int) -> CommandInfo:
+    """This process's command: call it from the training script, after its imports."""
+    launcher = "torchrun" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "python"
+    cwd = Path.cwd()
+    return CommandInfo(argv=list(sys.orig_argv[1:]), cwd=str(cwd), launcher=launcher, world_size=world_size,
+                       files={_relative(p, cwd): _sha256(p) for p in _user_files()},
+                       env={k: os.environ[k] for k in ENV if k in os.environ})
+
+
+def changed_files(command: CommandInfo) -> list[str]:
+    """The recorded files that are missing or differ now, in the recorded order."""
+    changed = []
+    for name, digest in command.files.items():
+        path = Path(command.cwd, name)
+        if not path.is_file() or _sha256(path) != digest:
+            changed.append(str(path))
+    return changed
+
+
+def check_unchanged(command: CommandInfo, what: str) -> None:
+    """Refuse, in one line, to start a run again whose code changed since it was recorded."""
+    changed = changed_files(command)
+    if changed:
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise UsageError(f"{changed[0]}{more} changed since the run was recorded: {what} would not run the recorded "
+                         "code; restore it, or pass --allow-changed to run the edited code")
+
+
+def _user_files() -> list[Path]:
+    """The script and every imported module file that is not part of Python, an installed package or replay."""
+    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := sysconfig.get_paths().get(key))}
+    installed |= {Path(p).resolve() for p in sys.path if "site-packages" in p or "dist-packages" in p}
+    installed.add(Path(sys.prefix).resolve())
+    installed.add(Path(sys.base_prefix).resolve())
+    installed.add(Path(__file__).resolve().parents[1])   # the replay package itself
+    files = []
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    if script is not None and script.is_file():
+        files.append(script)
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__file__", None)
+        if not name or not name.endswith(".py"):
+            continue
+        path = Path(name).resolve()
+        if path.is_file() and path not in files and not any(path.is_relative_to(root) for root in installed):
+            files.append(path)
+    return files
+
+
+def _relative(path: Path, cwd: Path) -> str:
+    return str(path.relative_to(cwd)) if path.is_relative_to(cwd) else str(path)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

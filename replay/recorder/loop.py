@@ -1,0 +1,414 @@
+"""Your own training loop, recorded and replayed: the public API (docs/your-loop.md).
+
+    from replay.recorder import Loop
+
+    loop = Loop("runs/mine", model, optimizer, total_steps=max_iters, precision="bf16")
+    ctx = loop.autocast("cuda")                     # the forward's autocast, which a replay may change
+    with loop:
+        for step in loop.steps():                   # a replay: the recorded window, then the loop ends
+            for micro in range(accum):
+                ix = loop.sample_ids(torch.randint(len(data) - block_size, (batch_size,)))
+                with ctx:
+                    loss = model(x(ix), y(ix))
+                ...
+            optimizer.step()
+            loop.log(loss=loss, grad_norm=norm)
+
+Run as it is, the script records: per step every rank's sample ids, loss, grad norm and learning rate;
+checkpoints of the model, optimizer, scheduler, scaler and every RNG; spikes with a ring of snapshots;
+and the command that started it (recorder/command.py). `replay run STORE --from A --to B` starts that
+command again in replay mode (it names the replay's store in REPLAY_LOOP_STORE): the same `Loop` then
+restores the checkpoint at or before A, hands `sample_ids` exactly the recorded ids (checking that the
+loader drew them too), applies the overrides from A on, writes the replay's step log, and ends
+`steps()` after B. Without replay's environment variables the script runs as a recording.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from replay.config import ModelConfig, RunConfig, SpikeConfig
+from replay.errors import ReplayError, UsageError
+from replay.kernels.registry import AttentionPlan
+from replay.lifeline import follow_parent
+from replay.kernels.sdpa_dispatch import attention_modules, sdpa_dispatch
+from replay.recorder import command as cmd
+from replay.recorder.environment import configure_determinism, fingerprint
+from replay.recorder.recorder import Recorder, RecorderConfig
+from replay.recorder.state import TorchTrainState
+from replay.store import RunStore
+from replay.store.lease import ENV as LEASE_ENV
+from replay.store.lease import Lease
+from replay.store.manifest import DataInfo, Manifest, ReplaySpec
+from replay.store.run_store import check_empty
+
+STORE_ENV = "REPLAY_LOOP_STORE"      # set by `replay run` (launch/script.py): the replay store to write
+RESUME_ENV = "REPLAY_LOOP_RESUME"    # "1": continue that replay from its last committed checkpoint
+PRECISIONS = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+              "fp16": torch.float16, "float16": torch.float16}
+_HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
+
+
+@dataclass
+class _Replay:
+    """A replay's side of the loop: its window and what changes from `start` on."""
+
+    spec: ReplaySpec
+    parent: RunStore
+    recorded_ids: np.ndarray             # (step, rank, call, sample): what the parent trained on
+    plan: AttentionPlan | None           # None: the recorded attention
+    precision: str | None
+    lr_scale: float | None
+
+
+class Loop:
+    """Record (or, started by `replay run`, replay) a training loop of your own; one per rank.
+
+    `store`: where the run goes (ignored in a replay). `total_steps`: the optimizer steps of the run.
+    `precision`: what `autocast()` gives ("bf16", "fp16", "fp32"). `attention`: a pattern naming the
+    attention modules (`transformer.h.*.attn`) when they cannot be found by their names. `n_head`: the
+    heads per layer, when the attention modules do not say (`n_head`, `num_heads` attributes).
+    `layout`: where the attention weights live, for `replay analyze` (store/layout.py): "nanogpt",
+    "hf-gpt2" or a mapping. `resume`: continue the run in `store` from its last committed checkpoint.
+    """
+
+    def __init__(self, store: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 total_steps: int, scheduler: Any = None, scaler: Any = None, precision: str = "fp32",
+                 checkpoint_every: int = 100, snapshot_every: int = 0, snapshot_ring: int = 3,
+                 spike: SpikeConfig | None = None, attention: str | None = None, n_head: int | None = None,
+                 layout: str | dict | None = None, resume: bool = False, description: str = ""):
+        follow_parent()   # started by `replay run`: die with it
+        if precision not in PRECISIONS:
+            raise UsageError(f"Loop(precision={precision!r}): use one of {', '.join(PRECISIONS)}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if self.world > 1 and not dist.is_initialized():
+            raise UsageError("WORLD_SIZE > 1: call torch.distributed.init_process_group() before Loop(...)")
+        self.attention = attention
+        replay_store = os.environ.get(STORE_ENV)
+        self.replaying = replay_store is not None
+        self._lease: Lease | None = None
+        n_layer, heads = _attention_shape(getattr(model, "module", model), attention, n_head)
+        cfg = RunConfig(preset="custom", steps=total_steps, nproc=self.world, precision=_canonical(precision),
+                        threads=torch.get_num_threads(), checkpoint_every=checkpoint_every,
+                        snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike or SpikeConfig(),
+                        model=ModelConfig(n_layer=n_layer, n_head=heads, n_embd=_width(getattr(model, "module", model)),
+                                          block_size=0, attention="sdpa"))
+        if self.replaying:
+            sys.excepthook = _one_line_errors(sys.excepthook, self.rank)
+            path, lease, store_resume = replay_store, os.environ[LEASE_ENV], os.environ.get(RESUME_ENV) == "1"
+            self._replay = self._read_replay(RunStore.open(path))
+            cfg = self._replay.parent.manifest.config   # as recorded until the window; then the overrides
+        else:
+            path, lease, store_resume = str(store), None, resume
+            self._replay = None
+            lease = self._prepare(path, cfg, resume, layout, description)
+        configure_determinism(cfg.threads)
+        self.cfg = cfg
+        self.precision = cfg.precision
+        state = TorchTrainState(model, optimizer, scheduler, scaler)
+        start_from = None
+        if self._replay is not None and not store_resume:
+            start_from = (self._replay.parent, self._replay.spec.start_checkpoint)
+        stop = self._replay.spec.stop + 1 if self._replay else total_steps
+        every = (self._replay.spec.checkpoint_every or stop + 1) if self._replay else checkpoint_every
+        self.recorder = Recorder(path, state, rank=self.rank, world_size=self.world, resume=store_resume,
+                                 start_from=start_from, lease=lease,
+                                 cfg=RecorderConfig(total_steps=stop, checkpoint_every=every,
+                                                    snapshot_every=0 if self._replay else snapshot_every,
+                                                    snapshot_ring=snapshot_ring, spike=cfg.spike))
+        self.store = self.recorder.store
+        self._stop = stop
+        self.step: int | None = None
+        self._ids: list[np.ndarray] = []
+        self._logged = False
+        self._overriding = False
+        self._autocast_entered = False
+        self._check_draws = True
+        self._exits = contextlib.ExitStack()
+        if self.rank == 0:
+            self._note_environment(store_resume)
+
+    # -- the store, before any step ----------------------------------------------------------------
+
+    def _prepare(self, path: str, cfg: RunConfig, resume: bool, layout, description: str) -> str:
+        """Rank 0 creates (or, resuming, rewinds) the store under its lease; every rank gets the lease's
+        spec, or rank 0's error, after a barrier."""
+        message, spec = None, None
+        if self.rank == 0:
+            try:
+                self._lease = Lease.acquire(path, f"a training script ({Path(sys.argv[0]).name or 'python'})")
+                spec = self._lease.spec
+                if resume and (Path(path) / "zarr.json").is_file():
+                    self._rewind(path)
+                else:
+                    self._create(path, cfg, layout, description)
+            except ReplayError as e:
+                if self._lease is not None:
+                    self._lease.release()
+                message = str(e)
+        if self.world > 1:
+            box = [message, spec]
+            dist.broadcast_object_list(box, src=0)
+            message, spec = box
+        if message is not None:
+            raise UsageError(message) if self.rank == 0 else ReplayError(f"rank 0 could not prepare {path}: {message}")
+        return spec
+
+    def _create(self, path: str, cfg: RunConfig, layout, description: str) -> None:
+        from replay.store.layout import resolve_layout
+
+        check_empty(Path(path))
+        data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="",
+                        source=description or "a training script of the user's own")
+        RunStore.create(path, Manifest(kind="run", config=cfg, world_size=self.world, launcher="custom", data=data,
+                                       created=time.time(), command=cmd.capture(self.world),
+                                       layout=resolve_layout(layout, cfg.model)))
+
+    def _rewind(self, path: str) -> None:
+        from replay.store.manifest import ResumeInfo
+
+        store = RunStore.open(path, mode="a")
+        m = store.manifest
+        if m.kind != "run" or m.launcher != "custom" or m.command is None:
+            raise UsageError(f"Loop(resume=True): {path} was not recorded by a Loop")
+        if m.world_size != self.world:
+            raise UsageError(f"Loop(resume=True) with {self.world} ranks, but {path} was recorded with "
+                             f"{m.world_size}: resume with the same world size")
+        if os.environ.get("REPLAY_ALLOW_CHANGED") != "1":
+            cmd.check_unchanged(m.command, "resuming")
+        last = store.rewind(verify_world_size=self.world)
+        store.update_manifest(status="running", resumes=[*m.resumes, ResumeInfo(from_step=last or 0,
+                                                                                 time=time.time())])
+
+    def _read_replay(self, store: RunStore) -> _Replay:
+        spec = store.manifest.replay
+        assert spec is not None, "replay run names a replay store"
+        parent = RunStore.open(store.path / spec.parent)
+        overrides = spec.overrides
+        cfg = store.manifest.config
+        plan = None
+        if cfg.model.attention != parent.manifest.config.model.attention:
+            plan = AttentionPlan.parse(cfg.model.attention)
+        precision = cfg.precision if cfg.precision != parent.manifest.config.precision else None
+        return _Replay(spec, parent, parent.read_steps(["sample_ids"])["sample_ids"], plan, precision,
+                       overrides.get("lr_scale"))
+
+    def _note_environment(self, resumed: bool) -> None:
+        device = next(self.model.parameters()).device
+        env = fingerprint(device)
+        if resumed and self.store.manifest.resumes:
+            resumes = self.store.manifest.resumes
+            self.store.update_manifest(resumes=[*resumes[:-1], _with_env(resumes[-1], env)])
+        else:
+            self.store.update_manifest(environment=env)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Loop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def steps(self) -> Iterator[int]:
+        """The steps to train: from 0 (or the restored checkpoint) to the end; in a replay, from the
+        parent's checkpoint at or before the window to its last step. Steps a replay skips are not
+        yielded (their schedule moves on). Call `log` once in every step."""
+        start = self.recorder.start()
+        for step in range(start, self._stop):
+            self.step, self._ids, self._logged, self._autocast_entered = step, [], False, False
+            if self._replay and step >= self._replay.spec.start and not self._overriding:
+                self._begin_overrides(step)
+            if self._replay and step in self._replay.spec.skip:
+                self._skip(step)
+                continue
+            yield step
+            if not self._logged:
+                raise UsageError(f"step {step} ended without loop.log(loss=...): call it once in every step")
+        self.step = None
+        self.recorder.flush()
+        if self.rank == 0:
+            self.store.update_manifest(status="complete", steps_recorded=self.store.n_steps)
+
+    def sample_ids(self, ids):
+        """This micro-batch's sample ids as the loader drew them (a tensor, array or list: random offsets,
+        indices into a dataset); call it for every training micro-batch. Returns them unchanged in a
+        recording; in a replay, the recorded ids (as the same type), after checking that the loader drew
+        the same ones, which it does when its randomness comes from the recorded RNG states."""
+        drawn = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
+        if self.step is None:
+            raise UsageError("loop.sample_ids(...) is called inside `for step in loop.steps()`")
+        if self._replay is None:
+            self._ids.append(drawn)
+            return ids
+        recorded_step = self._replay.recorded_ids[self.step, self.rank]
+        call = len(self._ids)
+        if call >= len(recorded_step) or recorded_step[call].shape != drawn.shape:
+            raise ReplayError(f"step {self.step}: the script draws micro-batch {call} of shape {drawn.shape}, the "
+                              f"record has {len(recorded_step)} of shape {recorded_step[0].shape}: it does not run "
+                              "as recorded")
+        recorded = recorded_step[call]
+        if self._check_draws and not np.array_equal(recorded, drawn):
+            raise ReplayError(f"step {self.step}, rank {self.rank}: the loader drew samples {drawn[:4].tolist()}..., "
+                              f"the record has {recorded[:4].tolist()}...: its randomness is not the recorded RNG "
+                              "state's (an unrecorded generator, or a changed script)")
+        self._ids.append(recorded)
+        if isinstance(ids, torch.Tensor):
+            return torch.as_tensor(recorded, dtype=ids.dtype, device=ids.device)
+        return recorded.tolist() if isinstance(ids, list) else recorded.astype(np.asarray(ids).dtype)
+
+    def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0) -> None:
+        """End the step: this rank's loss (a float or a tensor), the gradient norm before clipping and the
+        learning rate (the optimizer's first group's by default)."""
+        if self.step is None or self._logged:
+            raise UsageError("loop.log(...) is called once in every step of `for step in loop.steps()`")
+        if not self._ids:
+            raise UsageError(f"step {self.step} drew no samples through loop.sample_ids(...): pass every "
+                             "training micro-batch's sample ids through it")
+        if self._overriding and self._replay.precision and not self._autocast_entered:
+            raise UsageError("--precision: this script does not run its forward under loop.autocast(...), so a "
+                             "replay cannot change its precision")
+        lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
+        self._logged = True
+        self.recorder.record_step(self.step, sample_ids=np.stack(self._ids), loss=_number(loss),
+                                  grad_norm=_number(grad_norm), lr=float(lr), tokens=int(tokens))
+
+    def autocast(self, device_type: str) -> "_Autocast":
+        """The context the forward runs under: autocast to the run's precision (none for fp32), or to a
+        replay's --precision from the window on. Reusable: make it once, enter it every micro-batch."""
+        return _Autocast(self, device_type)
+
+    def close(self) -> None:
+        """Flush the store and release what the loop holds (the `with` block does it)."""
+        try:
+            self._exits.close()
+            self.recorder.close()
+        finally:
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+
+    # -- replay overrides --------------------------------------------------------------------------
+
+    def _begin_overrides(self, step: int) -> None:
+        r = self._replay
+        self._overriding = True
+        if r.plan is not None:
+            self._exits.enter_context(sdpa_dispatch(getattr(self.model, "module", self.model), r.plan,
+                                                    self.attention))
+        if r.lr_scale is not None:
+            self._exits.enter_context(_scaled_lr(self.optimizer, r.lr_scale))
+
+    def _skip(self, step: int) -> None:
+        """A skipped step: no training; the scheduler moves on as if it had trained."""
+        self._check_draws = False   # the loader's randomness no longer follows the record's
+        ids = self._replay.recorded_ids[step, self.rank]
+        self.recorder.record_skipped(step, sample_ids=ids, lr=self.optimizer.param_groups[0]["lr"])
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+
+class _Autocast:
+    def __init__(self, loop: Loop, device_type: str):
+        self.loop, self.device_type = loop, device_type
+        self._inner: Any = None
+
+    def __enter__(self):
+        loop = self.loop
+        loop._autocast_entered = True
+        precision = loop._replay.precision if loop._overriding and loop._replay.precision else loop.precision
+        dtype = PRECISIONS[precision]
+        self._inner = torch.autocast(self.device_type, dtype=dtype) if dtype else contextlib.nullcontext()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """Every optimizer step with its learning rates times `scale` (set back after the step, so a schedule
+    that assigns them keeps working)."""
+    saved: list[float] = []
+
+    def before(*_):
+        saved[:] = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * scale
+
+    def after(*_):
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr
+
+    handles = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _one_line_errors(hook, rank: int):
+    """In a replay, the loop's own errors end the process with one line and their exit code, as a rank of the
+    built-in trainer does (a traceback with REPLAY_DEBUG=1); any other error is the script's, shown whole."""
+    def excepthook(kind, value, tb):
+        if not issubclass(kind, ReplayError) or os.environ.get("REPLAY_DEBUG"):
+            return hook(kind, value, tb)
+        print(f"rank {rank}: {value}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(value.exit_code)
+    return excepthook
+
+
+def _number(x) -> float:
+    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _canonical(precision: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(precision, precision)
+
+
+def _attention_shape(model: torch.nn.Module, pattern: str | None, n_head: int | None) -> tuple[int, int]:
+    """(layers, heads per layer) of the model's attention, as attention overrides number them; (0, 0) for
+    a model with no attention module (its runs record and replay; attention overrides are refused)."""
+    try:
+        modules = attention_modules(model, pattern)
+    except UsageError:
+        if pattern:
+            raise
+        return 0, n_head or 0
+    if n_head:
+        return len(modules), n_head
+    for owner in (modules[0][1], getattr(model, "config", None), model):
+        for attr in _HEAD_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and value > 0:
+                return len(modules), value
+    raise UsageError("cannot tell the attention heads per layer from the model: pass Loop(..., n_head=N)")
+
+
+def _width(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for attr in ("n_embd", "hidden_size", "d_model"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return embedding.embedding_dim if embedding is not None else 0
+
+
+def _with_env(resume, env):
+    import dataclasses
+
+    return dataclasses.replace(resume, environment=env)

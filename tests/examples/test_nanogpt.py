@@ -1,0 +1,173 @@
+"""examples/nanogpt: a nanoGPT-style script of a user's own, recorded under torchrun and replayed, bisected and
+analysed by the product's commands, as its README says. Every run is a real process (torchrun, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replay.store import RunStore
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = REPO / "examples" / "nanogpt"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _train(workdir: Path, *args: str, launcher: list[str] | None = None, env: dict | None = None,
+           script: Path = EXAMPLE / "train.py") -> subprocess.CompletedProcess:
+    """The example's script, as its user runs it: from their own directory, not through replay."""
+    cmd = [*(launcher or [sys.executable]), str(script), *args]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)} | (env or {})
+    return subprocess.run(cmd, cwd=workdir, env=full, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("nanogpt") / "data"
+    done = subprocess.run([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(out), "--bytes", "200000"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def torchrun_store(data_dir) -> Path:
+    """40 steps on 2 ranks under torchrun, checkpoints every 10."""
+    store = data_dir.parent / "ddp"
+    done = _train(data_dir.parent, f"--data_dir={data_dir}", f"--store={store}", "--max_iters=40",
+                  "--checkpoint_every=10", launcher=TORCHRUN)
+    assert done.returncode == 0, done.stderr
+    return store
+
+
+def test_torchrun_records_each_ranks_draws_and_the_command(torchrun_store, data_dir):
+    store = RunStore.open(torchrun_store)
+    m = store.manifest
+    assert m.status == "complete" and m.world_size == 2 and m.launcher == "custom"
+    assert m.command.launcher == "torchrun" and m.command.world_size == 2
+    assert str(EXAMPLE / "train.py") in m.command.argv and m.command.cwd == str(data_dir.parent)
+    script = str(EXAMPLE / "train.py")
+    digest = m.command.files[script]
+    assert digest == __import__("hashlib").sha256(Path(script).read_bytes()).hexdigest()
+    assert [c.step for c in store.checkpoints()] == [0, 10, 20, 30, 40]
+    ids = store.read_steps(["sample_ids"])["sample_ids"]
+    assert ids.shape == (40, 2, 2, 4)   # step, rank, micro-batch, sample: random offsets into train.bin
+    n_tokens = (data_dir / "train.bin").stat().st_size // 2
+    assert ids.min() >= 0 and ids.max() < n_tokens - 32
+    assert not np.array_equal(ids[:, 0], ids[:, 1])   # each rank draws its own (seeded by rank)
+
+
+def test_a_window_replays_bit_for_bit_through_the_recorded_command(torchrun_store):
+    result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "22", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["verification"] == {"steps": [10, 22], "bitwise": True, "divergence": None}
+    replay = RunStore.open(answer["replay"])
+    assert replay.manifest.status == "complete" and [c.step for c in replay.checkpoints()] == [23]
+
+
+def test_emulated_bf16_attention_on_layer_1_diverges_exactly_at_from(torchrun_store):
+    result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "18", "--verify", "--json",
+                        "--attention", "reference-emu:dtype=bf16", "--layers", "1")
+    assert result.returncode == 0, result.stderr
+    v = json.loads(result.stdout)["verification"]
+    assert not v["bitwise"] and v["divergence"]["step"] == 15   # steps 10..14 were bit for bit
+
+
+def test_a_halved_learning_rate_changes_the_steps_after_from(torchrun_store):
+    """The step at --from is computed before its scaled update: the loss first differs one step later."""
+    result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "17", "--verify", "--json",
+                        "--lr-scale", "0.5")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"]["divergence"]["step"] == 16
+
+
+def test_an_edited_script_is_refused_unless_allowed(data_dir, tmp_path):
+    script = tmp_path / "train.py"
+    shutil.copy(EXAMPLE / "train.py", script)
+    store = tmp_path / "run"
+    done = _train(tmp_path, f"--data_dir={data_dir}", f"--store={store}", "--max_iters=12",
+                  "--checkpoint_every=6", script=script)
+    assert done.returncode == 0, done.stderr
+    script.write_text(script.read_text().replace("learning_rate, min_lr", "learning_rate,  min_lr"))
+    before = tree_snapshot(store)
+    line = error_line(replay_cli("run", str(store), "--from", "7", "--to", "9"))
+    assert str(script) in line and "changed since the run was recorded" in line and "--allow-changed" in line
+    assert tree_snapshot(store) == before
+    allowed = replay_cli("run", str(store), "--from", "7", "--to", "9", "--verify", "--allow-changed")
+    assert allowed.returncode == 0 and "bit for bit" in allowed.stdout   # a whitespace edit changes no bits
+
+
+def test_a_killed_recording_resumes_to_the_uninterrupted_run(data_dir, tmp_path):
+    args = [f"--data_dir={data_dir}", "--max_iters=24", "--checkpoint_every=8"]
+    whole = _train(tmp_path, *args, f"--store={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr
+    cut = tmp_path / "cut"
+    killed = _train(tmp_path, *args, f"--store={cut}", env={"REPLAY_FAULT": "before-commit:16:0"})
+    assert killed.returncode == -signal.SIGKILL
+    assert [c.step for c in RunStore.open(cut).checkpoints()] == [0, 8]
+    resumed = _train(tmp_path, *args, f"--store={cut}", "--resume=True")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = RunStore.open(tmp_path / "whole"), RunStore.open(cut)
+    assert [r.from_step for r in b.manifest.resumes] == [8]
+    for name in ("loss", "grad_norm", "sample_ids"):
+        assert np.array_equal(a.read_steps([name])[name], b.read_steps([name])[name]), name
+    final_a, final_b = a.read_shard(24, 0), b.read_shard(24, 0)
+    for key, tensor in final_a["state"]["replicated"]["model"].items():
+        assert tensor.equal(final_b["state"]["replicated"]["model"][key]), key
+
+
+def test_analyze_reads_the_nanogpt_layout(torchrun_store):
+    """Per-head spectral norms of the analysis against an SVD of the stored c_attn weight, which nn.Linear
+    keeps as (out, in): head h's W_Q is rows h*16:(h+1)*16 of its first third."""
+    from replay.analysis import jobs
+    from replay.analysis.names import HEAD_MATRICES
+
+    store = RunStore.open(torchrun_store)
+    items, _ = jobs.plan_metrics(RunStore.open(torchrun_store, mode="a"))
+    item = next(i for i in items if i.ckpt.step == 40)
+    values = jobs.compute_metrics(item)
+    shard = store.read_shard(40, 0)["state"]["replicated"]["model"]
+    for layer in range(2):
+        w = shard[f"transformer.h.{layer}.attn.c_attn.weight"].double().numpy()   # [3 * 32, 32]
+        o = shard[f"transformer.h.{layer}.attn.c_proj.weight"].double().numpy()   # [32 out, 32 in]
+        for head in range(2):
+            rows = slice(head * 16, (head + 1) * 16)
+            expected = {"q": w[:32][rows], "k": w[32:64][rows], "v": w[64:][rows], "o": o[:, rows]}
+            for i, name in enumerate(HEAD_MATRICES):
+                sigma = np.linalg.svd(expected[name], compute_uv=False)[0]
+                assert values["spectral_head"][layer, i, head] == pytest.approx(sigma, rel=1e-5), (layer, name, head)
+    assert np.isnan(values["max_logit"]).all()   # the probe runs the built-in model only
+
+
+def test_bisect_finds_the_batch_planted_in_the_token_file(data_dir, tmp_path, ray_local):
+    """Record once, then write random bytes above 127 (never in Python source) over every window drawn at
+    step 95, record again (the same RNG draws the same windows): its loss jumps there, and a data bisect
+    names that step's batch."""
+    poisoned = tmp_path / "data"
+    shutil.copytree(data_dir, poisoned)
+    args = [f"--data_dir={poisoned}", "--max_iters=100", "--checkpoint_every=4"]   # the last before 95: 92
+    assert _train(tmp_path, *args, f"--store={tmp_path / 'clean'}").returncode == 0
+    ids = RunStore.open(tmp_path / "clean").read_steps(["sample_ids"])["sample_ids"]
+    tokens = np.memmap(poisoned / "train.bin", dtype=np.uint16, mode="r+")
+    noise = np.random.default_rng(0)
+    for offset in ids[95].ravel():
+        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
+    tokens.flush()
+    store = tmp_path / "spiked"
+    assert _train(tmp_path, *args, f"--store={store}").returncode == 0
+    assert [e["step"] for e in RunStore.open(store).spikes] == [95]   # the recording's own detector saw it
+    result = replay_cli("bisect", str(store), "--by", "data", "--json")
+    assert result.returncode == 0, result.stderr
+    verdict = json.loads(result.stdout)["verdict"]
+    assert verdict["batches"] == [95] and verdict["samples"] is None

@@ -1,0 +1,180 @@
+"""The loop API (replay.recorder.Loop) misused, and a script whose runs cannot be replayed as recorded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay.errors import ReplayError, UsageError
+from replay.recorder import Loop
+from replay.store import RunStore
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.n_head = torch.nn.Linear(8, 24), 2
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        q, k, v = (y.view(b, t, 2, 4).transpose(1, 2) for y in self.qkv(h).split(8, dim=-1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 8)
+
+
+class Tiny(torch.nn.Module):
+    """One block whose attention calls SDPA, as a user's model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn, self.head = torch.nn.Embedding(16, 8), SelfAttention(), torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.head(self.attn(self.emb(x)))
+
+
+def _parts():
+    torch.manual_seed(0)
+    model = Tiny()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _step(loop, model, optimizer, step):
+    x = (torch.arange(8) + step).view(1, 8) % 16
+    ids = loop.sample_ids(torch.tensor([step]))
+    loss = torch.nn.functional.cross_entropy(model(x).view(-1, 16), x.view(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return ids, loss
+
+
+def test_a_loop_records_its_steps_and_finds_the_attention(tmp_path):
+    model, optimizer = _parts()
+    with Loop(tmp_path / "run", model, optimizer, total_steps=6, checkpoint_every=3) as loop:
+        for step in loop.steps():
+            _, loss = _step(loop, model, optimizer, step)
+            loop.log(loss=loss)
+    store = RunStore.open(tmp_path / "run")
+    m = store.manifest
+    assert (m.status, m.config.model.n_layer, m.config.model.n_head) == ("complete", 1, 2)
+    assert store.read_steps(["sample_ids"])["sample_ids"][:, 0, :, 0].tolist() == [[s] for s in range(6)]
+    assert store.read_steps(["lr"])["lr"].tolist() == [0.1] * 6   # the optimizer's, when not given
+    assert [c.step for c in store.checkpoints()] == [0, 3, 6]
+    assert m.command.argv == sys.orig_argv[1:]
+
+
+def test_what_a_loop_cannot_do_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    model, optimizer = _parts()
+    with Loop(tmp_path / "run", model, optimizer, total_steps=4, checkpoint_every=2) as loop:
+        for step in loop.steps():
+            _step(loop, model, optimizer, step)
+            loop.log(loss=1.0)
+    store = str(tmp_path / "run")
+    before = tree_snapshot(tmp_path / "run")
+    refusals = {("run", store, "--from", "2", "--to", "3", "--drop", "2:2"): "--drop needs the built-in trainer",
+                ("run", store, "--from", "2", "--to", "3", "--lr-scale", "0.5", "--layers", "0"):
+                    "--lr-scale on --layers/--heads needs the built-in trainer",
+                ("analyze", store): "named no weight layout",
+                ("record", "--store", store, "--resume"): "run your script again with Loop(..., resume=True)"}
+    for args, message in refusals.items():
+        assert message in error_line(replay_cli(*args)), args
+    assert tree_snapshot(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("no-log", "ended without loop.log"),
+    ("no-ids", "drew no samples through loop.sample_ids"),
+    ("twice", "loop.log(...) is called once in every step"),
+])
+def test_a_step_without_its_calls_is_named(tmp_path, mistake, message):
+    model, optimizer = _parts()
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        with Loop(tmp_path / "run", model, optimizer, total_steps=3) as loop:
+            for step in loop.steps():
+                if mistake != "no-ids":
+                    _step(loop, model, optimizer, step)
+                if mistake != "no-log":
+                    loop.log(loss=1.0)
+                if mistake == "twice":
+                    loop.log(loss=1.0)
+
+
+def test_a_used_store_is_refused_untouched_without_resume(tmp_path):
+    model, optimizer = _parts()
+    with Loop(tmp_path / "run", model, optimizer, total_steps=2) as loop:
+        for step in loop.steps():
+            _step(loop, model, optimizer, step)
+            loop.log(loss=1.0)
+    before = tree_snapshot(tmp_path / "run")
+    with pytest.raises(UsageError, match="not empty|already"):
+        Loop(tmp_path / "run", model, optimizer, total_steps=2)
+    assert tree_snapshot(tmp_path / "run") == before
+    with pytest.raises(UsageError, match="precision"):
+        Loop(tmp_path / "other", model, optimizer, total_steps=2, precision="int8")
+
+
+SCRIPT = """
+import sys
+import numpy as np
+import torch
+from replay.recorder import Loop
+from tests.recorder.test_loop import Tiny
+
+torch.manual_seed(0)
+model = Tiny()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+unrecorded = np.random.default_rng()   # fresh entropy in every process: not part of any RNG state
+loop = Loop(sys.argv[1], model, optimizer, total_steps=8, checkpoint_every=4)
+ctx = loop.autocast("cpu")
+with loop:
+    for step in loop.steps():
+        drawn = unrecorded.integers(0, 1000, 2) if "--unrecorded" in sys.argv else torch.randint(0, 1000, (2,))
+        ids = loop.sample_ids(drawn)
+        x = torch.as_tensor(np.asarray(ids)).view(1, 2) % 16
+        with ctx if "--autocast" in sys.argv else torch.autocast("cpu", enabled=False):
+            loss = torch.nn.functional.cross_entropy(model(x).view(-1, 16), x.view(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loop.log(loss=loss)
+"""
+
+
+def _record(tmp_path: Path, *flags: str) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    store = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script), str(store), *flags], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return store
+
+
+@pytest.mark.slow
+def test_a_loader_with_unrecorded_randomness_is_caught_in_the_replay(tmp_path):
+    store = _record(tmp_path, "--unrecorded")
+    result = replay_cli("run", str(store), "--from", "5", "--to", "6")
+    assert f"rank 0 exited with code {ReplayError.exit_code}" in error_line(result)
+    assert "rank 0: step 4, rank 0: the loader drew samples" in result.stderr   # the first step it ran
+    assert "not the recorded RNG state" in result.stderr
+
+
+@pytest.mark.slow
+def test_precision_changes_only_a_forward_under_loop_autocast(tmp_path):
+    store = _record(tmp_path)
+    refused = replay_cli("run", str(store), "--from", "5", "--to", "6", "--precision", "bf16")
+    assert f"rank 0 exited with code {UsageError.exit_code}" in error_line(refused)
+    assert "rank 0: --precision: this script does not run its forward under loop.autocast" in refused.stderr
+    (tmp_path / "x").mkdir()
+    autocast = _record(tmp_path / "x", "--autocast")
+    changed = replay_cli("run", str(autocast), "--from", "5", "--to", "6", "--precision", "bf16", "--verify")
+    assert changed.returncode == 0, changed.stderr
+    assert "first divergence at step 5" in changed.stdout
