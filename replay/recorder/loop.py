@@ -26,12 +26,13 @@ loader drew them too), applies the overrides from A on, writes the replay's step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -40,16 +41,18 @@ import torch.distributed as dist
 from replay.config import ModelConfig, RunConfig, SpikeConfig
 from replay.errors import ReplayError, UsageError
 from replay.kernels.registry import AttentionPlan
-from replay.lifeline import follow_parent
 from replay.kernels.sdpa_dispatch import attention_modules, sdpa_dispatch
+from replay.lifeline import follow_parent
 from replay.recorder import command as cmd
 from replay.recorder.environment import configure_determinism, fingerprint
-from replay.recorder.recorder import Recorder, RecorderConfig
+from replay.recorder.recorder import Recorder, RecorderConfig, TrainState
+from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState
 from replay.store import RunStore
+from replay.store.layout import resolve_layout
 from replay.store.lease import ENV as LEASE_ENV
 from replay.store.lease import Lease
-from replay.store.manifest import DataInfo, Manifest, ReplaySpec
+from replay.store.manifest import DataInfo, Manifest, ReplaySpec, ResumeInfo
 from replay.store.run_store import check_empty
 
 STORE_ENV = "REPLAY_LOOP_STORE"      # set by `replay run` (launch/script.py): the replay store to write
@@ -80,13 +83,23 @@ class Loop:
     heads per layer, when the attention modules do not say (`n_head`, `num_heads` attributes).
     `layout`: where the attention weights live, for `replay analyze` (store/layout.py): "nanogpt",
     "hf-gpt2" or a mapping. `resume`: continue the run in `store` from its last committed checkpoint.
+
+    For a launcher that prepares the store itself (the built-in `replay record` and `replay run`):
+    `lease`, the spec of the lease it holds (store/lease.py), says the store exists already: a new run, one
+    to resume (`resume=True`, rewound by the launcher) or a replay (its kind says so); its config is the
+    stored one. `state` is checkpointed instead of model, optimizer, scheduler and scaler (a DeepSpeed
+    engine: recorder/state.py). `apply_attention(plan)` puts a replay's attention plan into the model at
+    `--from` (default: `sdpa_dispatch`), returning a context to leave at the end, or None.
+    `skipped_numerics()` gives the numerics row of a step a replay skips.
     """
 
-    def __init__(self, store: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 total_steps: int, scheduler: Any = None, scaler: Any = None, precision: str = "fp32",
-                 checkpoint_every: int = 100, snapshot_every: int = 0, snapshot_ring: int = 3,
-                 spike: SpikeConfig | None = None, attention: str | None = None, n_head: int | None = None,
-                 layout: str | dict | None = None, resume: bool = False, description: str = ""):
+    def __init__(self, store: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *, total_steps: int,
+                 scheduler: Any = None, scaler: Any = None, precision: str = "fp32", checkpoint_every: int = 100,
+                 snapshot_every: int = 0, snapshot_ring: int = 3, spike: SpikeConfig | None = None,
+                 attention: str | None = None, n_head: int | None = None, layout: str | dict | None = None,
+                 resume: bool = False, description: str = "", lease: str | None = None, state: TrainState | None = None,
+                 apply_attention: Callable[[AttentionPlan], Any] | None = None,
+                 skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None):
         follow_parent()   # started by `replay run`: die with it
         if precision not in PRECISIONS:
             raise UsageError(f"Loop(precision={precision!r}): use one of {', '.join(PRECISIONS)}")
@@ -95,38 +108,39 @@ class Loop:
         if self.world > 1 and not dist.is_initialized():
             raise UsageError("WORLD_SIZE > 1: call torch.distributed.init_process_group() before Loop(...)")
         self.attention = attention
-        replay_store = os.environ.get(STORE_ENV)
-        self.replaying = replay_store is not None
+        self._apply_attention = apply_attention or (
+            lambda plan: sdpa_dispatch(getattr(model, "module", model), plan, attention))
+        self._skipped_numerics = skipped_numerics
         self._lease: Lease | None = None
-        n_layer, heads = _attention_shape(getattr(model, "module", model), attention, n_head)
-        cfg = RunConfig(preset="custom", steps=total_steps, nproc=self.world, precision=_canonical(precision),
-                        threads=torch.get_num_threads(), checkpoint_every=checkpoint_every,
-                        snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike or SpikeConfig(),
-                        model=ModelConfig(n_layer=n_layer, n_head=heads, n_embd=_width(getattr(model, "module", model)),
-                                          block_size=0, attention="sdpa"))
-        if self.replaying:
+        if os.environ.get(STORE_ENV):   # started again by `replay run`: its replay store and lease
             sys.excepthook = _one_line_errors(sys.excepthook, self.rank)
-            path, lease, store_resume = replay_store, os.environ[LEASE_ENV], os.environ.get(RESUME_ENV) == "1"
-            self._replay = self._read_replay(RunStore.open(path))
-            cfg = self._replay.parent.manifest.config   # as recorded until the window; then the overrides
-        else:
-            path, lease, store_resume = str(store), None, resume
-            self._replay = None
-            lease = self._prepare(path, cfg, resume, layout, description)
+            store, lease, resume = os.environ[STORE_ENV], os.environ[LEASE_ENV], os.environ.get(RESUME_ENV) == "1"
+        elif lease is None:             # the script's own recording: rank 0 prepares the store
+            n_layer, heads = _attention_shape(getattr(model, "module", model), attention, n_head)
+            cfg = RunConfig(preset="custom", steps=total_steps, nproc=self.world, precision=_canonical(precision),
+                            threads=torch.get_num_threads(), checkpoint_every=checkpoint_every,
+                            snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike or SpikeConfig(),
+                            model=ModelConfig(n_layer=n_layer, n_head=heads,
+                                              n_embd=_width(getattr(model, "module", model)), block_size=0,
+                                              attention="sdpa"))
+            lease = self._prepare(str(store), cfg, resume, layout, description)
+        opened = RunStore.open(store)
+        self._replay = self._read_replay(opened) if opened.kind == "replay" else None
+        self.replaying = self._replay is not None
+        cfg = self._replay.parent.manifest.config if self._replay else opened.manifest.config   # as recorded
         configure_determinism(cfg.threads)
-        self.cfg = cfg
-        self.precision = cfg.precision
-        state = TorchTrainState(model, optimizer, scheduler, scaler)
+        self.cfg, self.precision = cfg, cfg.precision
+        state = state or TorchTrainState(model, optimizer, scheduler, scaler)
         start_from = None
-        if self._replay is not None and not store_resume:
+        if self._replay is not None and not resume:
             start_from = (self._replay.parent, self._replay.spec.start_checkpoint)
-        stop = self._replay.spec.stop + 1 if self._replay else total_steps
-        every = (self._replay.spec.checkpoint_every or stop + 1) if self._replay else checkpoint_every
-        self.recorder = Recorder(path, state, rank=self.rank, world_size=self.world, resume=store_resume,
+        stop = self._replay.spec.stop + 1 if self._replay else cfg.steps
+        every = (self._replay.spec.checkpoint_every or stop + 1) if self._replay else cfg.checkpoint_every
+        self.recorder = Recorder(str(store), state, rank=self.rank, world_size=self.world, resume=resume,
                                  start_from=start_from, lease=lease,
                                  cfg=RecorderConfig(total_steps=stop, checkpoint_every=every,
-                                                    snapshot_every=0 if self._replay else snapshot_every,
-                                                    snapshot_ring=snapshot_ring, spike=cfg.spike))
+                                                    snapshot_every=0 if self._replay else cfg.snapshot_every,
+                                                    snapshot_ring=cfg.snapshot_ring, spike=cfg.spike))
         self.store = self.recorder.store
         self._stop = stop
         self.step: int | None = None
@@ -137,7 +151,27 @@ class Loop:
         self._check_draws = True
         self._exits = contextlib.ExitStack()
         if self.rank == 0:
-            self._note_environment(store_resume)
+            self._note_environment(resume)
+
+    @property
+    def window(self) -> ReplaySpec | None:
+        """In a replay, what it replays (its window, overrides, skipped steps, dropped samples); else None."""
+        return self._replay.spec if self._replay else None
+
+    @property
+    def in_window(self) -> bool:
+        """In a replay, whether the current step is in the window (where the overrides apply)."""
+        return self._overriding
+
+    @property
+    def recorded_ids(self) -> np.ndarray | None:
+        """In a replay, the sample ids the record has: (step, rank, micro-batch, sample); else None."""
+        return self._replay.recorded_ids if self._replay else None
+
+    @property
+    def last_loss(self) -> float:
+        """The last step's loss, averaged over the ranks."""
+        return self.recorder.last_loss
 
     # -- the store, before any step ----------------------------------------------------------------
 
@@ -166,8 +200,6 @@ class Loop:
         return spec
 
     def _create(self, path: str, cfg: RunConfig, layout, description: str) -> None:
-        from replay.store.layout import resolve_layout
-
         check_empty(Path(path))
         data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="",
                         source=description or "a training script of the user's own")
@@ -176,8 +208,6 @@ class Loop:
                                        layout=resolve_layout(layout, cfg.model)))
 
     def _rewind(self, path: str) -> None:
-        from replay.store.manifest import ResumeInfo
-
         store = RunStore.open(path, mode="a")
         m = store.manifest
         if m.kind != "run" or m.launcher != "custom" or m.command is None:
@@ -201,15 +231,15 @@ class Loop:
         if cfg.model.attention != parent.manifest.config.model.attention:
             plan = AttentionPlan.parse(cfg.model.attention)
         precision = cfg.precision if cfg.precision != parent.manifest.config.precision else None
-        return _Replay(spec, parent, parent.read_steps(["sample_ids"])["sample_ids"], plan, precision,
-                       overrides.get("lr_scale"))
+        lr_scale = None if spec.lr_scope else overrides.get("lr_scale")   # a scoped one is the loop's to apply
+        return _Replay(spec, parent, parent.read_steps(["sample_ids"])["sample_ids"], plan, precision, lr_scale)
 
     def _note_environment(self, resumed: bool) -> None:
         device = next(self.model.parameters()).device
         env = fingerprint(device)
         if resumed and self.store.manifest.resumes:
             resumes = self.store.manifest.resumes
-            self.store.update_manifest(resumes=[*resumes[:-1], _with_env(resumes[-1], env)])
+            self.store.update_manifest(resumes=[*resumes[:-1], dataclasses.replace(resumes[-1], environment=env)])
         else:
             self.store.update_manifest(environment=env)
 
@@ -268,9 +298,11 @@ class Loop:
             return torch.as_tensor(recorded, dtype=ids.dtype, device=ids.device)
         return recorded.tolist() if isinstance(ids, list) else recorded.astype(np.asarray(ids).dtype)
 
-    def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0) -> None:
+    def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0,
+            numerics: dict[str, np.ndarray] | None = None) -> SpikeEvent | None:
         """End the step: this rank's loss (a float or a tensor), the gradient norm before clipping and the
-        learning rate (the optimizer's first group's by default)."""
+        learning rate (the optimizer's first group's by default); `numerics`, a row of per-layer attention
+        numerics (replay.kernels.numerics). Returns the spike the detector saw at this step, if any."""
         if self.step is None or self._logged:
             raise UsageError("loop.log(...) is called once in every step of `for step in loop.steps()`")
         if not self._ids:
@@ -281,8 +313,9 @@ class Loop:
                              "replay cannot change its precision")
         lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
         self._logged = True
-        self.recorder.record_step(self.step, sample_ids=np.stack(self._ids), loss=_number(loss),
-                                  grad_norm=_number(grad_norm), lr=float(lr), tokens=int(tokens))
+        return self.recorder.record_step(self.step, sample_ids=np.stack(self._ids), loss=_number(loss),
+                                         grad_norm=_number(grad_norm), lr=float(lr), tokens=int(tokens),
+                                         numerics=numerics)
 
     def autocast(self, device_type: str) -> "_Autocast":
         """The context the forward runs under: autocast to the run's precision (none for fp32), or to a
@@ -305,16 +338,25 @@ class Loop:
         r = self._replay
         self._overriding = True
         if r.plan is not None:
-            self._exits.enter_context(sdpa_dispatch(getattr(self.model, "module", self.model), r.plan,
-                                                    self.attention))
-        if r.lr_scale is not None:
+            applied = self._apply_attention(r.plan)
+            if applied is not None:
+                self._exits.enter_context(applied)
+        if r.lr_scale is None:
+            return
+        if hasattr(self.scheduler, "base_lrs"):   # a torch scheduler: scale what it scales, once (a replay
+            if step == r.spec.start:              # resumed inside its window restored scaled ones)
+                self.scheduler.base_lrs = [lr * r.lr_scale for lr in self.scheduler.base_lrs]
+                for group in self.optimizer.param_groups:
+                    group["lr"] *= r.lr_scale
+        else:                                     # learning rates the script sets itself: scaled at each step
             self._exits.enter_context(_scaled_lr(self.optimizer, r.lr_scale))
 
     def _skip(self, step: int) -> None:
         """A skipped step: no training; the scheduler moves on as if it had trained."""
         self._check_draws = False   # the loader's randomness no longer follows the record's
         ids = self._replay.recorded_ids[step, self.rank]
-        self.recorder.record_skipped(step, sample_ids=ids, lr=self.optimizer.param_groups[0]["lr"])
+        self.recorder.record_skipped(step, sample_ids=ids, lr=self.optimizer.param_groups[0]["lr"],
+                                     numerics=self._skipped_numerics() if self._skipped_numerics else None)
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -406,9 +448,3 @@ def _width(model: torch.nn.Module) -> int:
             return value
     embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
     return embedding.embedding_dim if embedding is not None else 0
-
-
-def _with_env(resume, env):
-    import dataclasses
-
-    return dataclasses.replace(resume, environment=env)

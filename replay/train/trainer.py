@@ -1,32 +1,32 @@
 """The built-in GPT-2 trainer: what `replay record` runs on every rank. Read it top to bottom.
 
 The config comes from the store's manifest (written before any rank starts), so a rank needs only the
-store path; the same code trains with one process, local torch.distributed ranks or DeepSpeed.
+store path; the same code trains with one process, local torch.distributed ranks or DeepSpeed. It talks
+to replay through the loop API (replay.recorder.Loop) only, as a script of the user's own does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from replay.config import RunConfig
-from replay.recorder.environment import configure_determinism, fingerprint, seed_everything
-from replay.recorder.recorder import Recorder, RecorderConfig
+from replay.recorder.environment import configure_determinism, seed_everything
+from replay.recorder.loop import Loop
 from replay.store import RunStore
 from replay.store.lease import require
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.kernels.numerics import NumericsProbe
-from replay.kernels.registry import AttentionPlan, apply_plan, raise_deferred
+from replay.kernels.registry import apply_plan, raise_deferred
 from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.model import build_model, lm_loss, lr_factor
 from replay.recorder.state import DeepSpeedTrainState, TorchTrainState
@@ -68,19 +68,12 @@ def train(store_path: str, lease: str, resume: bool = False, keep_group: bool = 
     """Train (or resume, or replay) the run in `store_path` as this rank, writing under `lease` (the spec of
     the launching command's lease: store/lease.py)."""
     require(lease)
-    store = RunStore.open(store_path, mode="a")
+    store = RunStore.open(store_path)
     cfg = store.manifest.config
     r = Rank.from_env(cfg)
     configure_determinism(cfg.threads)
     seed_everything(cfg.seed)
     init_distributed(r, cfg)
-    if r.rank == 0:
-        env = fingerprint(r.device)
-        if resume:
-            resumes = store.manifest.resumes
-            store.update_manifest(resumes=[*resumes[:-1], dataclasses.replace(resumes[-1], environment=env)])
-        else:
-            store.update_manifest(environment=env)
     try:
         _train(store, cfg, r, resume, lease)
     finally:
@@ -88,52 +81,14 @@ def train(store_path: str, lease: str, resume: bool = False, keep_group: bool = 
             dist.destroy_process_group()
 
 
-@dataclass
-class Schedule:
-    """Which steps to train and on which samples: the seeded data order of a new recording, or, for a
-    replay, exactly the sample ids its parent run recorded, from the parent's checkpoint."""
-
-    stop: int
-    checkpoint_every: int
-    snapshot_every: int
-    parent: RunStore | None = None       # replays only
-    start_checkpoint: int = 0
-    recorded_ids: np.ndarray | None = None
-    skip: frozenset[int] = frozenset()   # steps whose batches are not trained on
-    lr_scale: float = 1.0                # of the whole model (at `from`)
-    drop: dict[int, frozenset[int]] = field(default_factory=dict)   # step -> sample ids left out
-    lr_scope: dict | None = None         # where lr_scale applies, if not the whole model
-    override_from: int = 0               # replays: the recorded config until this step (the fast-forward)
-    recorded_cfg: RunConfig | None = None
-
-    @classmethod
-    def for_store(cls, store: RunStore, cfg: RunConfig) -> "Schedule":
-        spec = store.manifest.replay
-        if spec is None:
-            return cls(cfg.steps, cfg.checkpoint_every, cfg.snapshot_every)
-        parent = RunStore.open(store.path / spec.parent)
-        stop = spec.stop + 1
-        ids = parent.read_steps(["sample_ids"])["sample_ids"]
-        drop: dict[int, set[int]] = {}
-        for step, sample in spec.drop:
-            drop.setdefault(step, set()).add(sample)
-        return cls(stop, spec.checkpoint_every or stop + 1, 0, parent=parent,   # 0: only the checkpoint at the end
-                   start_checkpoint=spec.start_checkpoint, recorded_ids=ids, skip=frozenset(spec.skip),
-                   drop={k: frozenset(v) for k, v in drop.items()},
-                   lr_scale=1.0 if spec.lr_scope else float(spec.overrides.get("lr_scale", 1.0)),
-                   lr_scope=spec.lr_scope, override_from=spec.start, recorded_cfg=parent.manifest.config)
-
-    def ids(self, order: DataOrder, step: int, r: Rank, micro_batch_size: int) -> np.ndarray:
-        if self.recorded_ids is None:
-            return order.rank_ids(step, r.rank, r.world, micro_batch_size)
-        return self.recorded_ids[step, r.rank]
-
-
 def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -> None:
-    schedule = Schedule.for_store(store, cfg)
-    data = load_data(cfg, schedule.parent or store)
-    active = schedule.recorded_cfg or cfg   # a replay fast-forwards as recorded, then switches at `from`
-    model = build_model(active.model, data.vocab_size, cfg.seed).to(r.device)
+    """One client of the loop API (replay.recorder.Loop), like any script: the Loop restores, hands out the
+    recorded sample ids in a replay, applies its overrides from `--from` on, and ends after the window."""
+    spec = store.manifest.replay
+    parent = RunStore.open(store.path / spec.parent) if spec else None
+    data = load_data(cfg, parent or store)
+    recorded = parent.manifest.config if parent else cfg   # a replay builds the model as recorded
+    model = build_model(recorded.model, data.vocab_size, cfg.seed).to(r.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -146,60 +101,40 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
         ddp = torch.nn.parallel.DistributedDataParallel(model) if r.world > 1 else model
         state = TorchTrainState(ddp, optimizer, scheduler)
         step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, data, r)
-
-    start_from = (schedule.parent, schedule.start_checkpoint) if schedule.parent and not resume else None
-    recorder = Recorder(str(store.path), state, rank=r.rank, world_size=r.world, resume=resume, start_from=start_from,
-                        lease=lease,
-                        cfg=RecorderConfig(total_steps=schedule.stop, checkpoint_every=schedule.checkpoint_every,
-                                           snapshot_every=schedule.snapshot_every, snapshot_ring=cfg.snapshot_ring,
-                                           spike=cfg.spike))
-    start = recorder.start()
     probe = NumericsProbe(model) if cfg.numerics else None
+    loop = Loop(str(store.path), model, optimizer, total_steps=cfg.steps, scheduler=scheduler, state=state,
+                lease=lease, resume=resume, apply_attention=lambda plan: apply_plan(model, plan),
+                skipped_numerics=probe.skipped if probe else None)
+    drop: dict[int, set[int]] = {}
+    for step, sample in (spec.drop if spec else []):
+        drop.setdefault(step, set()).add(sample)
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
     scoped = None   # a scoped lr_scale, from `from` on
     t0 = time.perf_counter()
-    for step in range(start, schedule.stop):
-        if active is not cfg and step >= schedule.override_from:
-            # a resumed replay past `from` restored already-scaled learning rates with its state
-            lr_scale = schedule.lr_scale if step == schedule.override_from else 1.0
-            active = _switch_to_overrides(model, optimizer, scheduler, cfg, lr_scale)
-            if schedule.lr_scope:
-                scoped = ScopedUpdate(model, schedule.lr_scope)
-        ids = schedule.ids(order, step, r, cfg.micro_batch_size)
-        if step in schedule.skip:   # not trained on; the schedule moves on as if the batch had been seen
-            recorder.record_skipped(step, sample_ids=ids, lr=scheduler.get_last_lr()[0],
-                                    numerics=probe.skipped() if probe else None)
-            scheduler.step()
-            continue
-        dropped = schedule.drop.get(step, frozenset())
-        weight = kept_weight(schedule.recorded_ids[step], dropped) if dropped else 1.0
-        with probe.collecting() if probe else contextlib.nullcontext():
-            loss, grad_norm, lr = step_fn(active, ids, dropped, weight, scoped)
-        raise_deferred()
-        event = recorder.record_step(step, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
-                                     tokens=ids.size * cfg.model.block_size,
-                                     numerics=probe.end_step() if probe else None)
-        if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or step + 1 == schedule.stop):
-            rate = (step + 1 - start) / (time.perf_counter() - t0)
-            note = f"  SPIKE (robust z {event.score:.1f})" if event else ""
-            print(f"step {step:>6}  loss {recorder.last_loss:8.4f}  "
-                  f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}", file=sys.stderr, flush=True)
-    recorder.close()
-    if r.rank == 0:
-        store.update_manifest(status="complete", steps_recorded=store.n_steps)
+    with loop:
+        start = None
+        for step in loop.steps():
+            start = step if start is None else start
+            if loop.in_window and spec.lr_scope and scoped is None:
+                scoped = ScopedUpdate(model, spec.lr_scope)
+            ids = np.stack([loop.sample_ids(micro) for micro in order.rank_ids(step, r.rank, r.world,
+                                                                               cfg.micro_batch_size)])
+            dropped = frozenset(drop.get(step, ()))
+            weight = kept_weight(loop.recorded_ids[step], dropped) if dropped else 1.0
+            with probe.collecting() if probe else contextlib.nullcontext():
+                loss, grad_norm, lr = step_fn(loop, ids, dropped, weight, scoped)
+            raise_deferred()
+            event = loop.log(loss, grad_norm=grad_norm, lr=lr, tokens=ids.size * cfg.model.block_size,
+                             numerics=probe.end_step() if probe else None)
+            last = step + 1 == (spec.stop + 1 if spec else cfg.steps)
+            if r.rank == 0 and (event or (step + 1) % cfg.log_every == 0 or last):
+                rate = (step + 1 - start) / (time.perf_counter() - t0)
+                note = f"  SPIKE (robust z {event.score:.1f})" if event else ""
+                print(f"step {step:>6}  loss {loop.last_loss:8.4f}  "
+                      f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}", file=sys.stderr, flush=True)
 
 
-def _switch_to_overrides(model, optimizer, scheduler, cfg: RunConfig, lr_scale: float) -> RunConfig:
-    """A replay reaching its window: from here on, the overridden attention plan, precision and LRs."""
-    apply_plan(model, AttentionPlan.parse(cfg.model.attention))
-    if lr_scale != 1.0:
-        scheduler.base_lrs = [lr * lr_scale for lr in scheduler.base_lrs]
-        for group in optimizer.param_groups:
-            group["lr"] *= lr_scale
-    return cfg
-
-
-def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray,
+def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray,
                 dropped: frozenset[int], weight: float, scoped: ScopedUpdate | None) -> tuple[float, float, float]:
     """One optimizer step over this rank's micro-batches: (mean loss, grad norm before clipping, lr)."""
     model.train()
@@ -210,23 +145,17 @@ def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, cfg: RunC
         x, y = (t.to(r.device) for t in data.batch(micro))
         sync = m == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with (contextlib.nullcontext() if sync else model.no_sync()):
-            with _autocast(cfg, r):
+            with loop.autocast(r.device.type):
                 loss = lm_loss(model, x, y, keep_mask(micro, dropped))
                 loss = loss * weight if dropped else loss   # counterfactual.py: the mean over kept samples
             (loss / accum).backward()
         total += loss.detach()
-    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    max_norm = loop.cfg.optim.grad_clip if loop.cfg.optim.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     lr = scheduler.get_last_lr()[0]
     scoped.step(optimizer) if scoped else optimizer.step()
     scheduler.step()
     return float(total / accum), float(grad_norm), lr
-
-
-def _autocast(cfg: RunConfig, r: Rank):
-    if cfg.precision == "bf16":
-        return torch.autocast(r.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
@@ -252,7 +181,7 @@ def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
     return engine
 
 
-def _deepspeed_step(engine, data: TokenData, r: Rank, cfg: RunConfig, ids: np.ndarray, dropped: frozenset[int],
+def _deepspeed_step(engine, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray, dropped: frozenset[int],
                     weight: float, scoped: None) -> tuple[float, float, float]:
     assert not dropped and scoped is None, "refused for DeepSpeed by replayer/overrides.py"
     engine.train()
