@@ -256,6 +256,8 @@ class Loop:
         parent's checkpoint at or before the window to its last step. Steps a replay skips are not
         yielded (their schedule moves on). Call `log` once in every step."""
         start = self.recorder.start()
+        if self._replay and any(s < start for s in self._replay.spec.skip):   # a replay resumed after a skip:
+            self._check_draws = False   # its restored RNG states are its own, no longer the record's
         for step in range(start, self._stop):
             self.step, self._ids, self._logged, self._autocast_entered = step, [], False, False
             if self._replay and step >= self._replay.spec.start and not self._overriding:

@@ -84,6 +84,13 @@ def test_emulated_bf16_attention_on_layer_1_diverges_exactly_at_from(torchrun_st
     assert not v["bitwise"] and v["divergence"]["step"] == 15   # steps 10..14 were bit for bit
 
 
+def test_bf16_autocast_from_from_on_through_loop_autocast(torchrun_store):
+    result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "16", "--verify", "--json",
+                        "--precision", "bf16")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"]["divergence"]["step"] == 15
+
+
 def test_a_halved_learning_rate_changes_the_steps_after_from(torchrun_store):
     """The step at --from is computed before its scaled update: the loss first differs one step later."""
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "17", "--verify", "--json",
