@@ -69,6 +69,9 @@ def test_a_loop_records_its_steps_and_finds_the_attention(tmp_path):
     assert store.read_steps(["lr"])["lr"].tolist() == [0.1] * 6   # the optimizer's, when not given
     assert [c.step for c in store.checkpoints()] == [0, 3, 6]
     assert m.command.argv == sys.orig_argv[1:]
+    info = replay_cli("info", str(tmp_path / "run")).stdout
+    assert f"command     python x 1: python {' '.join(sys.orig_argv[1:])}" in info
+    assert "model       1 attention layers x 2 heads, fp32, layout none" in info
 
 
 def test_what_a_loop_cannot_do_is_refused_in_one_line_before_anything_is_written(tmp_path):
