@@ -19,7 +19,8 @@ from replay.errors import UsageError
 from replay.store.manifest import CommandInfo
 
 
-ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")   # kept with the command: they change what runs
+# kept with the command: they change what runs (the code found, thread counts, hashing, cuBLAS's workspace)
+ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")
 
 
 def capture(world_size: int) -> CommandInfo:
@@ -28,7 +29,8 @@ def capture(world_size: int) -> CommandInfo:
     cwd = Path.cwd()
     return CommandInfo(argv=list(sys.orig_argv[1:]), cwd=str(cwd), launcher=launcher, world_size=world_size,
                        files={_relative(p, cwd): _sha256(p) for p in _user_files()},
-                       env={k: os.environ[k] for k in ENV if k in os.environ})
+                       env={k: os.environ[k] for k in ENV if k in os.environ},
+                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def changed_files(command: CommandInfo) -> list[str]:
@@ -41,13 +43,13 @@ def changed_files(command: CommandInfo) -> list[str]:
     return changed
 
 
-def check_unchanged(command: CommandInfo, what: str) -> None:
+def check_unchanged(command: CommandInfo, what: str, allow: str = "pass --allow-changed") -> None:
     """Refuse, in one line, to start a run again whose code changed since it was recorded."""
     changed = changed_files(command)
     if changed:
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
         raise UsageError(f"{changed[0]}{more} changed since the run was recorded: {what} would not run the recorded "
-                         "code; restore it, or pass --allow-changed to run the edited code")
+                         f"code; restore it, or {allow} to run the edited code")
 
 
 def _user_files() -> list[Path]:

@@ -149,6 +149,8 @@ class Loop:
         self._overriding = False
         self._autocast_entered = False
         self._check_draws = True
+        self._pending: tuple[int, SpikeEvent | None] | None = None   # a logged step not yet checkpointed
+        self._shape: tuple[int, ...] | None = None                   # of every step's sample ids
         self._exits = contextlib.ExitStack()
         if self.rank == 0:
             self._note_environment(resume)
@@ -187,9 +189,12 @@ class Loop:
                     self._rewind(path)
                 else:
                     self._create(path, cfg, layout, description)
-            except ReplayError as e:
+            except BaseException as e:
                 if self._lease is not None:
                     self._lease.release()
+                    self._lease = None
+                if not isinstance(e, ReplayError):
+                    raise
                 message = str(e)
         if self.world > 1:
             box = [message, spec]
@@ -216,7 +221,7 @@ class Loop:
             raise UsageError(f"Loop(resume=True) with {self.world} ranks, but {path} was recorded with "
                              f"{m.world_size}: resume with the same world size")
         if os.environ.get("REPLAY_ALLOW_CHANGED") != "1":
-            cmd.check_unchanged(m.command, "resuming")
+            cmd.check_unchanged(m.command, "resuming", allow="set REPLAY_ALLOW_CHANGED=1")
         last = store.rewind(verify_world_size=self.world)
         store.update_manifest(status="running", resumes=[*m.resumes, ResumeInfo(from_step=last or 0,
                                                                                  time=time.time())])
@@ -259,6 +264,7 @@ class Loop:
         if self._replay and any(s < start for s in self._replay.spec.skip):   # a replay resumed after a skip:
             self._check_draws = False   # its restored RNG states are its own, no longer the record's
         for step in range(start, self._stop):
+            self._finish()   # the previous step's checkpoint: its state includes what the script did after log
             self.step, self._ids, self._logged, self._autocast_entered = step, [], False, False
             if self._replay and step >= self._replay.spec.start and not self._overriding:
                 self._begin_overrides(step)
@@ -268,6 +274,7 @@ class Loop:
             yield step
             if not self._logged:
                 raise UsageError(f"step {step} ended without loop.log(loss=...): call it once in every step")
+        self._finish()
         self.step = None
         self.recorder.flush()
         if self.rank == 0:
@@ -315,9 +322,22 @@ class Loop:
                              "replay cannot change its precision")
         lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
         self._logged = True
-        return self.recorder.record_step(self.step, sample_ids=np.stack(self._ids), loss=_number(loss),
-                                         grad_norm=_number(grad_norm), lr=float(lr), tokens=int(tokens),
-                                         numerics=numerics)
+        if len({a.shape for a in self._ids}) > 1 or (self._shape is not None and self._shape != np.shape(self._ids)):
+            raise UsageError(f"step {self.step} drew micro-batches of {[a.shape for a in self._ids]} sample ids; every "
+                             f"step must draw the same ({self._shape or 'as its first micro-batch'}): one "
+                             "loop.sample_ids(...) call per training micro-batch, each of the batch size")
+        self._shape = np.shape(self._ids)
+        event = self.recorder.record_step(self.step, sample_ids=np.stack(self._ids), loss=_number(loss),
+                                          grad_norm=_number(grad_norm), lr=float(lr), tokens=int(tokens),
+                                          numerics=numerics, finish=False)
+        self._pending = (self.step, event)
+        return event
+
+    def _finish(self) -> None:
+        if self._pending is not None:
+            step, event = self._pending
+            self._pending = None
+            self.recorder.finish_step(step, event)
 
     def autocast(self, device_type: str) -> "_Autocast":
         """The context the forward runs under: autocast to the run's precision (none for fp32), or to a
@@ -327,6 +347,7 @@ class Loop:
     def close(self) -> None:
         """Flush the store and release what the loop holds (the `with` block does it)."""
         try:
+            self._finish()   # a loop left after its last log (a `break`): that step's checkpoint is still due
             self._exits.close()
             self.recorder.close()
         finally:
@@ -345,12 +366,12 @@ class Loop:
                 self._exits.enter_context(applied)
         if r.lr_scale is None:
             return
-        if hasattr(self.scheduler, "base_lrs"):   # a torch scheduler: scale what it scales, once (a replay
-            if step == r.spec.start:              # resumed inside its window restored scaled ones)
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):   # scale what it scales, once (a
+            if step == r.spec.start:              # replay resumed inside its window restored scaled ones)
                 self.scheduler.base_lrs = [lr * r.lr_scale for lr in self.scheduler.base_lrs]
                 for group in self.optimizer.param_groups:
                     group["lr"] *= r.lr_scale
-        else:                                     # learning rates the script sets itself: scaled at each step
+        else:   # rates the script (or a scheduler from other state, as OneCycleLR) sets: scaled at each step
             self._exits.enter_context(_scaled_lr(self.optimizer, r.lr_scale))
 
     def _skip(self, step: int) -> None:
@@ -358,9 +379,11 @@ class Loop:
         self._check_draws = False   # the loader's randomness no longer follows the record's
         ids = self._replay.recorded_ids[step, self.rank]
         self.recorder.record_skipped(step, sample_ids=ids, lr=self.optimizer.param_groups[0]["lr"],
-                                     numerics=self._skipped_numerics() if self._skipped_numerics else None)
+                                     numerics=self._skipped_numerics() if self._skipped_numerics else None,
+                                     finish=False)
         if self.scheduler is not None:
             self.scheduler.step()
+        self._pending = (step, None)   # its checkpoint holds the scheduler's step
 
 
 class _Autocast:

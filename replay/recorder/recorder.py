@@ -177,9 +177,12 @@ class Recorder:
     # -- per step ----------------------------------------------------------------------------------
 
     def record_step(self, step: int, *, sample_ids: np.ndarray, loss: float, grad_norm: float, lr: float,
-                    tokens: int, numerics: dict[str, np.ndarray] | None = None) -> SpikeEvent | None:
+                    tokens: int, numerics: dict[str, np.ndarray] | None = None,
+                    finish: bool = True) -> SpikeEvent | None:
         """Record optimizer step `step` (its state is now the one *after* the step). `numerics`: this
-        rank's per-layer attention numerics (replay.kernels.numerics), stored from rank 0 when given."""
+        rank's per-layer attention numerics (replay.kernels.numerics), stored from rank 0 when given.
+        `finish=False` leaves the step's checkpoint cadence (and a spike's snapshots) to `finish_step`,
+        for a caller whose state may still change after it records the step's metrics."""
         now = time.perf_counter()
         step_time, self._last_time = now - self._last_time, now
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
@@ -190,6 +193,13 @@ class Recorder:
                                "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
                                "sample_ids": all_ids, **(numerics or {})})
         event = self.detector.update(step, global_loss)   # every rank sees the same gathered losses
+        if finish:
+            self.finish_step(step, event)
+        return event
+
+    def finish_step(self, step: int, event: SpikeEvent | None) -> None:
+        """The end of a recorded step: its checkpoint (on the cadence) of the state as it is now, and, after a
+        spike, the snapshots before it."""
         self._after_step(step)
         if event is not None:
             self.spikes.append(event)
@@ -199,18 +209,19 @@ class Recorder:
                 self.writer.submit(lambda e=event: self.store.add_spike(e.to_dict()))
         if self.coordinator and len(self._rows) >= self.cfg.flush_every:
             self._flush_rows()
-        return event
 
     def record_skipped(self, step: int, *, sample_ids: np.ndarray, lr: float,
-                       numerics: dict[str, np.ndarray] | None = None) -> None:
+                       numerics: dict[str, np.ndarray] | None = None, finish: bool = True) -> None:
         """A step whose batch was deliberately not trained on (a replay's --skip): a row of NaN metrics
-        with sample ids -1, unseen by the spike detector; checkpoint cadence as usual."""
+        with sample ids -1, unseen by the spike detector; checkpoint cadence as usual (`finish` as for
+        `record_step`)."""
         if self.coordinator:
             self._last_time = time.perf_counter()
             self._rows.append({"loss": np.nan, "rank_loss": np.full(self.world, np.nan), "grad_norm": np.nan,
                                "lr": float(lr), "tokens": 0, "step_time": 0.0,
                                "sample_ids": np.full((self.world, *np.shape(sample_ids)), -1), **(numerics or {})})
-        self._after_step(step)
+        if finish:
+            self.finish_step(step, None)
 
     def _after_step(self, step: int) -> None:
         """Checkpoint cadence: the state after `step` is checkpoint `step + 1`."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from replay.config import RunConfig
 from replay.recorder.command import check_unchanged
-from replay.errors import UsageError
+from replay.errors import ReplayError, UsageError
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
@@ -108,6 +108,9 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     ckpt = before[-1]
     recorded = parent.manifest
     cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), recorded.launcher)
+    if recorded.command is not None and recorded.command.local_world_size not in (0, recorded.world_size):
+        raise UsageError(f"{store_path} was recorded on several nodes ({recorded.command.local_world_size} of its "
+                         f"{recorded.world_size} ranks on one): `replay run` starts a script's ranks on this machine only")
     if recorded.command is not None and not req.allow_changed:
         check_unchanged(recorded.command, "replaying it")
     if req.overrides.drop:
@@ -167,6 +170,11 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
         notes = environment_notes(recorded.environment)
         if pending and recorded.command is not None:
             run_script(str(path), recorded.command, resume, lease.spec)
+            reached = RunStore.open(path)
+            if reached.manifest.status != "complete":   # the script left its loop (or exited) before the window's end
+                raise ReplayError(f"the training script ended without an error after step {reached.end_step - 1}, "
+                                  f"before the window {req.start}..{req.stop} was done: it left `loop.steps()` early "
+                                  "(a `break`, or a step limit of its own)")
         elif pending:
             run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec, pool=pool)
         result = Replay(path, created=pending, environment_notes=notes)

@@ -57,6 +57,8 @@ class Layout:
         unknown = set(d) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise UsageError(f"unknown layout keys {sorted(unknown)}: use {', '.join(_ROLES)} and orientation")
+        if "o" not in d:
+            raise UsageError("a layout names W_O's key as 'o'")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

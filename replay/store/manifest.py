@@ -47,6 +47,7 @@ class CommandInfo:
     world_size: int
     files: dict[str, str]          # the script and the local modules it imported: path -> sha256
     env: dict[str, str] = field(default_factory=dict)   # the variables that change what runs (PYTHONPATH)
+    local_world_size: int = 0      # ranks on the recording's node (< world_size: it ran on several nodes)
 
 
 @dataclass

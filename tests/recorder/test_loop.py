@@ -36,8 +36,8 @@ class Tiny(torch.nn.Module):
         super().__init__()
         self.emb, self.attn, self.head = torch.nn.Embedding(16, 8), SelfAttention(), torch.nn.Linear(8, 16)
 
-    def forward(self, x):
-        return self.head(self.attn(self.emb(x)))
+    def forward(self, x):   # dropout: the loss depends on the RNG states, as a replay restores them
+        return self.head(torch.nn.functional.dropout(self.attn(self.emb(x)), p=0.1, training=self.training))
 
 
 def _parts():
@@ -134,8 +134,9 @@ from tests.recorder.test_loop import Tiny
 torch.manual_seed(0)
 model = Tiny()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 unrecorded = np.random.default_rng()   # fresh entropy in every process: not part of any RNG state
-loop = Loop(sys.argv[1], model, optimizer, total_steps=8, checkpoint_every=4)
+loop = Loop(sys.argv[1], model, optimizer, scheduler=scheduler, total_steps=8, checkpoint_every=4)
 with loop:
     for step in loop.steps():
         drawn = unrecorded.integers(0, 1000, 2) if "--unrecorded" in sys.argv else torch.randint(0, 1000, (2,))
@@ -147,6 +148,9 @@ with loop:
         optimizer.step()
         optimizer.zero_grad()
         loop.log(loss=loss)
+        scheduler.step()   # after log: still in the step's checkpoint
+        if loop.replaying and step == 5 and "--break" in sys.argv:
+            break
 """
 
 
@@ -171,12 +175,15 @@ def test_a_loader_with_unrecorded_randomness_is_caught_in_the_replay(tmp_path):
 
 
 @pytest.mark.slow
-def test_precision_is_refused_for_a_forward_outside_loop_autocast(tmp_path):
-    """(tests/examples/test_nanogpt.py changes the precision of a script that uses it.)"""
-    store = _record(tmp_path)
+def test_a_replay_the_script_cannot_run_or_finish_is_an_error(tmp_path):
+    """--precision needs a forward under loop.autocast (tests/examples/test_nanogpt.py shows one that has it);
+    a script that leaves its loop before the window's end has not replayed the window."""
+    store = _record(tmp_path, "--break")
     refused = replay_cli("run", str(store), "--from", "5", "--to", "6", "--precision", "bf16")
     assert f"rank 0 exited with code {UsageError.exit_code}" in error_line(refused)
     assert "rank 0: --precision: this script does not run its forward under loop.autocast" in refused.stderr
+    early = error_line(replay_cli("run", str(store), "--from", "2", "--to", "6"))
+    assert "ended without an error after step 5, before the window 2..6 was done" in early
 
 
 @pytest.mark.slow
@@ -184,6 +191,8 @@ def test_a_killed_replay_with_a_skip_resumes_to_the_uninterrupted_one(tmp_path):
     """After a skipped step the replay's RNG states are its own: resumed from its checkpoint, the loader draws
     what the replay would have drawn, and the resumed replay equals one that ran through."""
     store = _record(tmp_path)
+    plain = replay_cli("run", str(store), "--from", "5", "--to", "6", "--verify")
+    assert "bit for bit" in plain.stdout, plain.stderr   # the scheduler stepped after log is in checkpoint 4
     window = ["--from", "2", "--to", "7", "--skip", "3", "--checkpoint-every", "2"]
     whole = replay_cli("run", str(store), *window, "--name", "whole")
     assert whole.returncode == 0, whole.stderr
