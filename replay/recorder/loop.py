@@ -68,7 +68,8 @@ class _Replay:
 
     spec: ReplaySpec
     parent: RunStore
-    recorded_ids: np.ndarray             # (step, rank, call, sample): what the parent trained on
+    ids: np.ndarray                      # (step, rank, call, sample): what the parent trained on, from ...
+    first: int                           # ... this step (its start checkpoint's) to the window's end
     plan: AttentionPlan | None           # None: the recorded attention
     precision: str | None
     lr_scale: float | None
@@ -165,10 +166,11 @@ class Loop:
         """In a replay, whether the current step is in the window (where the overrides apply)."""
         return self._overriding
 
-    @property
-    def recorded_ids(self) -> np.ndarray | None:
-        """In a replay, the sample ids the record has: (step, rank, micro-batch, sample); else None."""
-        return self._replay.recorded_ids if self._replay else None
+    def recorded_ids(self, step: int) -> np.ndarray:
+        """In a replay, the sample ids the record has for `step` (of its window or the fast-forward before
+        it): (rank, micro-batch, sample)."""
+        assert self._replay is not None, "a recording has no recorded ids to read"
+        return self._replay.ids[step - self._replay.first]
 
     @property
     def last_loss(self) -> float:
@@ -237,7 +239,8 @@ class Loop:
             plan = AttentionPlan.parse(cfg.model.attention)
         precision = cfg.precision if cfg.precision != parent.manifest.config.precision else None
         lr_scale = None if spec.lr_scope else overrides.get("lr_scale")   # a scoped one is the loop's to apply
-        return _Replay(spec, parent, parent.read_steps(["sample_ids"])["sample_ids"], plan, precision, lr_scale)
+        ids = parent.read_steps(["sample_ids"], start=spec.start_checkpoint, stop=spec.stop + 1)["sample_ids"]
+        return _Replay(spec, parent, ids, spec.start_checkpoint, plan, precision, lr_scale)
 
     def _note_environment(self, resumed: bool) -> None:
         device = next(self.model.parameters()).device
@@ -291,7 +294,7 @@ class Loop:
         if self._replay is None:
             self._ids.append(drawn)
             return ids
-        recorded_step = self._replay.recorded_ids[self.step, self.rank]
+        recorded_step = self.recorded_ids(self.step)[self.rank]
         call = len(self._ids)
         if call >= len(recorded_step) or recorded_step[call].shape != drawn.shape:
             raise ReplayError(f"step {self.step}: the script draws micro-batch {call} of shape {drawn.shape}, the "
@@ -377,7 +380,7 @@ class Loop:
     def _skip(self, step: int) -> None:
         """A skipped step: no training; the scheduler moves on as if it had trained."""
         self._check_draws = False   # the loader's randomness no longer follows the record's
-        ids = self._replay.recorded_ids[step, self.rank]
+        ids = self.recorded_ids(step)[self.rank]
         self.recorder.record_skipped(step, sample_ids=ids, lr=self.optimizer.param_groups[0]["lr"],
                                      numerics=self._skipped_numerics() if self._skipped_numerics else None,
                                      finish=False)

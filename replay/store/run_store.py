@@ -262,12 +262,16 @@ class RunStore:
             arr[row:row + k] = rows
         self._set_n_steps(row + k)
 
-    def read_steps(self, fields: list[str] | None = None) -> dict[str, np.ndarray]:
+    def read_steps(self, fields: list[str] | None = None, start: int | None = None,
+                   stop: int | None = None) -> dict[str, np.ndarray]:
+        """The step log's rows of steps `start`..`stop - 1` (by default all of them)."""
         n = self.n_steps
+        lo = 0 if start is None else min(n, max(0, start - self.first_step))
+        hi = n if stop is None else min(n, max(lo, stop - self.first_step))
         steps = self.root["steps"]
-        out = {"step": np.arange(self.first_step, self.first_step + n)}
+        out = {"step": np.arange(self.first_step + lo, self.first_step + hi)}
         for name in fields or list(STEP_FIELDS):
-            out[name] = self._read_array(f"steps/{name}", slice(0, n)) if name in steps else np.zeros((0,))
+            out[name] = self._read_array(f"steps/{name}", slice(lo, hi)) if name in steps else np.zeros((0,))
         return out
 
     def truncate_steps(self, end_step: int) -> None:

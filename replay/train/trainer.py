@@ -120,7 +120,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
             ids = np.stack([loop.sample_ids(micro) for micro in order.rank_ids(step, r.rank, r.world,
                                                                                cfg.micro_batch_size)])
             dropped = frozenset(drop.get(step, ()))
-            weight = kept_weight(loop.recorded_ids[step], dropped) if dropped else 1.0
+            weight = kept_weight(loop.recorded_ids(step), dropped) if dropped else 1.0
             with probe.collecting() if probe else contextlib.nullcontext():
                 loss, grad_norm, lr = step_fn(loop, ids, dropped, weight, scoped)
             raise_deferred()
