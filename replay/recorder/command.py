@@ -2,9 +2,9 @@
 
 A replay of a loop of the user's own starts the recorded command again, so the record keeps the
 interpreter's arguments, the working directory, the launcher and world size, the few environment variables
-that change what runs (PYTHONPATH, thread counts), and a hash of every file of
-the user's code the process had imported: the script and its local modules (files outside the Python
-installation and its site-packages). A replay refuses a changed file unless the user allows it.
+that change what runs (`ENV`), and a hash of every file of the user's code the process had imported: the
+script and its local modules (files outside the Python installation and its site-packages). A replay
+refuses a changed file unless the user allows it.
 """
 
 from __future__ import annotations

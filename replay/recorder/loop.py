@@ -47,7 +47,7 @@ from replay.recorder import command as cmd
 from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.recorder import Recorder, RecorderConfig, TrainState
 from replay.recorder.spikes import SpikeEvent
-from replay.recorder.state import TorchTrainState
+from replay.recorder.state import TorchTrainState, unwrap
 from replay.store import RunStore
 from replay.store.layout import resolve_layout
 from replay.store.lease import ENV as LEASE_ENV
@@ -109,21 +109,19 @@ class Loop:
         if self.world > 1 and not dist.is_initialized():
             raise UsageError("WORLD_SIZE > 1: call torch.distributed.init_process_group() before Loop(...)")
         self.attention = attention
-        self._apply_attention = apply_attention or (
-            lambda plan: sdpa_dispatch(getattr(model, "module", model), plan, attention))
+        self._apply_attention = apply_attention or (lambda plan: sdpa_dispatch(unwrap(model), plan, attention))
         self._skipped_numerics = skipped_numerics
         self._lease: Lease | None = None
         if os.environ.get(STORE_ENV):   # started again by `replay run`: its replay store and lease
             sys.excepthook = _one_line_errors(sys.excepthook, self.rank)
             store, lease, resume = os.environ[STORE_ENV], os.environ[LEASE_ENV], os.environ.get(RESUME_ENV) == "1"
         elif lease is None:             # the script's own recording: rank 0 prepares the store
-            n_layer, heads = _attention_shape(getattr(model, "module", model), attention, n_head)
+            n_layer, heads = _attention_shape(unwrap(model), attention, n_head)
             cfg = RunConfig(preset="custom", steps=total_steps, nproc=self.world, precision=_canonical(precision),
                             threads=torch.get_num_threads(), checkpoint_every=checkpoint_every,
                             snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike or SpikeConfig(),
-                            model=ModelConfig(n_layer=n_layer, n_head=heads,
-                                              n_embd=_width(getattr(model, "module", model)), block_size=0,
-                                              attention="sdpa"))
+                            model=ModelConfig(n_layer=n_layer, n_head=heads, n_embd=_width(unwrap(model)),
+                                              block_size=0, attention="sdpa"))
             lease = self._prepare(str(store), cfg, resume, layout, description)
         opened = RunStore.open(store)
         self._replay = self._read_replay(opened) if opened.kind == "replay" else None

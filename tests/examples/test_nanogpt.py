@@ -3,6 +3,7 @@ analysed by the product's commands, as its README says. Every run is a real proc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -58,7 +59,7 @@ def test_torchrun_records_each_ranks_draws_and_the_command(torchrun_store, data_
     assert str(EXAMPLE / "train.py") in m.command.argv and m.command.cwd == str(data_dir.parent)
     script = str(EXAMPLE / "train.py")
     digest = m.command.files[script]
-    assert digest == __import__("hashlib").sha256(Path(script).read_bytes()).hexdigest()
+    assert digest == hashlib.sha256(Path(script).read_bytes()).hexdigest()
     assert [c.step for c in store.checkpoints()] == [0, 10, 20, 30, 40]
     ids = store.read_steps(["sample_ids"])["sample_ids"]
     assert ids.shape == (40, 2, 2, 4)   # step, rank, micro-batch, sample: random offsets into train.bin
