@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600,
 # `make test-fast` leaves out the tests marked `slow`: those that start processes (their modules say so)
 # and, marked here, every test that needs a recorded run or a Ray cluster.
 SLOW_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local", "planted_data",
-                 "planted_layer", "two_node_cluster", "other_seed", "interpreted"}
+                 "planted_layer", "two_node_cluster", "other_seed", "interpreted", "token_file"}
 
 
 def pytest_collection_modifyitems(items):
@@ -75,6 +76,33 @@ def ray_local() -> str:
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
         yield ray.get_runtime_context().gcs_address
         ray.shutdown()
+
+
+BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
+
+
+@pytest.fixture(scope="session")
+def benchmarks_in_background(ray_local) -> Iterator[Future]:
+    """Every benchmark's quick mode (test_benchmarks.py), one after another in a thread of their own from
+    the session's start: they only wait on processes of their own, which run beside the tests instead of
+    adding to their time. A future of {script: its completed process}; the analysis benchmark uses the
+    session's Ray cluster. (The results pipeline stays in line: beside the tests, its Ray tasks took the
+    CPUs the tests' analyses wait for, and the suite gained nothing.)"""
+    env = child_env(os.environ | {"RAY_ADDRESS": ray_local})
+
+    def run_all() -> dict[str, subprocess.CompletedProcess]:
+        return {script: subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env,
+                                       capture_output=True, text=True, timeout=300) for script in BENCHMARKS}
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="benchmarks") as pool:
+        yield pool.submit(run_all)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background(request) -> None:
+    """Start the benchmarks as the session begins, where the session runs their test."""
+    if any("benchmarks_in_background" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("benchmarks_in_background")
 
 
 def wait_for_descendants(pid: int, want, timeout: float = 120) -> dict[int, int]:

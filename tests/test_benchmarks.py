@@ -1,23 +1,20 @@
 """Every benchmark runs in its quick mode, through its public entry points, and prints its ratios (never
-asserted on: the numbers are the benchmark's to report, not the suite's to judge). They run two at a time,
-which only the numbers they print feel."""
+asserted on: the numbers are the benchmark's to report, not the suite's to judge). They run one after
+another in the background from the session's start (conftest.py), beside the other tests, which only the
+numbers they print feel."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from replay.lifeline import child_env
-from tests.conftest import REPO
+from tests.conftest import BENCHMARKS, REPO
 
 pytestmark = pytest.mark.slow
-BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
 GPU_ONLY = {"bench_cuda_record.py"}   # says it skips on a machine without CUDA
 
 
@@ -27,15 +24,8 @@ def test_every_benchmark_is_here():
 
 
 @pytest.fixture(scope="module")
-def quick_runs(ray_local) -> dict[str, subprocess.CompletedProcess]:
-    """Every benchmark's quick mode; the analysis benchmark's uses the session's Ray cluster."""
-    def run(script: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO,
-                              env=child_env(os.environ | {"RAY_ADDRESS": ray_local}), capture_output=True, text=True,
-                              timeout=300)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(BENCHMARKS, pool.map(run, BENCHMARKS)))
+def quick_runs(benchmarks_in_background) -> dict[str, subprocess.CompletedProcess]:
+    return benchmarks_in_background.result()
 
 
 @pytest.mark.parametrize("script", BENCHMARKS)

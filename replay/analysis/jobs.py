@@ -9,7 +9,9 @@ is new, and an interrupted analysis resumes where it stopped.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +28,10 @@ from replay.errors import StoreError, UsageError
 from replay.recorder import MODEL_KEYS, model_key
 from replay.store import RunStore
 from replay.store.layout import Layout, layout_of
+from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 from replay.store.lease import require, writing
 
 LAYER_BLOCK = 4                         # layers per work item
-PROBE_SAMPLES = 4                       # samples of the probe batch ...
-PROBE_TOKENS = 256                      # ... and at most this many of their tokens
 
 
 @dataclass
@@ -51,8 +52,10 @@ class MetricItem:
     ckpt: Source
     prev: Source | None
     before: Source | None
-    probe: list[list[int]] | None       # token rows of the probe batch (block_size + 1 tokens each); None:
-                                        # a model of the user's own (the probe runs the built-in GPT-2)
+    probe: list[list[int]] | None       # token rows of the probe batch (block_size + 1 tokens each for the
+                                        # built-in GPT-2, the model's input rows for a transformers model);
+                                        # None: a model of the user's own without one (no probe)
+    transformers_config: dict | None = None   # a transformers model of the user's own (hf_probe_metrics)
     lease: str = ""                     # the spec of the driver's lease: checked before writing
 
     @property
@@ -116,7 +119,7 @@ def _layout(store: RunStore) -> Layout:
     layout = layout_of(m.launcher, m.layout)
     if layout is None:
         raise UsageError(f"{store.path} was recorded by a loop that named no weight layout, so its per-head "
-                         "metrics cannot be found: record with Loop(..., layout='nanogpt' | 'hf-gpt2' | {...})")
+                         "metrics cannot be found: record with Loop(..., layout='nanogpt' | 'hf-gpt2' | 'hf-llama' | {...})")
     return layout
 
 
@@ -138,7 +141,10 @@ def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
             values["update_rel_head"] /= item.ckpt.step - item.prev.step
         per_layer.append(values)
     out = {name: np.stack([v[name] for v in per_layer]) for name in per_layer[0]}
-    out.update(probe_metrics(item) if item.probe else _no_probe(len(layers), item.n_head))
+    if item.probe and item.transformers_config:
+        out.update(hf_probe_metrics(item))
+    else:
+        out.update(probe_metrics(item) if item.probe else _no_probe(len(layers), item.n_head))
     return out
 
 
@@ -185,6 +191,83 @@ def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
             norm = model.ln_f if layer + 1 < hi else torch.nn.Identity()   # the last entry has had ln_f
             z.append(M.log_z(hidden[layer + 1], norm, wte))
     return {**{name: np.stack(v) for name, v in per_head.items()}, "log_z": np.array(z)}
+
+
+def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
+    """The probe of a transformers model of the user's own, rebuilt from its recorded config (FP32, eager
+    attention) on its recorded probe rows: per query head the max attention logit, the BF16 tied-maxima
+    rate and the entropy, of q and k as the model's attention function receives them (after RoPE, each
+    query head with its group's key head); per layer log Z through the decoder's final norm and the output
+    embedding (NaN for a model whose decoder has no `norm` and `layers`)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from replay.kernels.registry import hf_attention_modules, per_query_head
+
+    lo, hi = item.block
+    store = RunStore.open(item.ckpt.path)
+
+    def wanted(key: str) -> bool:   # the model's tensors, of its first `hi` layers
+        layer = re.search(r"\.layers\.(\d+)\.", key)
+        return key.startswith(MODEL_KEYS) and (layer is None or int(layer.group(1)) < hi)
+
+    keys = [k for k in store.shard_index(item.ckpt.step, 0) if wanted(k)]
+    state = {k[len(MODEL_KEYS):]: t.float() for k, t in store.read_shard(item.ckpt.step, 0, keys=keys).items()}
+    config = CONFIG_MAPPING[item.transformers_config["model_type"]].from_dict(item.transformers_config)
+    config.get_text_config().num_hidden_layers = hi   # the layers below the block's end are all it needs
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)   # tied: not stored
+    _register_probe_attention()
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in hf_attention_modules(model):
+        module.replay_probe = seen
+    model.set_attn_implementation("replay-probe")
+    decoder = model.get_decoder()
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_hook(functools.partial(_keep_output, outputs, i))
+             for i, layer in enumerate(getattr(decoder, "layers", []))]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor(item.probe, dtype=torch.long))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    norm, unembed = getattr(decoder, "norm", None), model.get_output_embeddings().weight
+    per_head: dict[str, list[np.ndarray]] = {}
+    z = []
+    with torch.no_grad():
+        for layer in range(lo, hi):
+            q, k = seen[layer]
+            for name, values in M.attention_probe(q, per_query_head(k, q.shape[1])).items():
+                per_head.setdefault(name, []).append(values)
+            z.append(M.log_z(outputs[layer], norm, unembed) if norm is not None and layer in outputs else np.nan)
+    return {**{name: np.stack(v) for name, v in per_head.items()}, "log_z": np.array(z)}
+
+
+def _keep_output(outputs: dict, layer: int, module, args, output) -> None:
+    outputs[layer] = output[0] if isinstance(output, tuple) else output
+
+
+_probe_registered = False
+
+
+def _register_probe_attention() -> None:
+    """`replay-probe`: the model's own eager attention, noting the q and k each attention module receives."""
+    global _probe_registered
+    if _probe_registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    from replay.kernels.registry import eager_function
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        module.replay_probe[module.layer_idx] = (query, key)
+        return eager_function(module)(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("replay-probe", attention)
+    AttentionMaskInterface.register("replay-probe", eager_mask)
+    _probe_registered = True
 
 
 def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
@@ -234,8 +317,16 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
     if not sources:
         return [], 0
     builtin = store.manifest.launcher != "custom"
-    probe = probe_batch(store) if builtin else {"sample_ids": [], "tokens": None}
-    rows = len(probe["tokens"]) * (len(probe["tokens"][0]) - 2) if builtin else 0
+    info = _root_run(store).manifest.model   # a transformers model of the user's own, with its probe rows
+    if builtin:
+        probe = probe_batch(store)
+        rows = len(probe["tokens"]) * (len(probe["tokens"][0]) - 2)   # the inputs drop the last token
+    elif info is not None and info.probe:
+        probe = {"sample_ids": [], "tokens": info.probe}
+        rows = len(info.probe) * (len(info.probe[0]) - 1)
+    else:
+        probe, rows = {"sample_ids": [], "tokens": None}, 0
+    hf_config = None if builtin or info is None else info.transformers_config
     table = R.MetricsTable.open_or_create(store.path, cfg.n_layer, cfg.n_head, min(LAYER_BLOCK, cfg.n_layer),
                                           {"sample_ids": probe["sample_ids"], "rows": rows})
     # each checkpoint with the one and two before it (the update statistics' inputs)
@@ -252,7 +343,7 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
                 skipped += 1
                 continue
             items.append(MetricItem(str(store.path.resolve()), row, b, block, cfg.n_embd, cfg.n_head, src, prev,
-                                    before, probe["tokens"]))
+                                    before, probe["tokens"], hf_config))
     return items, skipped
 
 

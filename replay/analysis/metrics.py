@@ -1,14 +1,18 @@
 """The numbers the analysis computes, as plain functions of tensors (no store, no Ray).
 
-A layer's matrices come as (in, out) (store/layout.py reads them so from any layout): W_Q, W_K, W_V are
-[d, d], head h being columns h*hd:(h+1)*hd; W_O is [d, d], head h being rows h*hd:(h+1)*hd; the MLP's
-"fc" [d, 4d] and "proj" [4d, d], where the layout names them (NaN where it does not).
+A layer's matrices come as (in, out) (store/layout.py reads them so from any layout): W_Q is [d, H*hd],
+head h being columns h*hd:(h+1)*hd; W_O is [H*hd, d], head h being rows h*hd:(h+1)*hd; W_K, W_V are
+[d, H_kv*hd], H_kv = H without grouped-query attention; the MLP's "fc" [d, 4d] and "proj" [4d, d], where
+the layout names them (NaN where it does not). Per-head numbers are per query head h; those of W_K, W_V
+(and W_Q,h W_K^T) are of the key/value head it reads, g = h // (H / H_kv), so the heads of one group
+show the same W_K and W_V numbers.
 
 Definitions (stated once, used everywhere):
 - spectral norm: the largest singular value. Whole matrices: Lanczos (ARPACK) on the smaller Gram
   matrix in FP32, relative error about 1e-7 against a full SVD. Per-head slices: exact (batched SVD of
-  the R factor). `W_Q,h W_K,h^T`: the norm of `R_q R_k^T` from the R factors of the two [d, hd]
-  slices, exact because Q = U_q R_q and K = U_k R_k with orthonormal U.
+  the R factor). `W_Q,h W_K,g^T`: the norm of `R_q R_k^T` from the R factors of the two [d, hd]
+  slices, exact because Q = U_q R_q and K = U_k R_k with orthonormal U; on the weights, so before any
+  rotary position embedding (RoPE rotates q and k by position; the probe measures logits after it).
 - update between consecutive checkpoints: D_t = W_t - W_prev. Relative update norm ||D_t||_F / ||W_prev||_F
   (the analysis divides it by the steps between the two checkpoints: a per-step rate);
   cosine of successive updates <D_t, D_prev> / (||D_t|| ||D_prev||) (the "similar updates" signature);
@@ -36,6 +40,7 @@ import scipy.stats
 import torch
 
 from replay.analysis.names import HEAD_MATRICES, MATRICES
+from replay.errors import UsageError
 from replay.kernels.numerics import cosine
 
 
@@ -51,11 +56,19 @@ def spectral_norm(m: np.ndarray) -> float:
 
 
 def head_slices(mats: dict[str, np.ndarray], n_head: int) -> dict[str, np.ndarray]:
-    """[n_head, d, hd] slices of W_Q, W_K, W_V (columns) and of W_O (rows, transposed to [d, hd])."""
-    d = mats["q"].shape[0]
-    hd = d // n_head
-    out = {name: mats[name].reshape(d, n_head, hd).transpose(1, 0, 2) for name in ("q", "k", "v")}
-    out["o"] = mats["o"].reshape(n_head, hd, d).transpose(0, 2, 1)
+    """[n_head, d, hd] slices per query head of W_Q (columns), of W_O (rows, transposed to [d, hd]) and of
+    W_K, W_V (the columns of the key/value head each query head reads)."""
+    d, width = mats["q"].shape
+    hd = width // n_head
+    n_kv = mats["k"].shape[1] // hd
+    if width != n_head * hd or n_kv * hd != mats["k"].shape[1] or n_head % n_kv:
+        raise UsageError(f"W_Q ({mats['q'].shape[1]} wide) and W_K ({mats['k'].shape[1]} wide) do not split into "
+                         f"{n_head} query heads sharing key/value heads evenly: check the run's heads per layer "
+                         "(Loop(n_head=...)) and its layout")
+    out = {"q": mats["q"].reshape(d, n_head, hd).transpose(1, 0, 2)}
+    for name in ("k", "v"):
+        out[name] = np.repeat(mats[name].reshape(d, n_kv, hd).transpose(1, 0, 2), n_head // n_kv, axis=0)
+    out["o"] = mats["o"].reshape(n_head, hd, -1).transpose(0, 2, 1)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Attention backends by name, a per-layer / per-head plan, and the glue into transformers' GPT-2.
+"""Attention backends by name, a per-layer / per-head plan, and the glue into transformers' models.
 
 A backend spec is `NAME[:OPTION,OPTION=VALUE,...]`:
 
@@ -21,6 +21,10 @@ A plan that is one transformers implementation for the whole model is handed to 
 anything else runs through `replay`, an attention function registered with transformers'
 AttentionInterface (and its mask interface, so padding masks arrive) that splits the heads of each layer
 between their backends and runs our own backends with autocast off, so their rounding is theirs alone.
+That works for every transformers model whose attention modules call the interface (GPT-2, Llama, Qwen2,
+Mistral, ...). A head is a query head: with grouped-query attention (fewer key/value heads than query
+heads), query head h reads key/value head h // (heads / key-value heads), so overriding one head changes
+that head's attention only, and its group's keys and values stay shared with the other heads.
 """
 
 from __future__ import annotations
@@ -190,7 +194,8 @@ class AttentionPlan:
 # -- the glue into transformers --------------------------------------------------------------------
 
 class LayerAttention:
-    """One layer's heads, grouped by backend; called by the registered `replay` attention function."""
+    """One layer's heads, grouped by backend; called by the registered `replay` attention function and by
+    `sdpa_dispatch`."""
 
     def __init__(self, plan: AttentionPlan, layer: int, n_head: int):
         groups: dict[BackendSpec, list[int]] = {}
@@ -200,16 +205,52 @@ class LayerAttention:
         self.layer, self.n_head = layer, n_head
 
     def __call__(self, module, q, k, v, keep: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """q, k, v: [B, H, N, d]; `keep`: bool [B, 1, N, M] (True = attend) or None for plain causal."""
-        if len(self.groups) == 1:
+        """q: [B, H, N, d]; k, v: [B, H_kv, M, d] (H_kv divides H); `keep`: bool [B, 1, N, M] (True = attend)
+        or None for plain causal."""
+        if len(self.groups) == 1:   # the module's own keys and values: a transformers backend runs as it would
             spec, heads = self.groups[0]
             return _run(spec, module, q, k, v, keep, scaling, (self.layer, heads))
+        k, v, module = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1]), _Ungrouped(module)
         out = torch.empty_like(q)
         for spec, heads in self.groups:
             idx = torch.tensor(heads, device=q.device)
             out[:, idx] = _run(spec, module, q[:, idx], k[:, idx], v[:, idx], keep, scaling,
                                (self.layer, heads)).to(out.dtype)
         return out
+
+
+def per_query_head(kv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Keys or values [B, H_kv, M, d] as one per query head [B, H, M, d] (query head h reads key/value head
+    h // (H / H_kv)), as transformers' repeat_kv lays them out."""
+    n_kv = kv.shape[1]
+    if n_kv == n_head:
+        return kv
+    if n_head % n_kv:
+        raise UsageError(f"{n_head} query heads cannot share {n_kv} key/value heads evenly")
+    return kv.repeat_interleave(n_head // n_kv, dim=1)
+
+
+class _Ungrouped:
+    """An attention module as transformers' attention functions see it once its keys and values have
+    been repeated per query head (`per_query_head`): one query head per key/value head."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def eager_function(module) -> Callable:
+    """The model's own eager attention (each transformers model file defines one)."""
+    owner = module.module if isinstance(module, _Ungrouped) else module
+    fn = getattr(sys.modules[type(owner).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise UsageError(f"{type(owner).__name__} has no eager_attention_forward in {type(owner).__module__}: "
+                         "its model cannot run `eager` heads through replay's attention plans")
+    return fn
 
 
 # Backends added by plugins: name -> a causal attention function (q, k, v, scaling) -> out, on [B, H, N, d].
@@ -245,21 +286,20 @@ def _load_plugins() -> None:
 
 def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, list[int]]) -> torch.Tensor:
     n, m = q.shape[-2], k.shape[-2]
-    if spec.name in _PLUGINS:
-        if keep is not None:
-            raise UsageError(f"attention backend {spec.name!r} (a plugin) takes no padding masks")
-        return _PLUGINS[spec.name](q, k, v, scaling)
     if spec.name == "eager":
-        from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
-
         keep = causal_mask(n, m, q.device) if keep is None else keep
         additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)   # transformers' eager_mask
-        return eager_attention_forward(module, q, k, v, additive, scaling=scaling, dropout=0.0)[0].transpose(1, 2)
+        return eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=0.0)[0].transpose(1, 2)
     if spec.name == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         out = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=scaling, is_causal=keep is None)[0]
         return out.transpose(1, 2)
+    k, v = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1])
+    if spec.name in _PLUGINS:
+        if keep is not None:
+            raise UsageError(f"attention backend {spec.name!r} (a plugin) takes no padding masks")
+        return _PLUGINS[spec.name](q, k, v, scaling)
     with torch.autocast(q.device.type, enabled=False):   # our backends round where they say, nowhere else
         if spec.name == "baseline":
             dtype = DTYPES[spec.dtype] if spec.dtype else q.dtype
@@ -316,16 +356,30 @@ def register() -> None:
         _registered = True
 
 
+def is_transformers_model(model) -> bool:
+    """A transformers model whose attention a plan can reach through the AttentionInterface."""
+    return bool(hf_attention_modules(model)) and hasattr(model, "set_attn_implementation")
+
+
+def hf_attention_modules(model) -> list:
+    """A transformers model's attention modules, by layer: those that know their `layer_idx`."""
+    found = [m for m in model.modules()
+             if "attention" in type(m).__name__.lower() and isinstance(getattr(m, "layer_idx", None), int)]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
 def apply_plan(model, plan: AttentionPlan) -> None:
-    """Give every attention module of a GPT-2 its backends and switch the model to them."""
-    cfg = model.config
-    plan.validate(cfg.n_layer, cfg.n_head)
+    """Give every attention module of a transformers model (GPT-2, Llama, Qwen2, Mistral, ...) its backends
+    and switch the model to them."""
+    modules = hf_attention_modules(model)
+    n_head = model.config.get_text_config().num_attention_heads
+    plan.validate(len(modules), n_head)
     if plan.is_transformers_builtin:
         model.set_attn_implementation(plan.default.name)
         return
     register()
-    for block in model.transformer.h:
-        block.attn.replay_attention = LayerAttention(plan, block.attn.layer_idx, cfg.n_head)
+    for module in modules:
+        module.replay_attention = LayerAttention(plan, module.layer_idx, n_head)
     model.set_attn_implementation("replay")
 
 

@@ -31,6 +31,9 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
         raise UsageError(f"--workers must be >= 1, got {workers}")
     address = address or os.environ.get("RAY_ADDRESS") or None
     owned = not ray.is_initialized()
+    if not owned and address and ":" in address and address != ray.get_runtime_context().gcs_address:
+        raise UsageError(f"this process is connected to the Ray cluster at {ray.get_runtime_context().gcs_address}, "
+                         f"not {address}: call ray.shutdown() first, or run the command in a process of its own")
     guardian = Guardian()
     if owned and address:
         _check_reachable(address)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from replay.config import ModelConfig, RunConfig, SpikeConfig
 from replay.errors import ReplayError, UsageError
-from replay.kernels.registry import AttentionPlan
+from replay.kernels.registry import AttentionPlan, apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import attention_modules, sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder import command as cmd
@@ -49,10 +50,10 @@ from replay.recorder.recorder import Recorder, RecorderConfig, TrainState
 from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState, unwrap
 from replay.store import RunStore
-from replay.store.layout import resolve_layout
+from replay.store.layout import FAMILIES, resolve_layout
 from replay.store.lease import ENV as LEASE_ENV
 from replay.store.lease import Lease
-from replay.store.manifest import DataInfo, Manifest, ReplaySpec, ResumeInfo
+from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS, DataInfo, Manifest, ModelInfo, ReplaySpec, ResumeInfo
 from replay.store.run_store import check_empty
 
 STORE_ENV = "REPLAY_LOOP_STORE"      # set by `replay run` (launch/script.py): the replay store to write
@@ -83,7 +84,7 @@ class Loop:
     attention modules (`transformer.h.*.attn`) when they cannot be found by their names. `n_head`: the
     heads per layer, when the attention modules do not say (`n_head`, `num_heads` attributes).
     `layout`: where the attention weights live, for `replay analyze` (store/layout.py): "nanogpt",
-    "hf-gpt2" or a mapping. `resume`: continue the run in `store` from its last committed checkpoint.
+    "hf-gpt2", "hf-llama" or a mapping (a transformers GPT-2, Llama, Qwen2 or Mistral: its own by default). `resume`: continue the run in `store` from its last committed checkpoint.
 
     For a launcher that prepares the store itself (the built-in `replay record` and `replay run`):
     `lease`, the spec of the lease it holds (store/lease.py), says the store exists already: a new run, one
@@ -109,7 +110,7 @@ class Loop:
         if self.world > 1 and not dist.is_initialized():
             raise UsageError("WORLD_SIZE > 1: call torch.distributed.init_process_group() before Loop(...)")
         self.attention = attention
-        self._apply_attention = apply_attention or (lambda plan: sdpa_dispatch(unwrap(model), plan, attention))
+        self._apply_attention = apply_attention or _attention_applier(unwrap(model), attention)
         self._skipped_numerics = skipped_numerics
         self._lease: Lease | None = None
         if os.environ.get(STORE_ENV):   # started again by `replay run`: its replay store and lease
@@ -121,7 +122,7 @@ class Loop:
                             threads=torch.get_num_threads(), checkpoint_every=checkpoint_every,
                             snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike or SpikeConfig(),
                             model=ModelConfig(n_layer=n_layer, n_head=heads, n_embd=_width(unwrap(model)),
-                                              block_size=0, attention="sdpa"))
+                                              block_size=0, attention=_implementation(unwrap(model))))
             lease = self._prepare(str(store), cfg, resume, layout, description)
         opened = RunStore.open(store)
         self._replay = self._read_replay(opened) if opened.kind == "replay" else None
@@ -151,8 +152,12 @@ class Loop:
         self._pending: tuple[int, SpikeEvent | None] | None = None   # a logged step not yet checkpointed
         self._shape: tuple[int, ...] | None = None                   # of every step's sample ids
         self._exits = contextlib.ExitStack()
+        self._probe_hook = None
         if self.rank == 0:
             self._note_environment(resume)
+            info = self.store.manifest.model
+            if not self.replaying and info is not None and info.probe is None:
+                self._probe_hook = unwrap(model).register_forward_pre_hook(self._take_probe, with_kwargs=True)
 
     @property
     def window(self) -> ReplaySpec | None:
@@ -208,9 +213,13 @@ class Loop:
         check_empty(Path(path))
         data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="",
                         source=description or "a training script of the user's own")
+        model, info = unwrap(self.model), None
+        if is_transformers_model(model):   # its config rebuilds it for the analysis probe; its family's layout
+            info = ModelInfo(json.loads(model.config.to_json_string(use_diff=False)))
+            layout = layout or FAMILIES.get(model.config.model_type)
         RunStore.create(path, Manifest(kind="run", config=cfg, world_size=self.world, launcher="custom", data=data,
                                        created=time.time(), command=cmd.capture(self.world),
-                                       layout=resolve_layout(layout, cfg.model)))
+                                       layout=resolve_layout(layout, cfg.model), model=info))
 
     def _rewind(self, path: str) -> None:
         store = RunStore.open(path, mode="a")
@@ -225,6 +234,15 @@ class Loop:
         last = store.rewind(verify_world_size=self.world)
         store.update_manifest(status="running", resumes=[*m.resumes, ResumeInfo(from_step=last or 0,
                                                                                  time=time.time())])
+
+    def _take_probe(self, module, args, kwargs) -> None:
+        """The analysis probe's batch of a transformers model: the first training forward's input_ids."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not module.training or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return
+        self._probe_hook.remove()
+        rows = ids[:PROBE_SAMPLES, :PROBE_TOKENS].detach().cpu().tolist()
+        self.store.update_manifest(model=dataclasses.replace(self.store.manifest.model, probe=rows))
 
     def _read_replay(self, store: RunStore) -> _Replay:
         spec = store.manifest.replay
@@ -349,6 +367,8 @@ class Loop:
         """Flush the store and release what the loop holds (the `with` block does it)."""
         try:
             self._finish()   # a loop left after its last log (a `break`): that step's checkpoint is still due
+            if self._probe_hook is not None:
+                self._probe_hook.remove()
             self._exits.close()
             self.recorder.close()
         finally:
@@ -437,6 +457,23 @@ def _one_line_errors(hook, rank: int):
         sys.stdout.flush()
         os._exit(value.exit_code)
     return excepthook
+
+
+def _attention_applier(model: torch.nn.Module, pattern: str | None) -> Callable[[AttentionPlan], Any]:
+    """How a replay puts its attention plan into the model: through transformers' AttentionInterface for a
+    transformers model (per query head, grouped-query attention included), else by routing the SDPA calls
+    of its attention modules (kernels/sdpa_dispatch.py)."""
+    if pattern is None and is_transformers_model(model):
+        return lambda plan: apply_plan(model, plan)
+    return lambda plan: sdpa_dispatch(model, plan, pattern)
+
+
+def _implementation(model: torch.nn.Module) -> str:
+    """The attention the recording runs, as a replay's plan names it: a transformers model's own
+    implementation (eager, sdpa; another, such as flash_attention_2, takes no overrides); else SDPA."""
+    if is_transformers_model(model):
+        return model.config.get_text_config()._attn_implementation
+    return "sdpa"
 
 
 def _number(x) -> float:

@@ -5,9 +5,13 @@ key holding Q, K, V in that order), W_O and the MLP's two matrices, and how the 
 `in_out` (transformers' Conv1D, GPT-2) or `out_in` (`nn.Linear`). The analysis always sees them as
 (in, out): head h of W_Q, W_K, W_V is columns h*hd:(h+1)*hd, and head h of W_O is rows h*hd:(h+1)*hd.
 
-Built in: "hf-gpt2" (transformers' GPT2LMHeadModel, the built-in trainer's model) and "nanogpt"
-(nanoGPT's GPT: `transformer.h.{layer}.attn.c_attn` as an `nn.Linear`). A model of one's own gives a
-mapping instead, e.g. for separate projections:
+Built in: "hf-gpt2" (transformers' GPT2LMHeadModel, the built-in trainer's model), "nanogpt"
+(nanoGPT's GPT: `transformer.h.{layer}.attn.c_attn` as an `nn.Linear`) and "hf-llama" (transformers'
+LlamaForCausalLM and the families that share its names: Qwen2, Mistral; `q_proj`, `k_proj`, `v_proj`,
+`o_proj`, with the MLP's `up_proj` as "fc" and `down_proj` as "proj", its `gate_proj` left out). With
+grouped-query attention W_K and W_V are narrower than W_Q: they hold the key/value heads, and query head h
+reads key/value head h // (heads / key-value heads). A model of one's own gives a mapping instead, e.g.
+for separate projections:
 
     {"q": "blocks.{layer}.attn.wq.weight", "k": "blocks.{layer}.attn.wk.weight",
      "v": "blocks.{layer}.attn.wv.weight", "o": "blocks.{layer}.attn.wo.weight",
@@ -26,7 +30,11 @@ from replay.errors import UsageError
 
 _GPT2 = {"qkv": "transformer.h.{layer}.attn.c_attn.weight", "o": "transformer.h.{layer}.attn.c_proj.weight",
          "fc": "transformer.h.{layer}.mlp.c_fc.weight", "proj": "transformer.h.{layer}.mlp.c_proj.weight"}
-BUILT_IN = {"hf-gpt2": {**_GPT2, "orientation": "in_out"}, "nanogpt": {**_GPT2, "orientation": "out_in"}}
+_LLAMA = {role: f"model.layers.{{layer}}.{key}.weight" for role, key in (
+    ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
+    ("fc", "mlp.up_proj"), ("proj", "mlp.down_proj"))}
+BUILT_IN = {"hf-gpt2": {**_GPT2, "orientation": "in_out"}, "nanogpt": {**_GPT2, "orientation": "out_in"},
+            "hf-llama": {**_LLAMA, "orientation": "out_in"}}
 _ROLES = ("qkv", "q", "k", "v", "o", "fc", "proj")
 
 
@@ -80,6 +88,10 @@ class Layout:
             d = fused.shape[1] // 3
             out.update(q=fused[:, :d], k=fused[:, d:2 * d], v=fused[:, 2 * d:])
         return out
+
+
+# A transformers model's layout by its config's model_type: the default of a Loop given none.
+FAMILIES = {"gpt2": "hf-gpt2", "llama": "hf-llama", "qwen2": "hf-llama", "mistral": "hf-llama"}
 
 
 def resolve_layout(layout: str | dict | None, model: ModelConfig) -> dict[str, Any] | None:

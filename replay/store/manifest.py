@@ -67,6 +67,20 @@ class ReplaySpec:
     verification: dict[str, Any] | None = None            # written when the replay has run
 
 
+PROBE_SAMPLES = 4                  # the analysis probe's batch: this many samples ...
+PROBE_TOKENS = 256                 # ... and at most this many of their tokens
+
+
+@dataclass
+class ModelInfo:
+    """A transformers model trained by a loop of the user's own: its config (`config.to_dict()`, which
+    rebuilds it without a download) and the probe batch, the first PROBE_SAMPLES rows of the first
+    training forward's input_ids, cut to PROBE_TOKENS (taken then: the store does not hold the data)."""
+
+    transformers_config: dict[str, Any]
+    probe: list[list[int]] | None = None
+
+
 @dataclass
 class Manifest:
     kind: str                      # "run" or "replay"
@@ -83,6 +97,7 @@ class Manifest:
     replay: ReplaySpec | None = None
     command: CommandInfo | None = None   # a loop of the user's own (recorder/loop.py): how to start it again
     layout: dict[str, Any] | None = None  # where its attention weights live (store/layout.py)
+    model: ModelInfo | None = None       # a transformers model of the user's own: what the analysis probe needs
     schema: int = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +113,8 @@ class Manifest:
             out["command"] = asdict(self.command)
         if self.layout is not None:
             out["layout"] = self.layout
+        if self.model is not None:
+            out["model"] = asdict(self.model)
         if self.replay is not None:
             spec = asdict(self.replay)
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
@@ -118,7 +135,8 @@ class Manifest:
                    status=d.get("status", "unknown"), resumes=[ResumeInfo(**r) for r in d.get("resumes", [])],
                    environment=d.get("environment") or {}, launch_id=d.get("launch_id"),
                    steps_recorded=d.get("steps_recorded"), replay=replay,
-                   command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"))
+                   command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"),
+                   model=ModelInfo(**d["model"]) if d.get("model") else None)
 
     @property
     def last_environment(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import replay_cli
+from tests.conftest import error_line, replay_cli, tree_snapshot
 
 
 @pytest.fixture
@@ -23,11 +23,21 @@ def two_node_cluster():
 
 
 def test_analyze_runs_on_both_nodes_of_a_cluster(two_node_cluster, replayed_copy):
+    # in a process of its own: this one may hold the session's cluster, which `analyze` would reuse
     result = replay_cli("analyze", str(replayed_copy), "--ray-address", two_node_cluster.address, "--json",
-                        timeout=300)
+                        timeout=300, process=True)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["computed"] == 7 and out["nodes"] == 2      # work items ran on the head and on the worker node
     again = json.loads(replay_cli("analyze", str(replayed_copy), "--ray-address", two_node_cluster.address,
-                                  "--json").stdout)
+                                  "--json", process=True).stdout)
     assert (again["computed"], again["already_done"]) == (0, 7)
+
+
+def test_another_cluster_than_the_one_this_process_holds_is_refused(ray_local, replayed_copy):
+    """In a process already connected to a cluster (a notebook, this suite), --ray-address naming another
+    one is an error, not a silent analysis on the wrong cluster."""
+    before = tree_snapshot(replayed_copy)
+    line = error_line(replay_cli("analyze", str(replayed_copy), "--ray-address", "127.0.0.1:1"))
+    assert ray_local in line and "127.0.0.1:1" in line
+    assert tree_snapshot(replayed_copy) == before

@@ -1,0 +1,148 @@
+"""examples/hf_trainer: a transformers Trainer run of a Llama built from a config, recorded through
+TrainerRecorder in one process and under torchrun, and replayed by the product's commands through the
+recorded command. Misuse of the callback fails in one line before anything trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from replay.errors import UsageError
+from replay.store import RunStore
+from tests.conftest import REPO, error_line, replay_cli
+
+EXAMPLE = REPO / "examples" / "hf_trainer"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+BLOCK = 32
+
+
+def _train(workdir: Path, *args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([*(launcher or [sys.executable]), str(EXAMPLE / "train.py"), *args], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf_trainer")
+
+
+def _record(runs: Path, token_file: Path, name: str, *args: str, launcher: list[str] | None = None) -> Path:
+    store = runs / name
+    done = _train(runs, f"--data={token_file}", f"--store={store}", f"--output_dir={store}-out",
+                  "--max_steps=20", "--checkpoint_every=10", *args, launcher=launcher)
+    assert done.returncode == 0, done.stderr
+    return store
+
+
+@pytest.fixture(scope="module")
+def one_process(runs, token_file) -> Path:
+    return _record(runs, token_file, "one")
+
+
+@pytest.mark.slow
+def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_process, token_file):
+    """The step's loss is the model's mean token loss over the step's samples (both micro-batches), which
+    an independent forward of checkpoint 0's weights on the recorded indices gives back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    store = RunStore.open(one_process)
+    m = store.manifest
+    assert (m.status, m.world_size, m.layout["o"], m.config.model.attention) == \
+        ("complete", 1, "model.layers.{layer}.self_attn.o_proj.weight", "sdpa")
+    assert [c.step for c in store.checkpoints()] == [0, 10, 20]
+    steps = store.read_steps(["sample_ids", "loss"])
+    ids = steps["sample_ids"]
+    n_blocks = (token_file.stat().st_size // 2 - 1) // BLOCK
+    assert ids.shape == (20, 1, 2, 4) and ids.min() >= 0 and ids.max() < n_blocks
+    assert len(np.unique(ids[:3])) == 24   # a shuffled epoch: no sample twice
+
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BLOCK)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    weights = store.read_shard(0, 0)["state"]["replicated"]["model"]
+    model.load_state_dict({k: t for k, t in weights.items()}, strict=False)
+    x = torch.stack([torch.from_numpy(tokens[i * BLOCK:(i + 1) * BLOCK].astype(np.int64)) for i in ids[0].ravel()])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1))
+    assert steps["loss"][0] == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_process):
+    result = replay_cli("run", str(one_process), "--from", "12", "--to", "15", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"] == {"steps": [10, 15], "bitwise": True, "divergence": None}
+    result = replay_cli("run", str(one_process), "--from", "12", "--to", "13", "--verify", "--json",
+                        "--attention", "fa2-emu:dtype=bf16", "--heads", "1.3")
+    assert result.returncode == 0, result.stderr
+    v = json.loads(result.stdout)["verification"]
+    assert not v["bitwise"] and v["divergence"]["step"] == 12
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bit(runs, token_file):
+    store = _record(runs, token_file, "ddp", launcher=TORCHRUN)
+    m = RunStore.open(store).manifest
+    assert (m.world_size, m.command.launcher) == (2, "torchrun")
+    ids = RunStore.open(store).read_steps(["sample_ids"])["sample_ids"]
+    assert ids.shape == (20, 2, 2, 4)
+    assert all(np.intersect1d(ids[s, 0], ids[s, 1]).size == 0 for s in range(20))   # the ranks' shares
+    result = replay_cli("run", str(store), "--from", "11", "--to", "13", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"]["bitwise"] is True
+
+
+@pytest.mark.slow
+def test_a_skip_is_refused_in_one_line(one_process):
+    result = replay_cli("run", str(one_process), "--from", "12", "--to", "13", "--skip", "12")
+    assert "the training script failed" in error_line(result)
+    assert "rank 0: --skip: a Trainer run trains every step it fetches" in result.stderr
+
+
+# -- misuse, in this process: the Trainer stops at its first event ---------------------------------
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x = torch.arange(8) % 16
+        return {"input_ids": x, "labels": x}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"wrap": False}, "pass the training dataset through recorder.dataset"),
+    ({"dataloader_num_workers": 1}, "set dataloader_num_workers=0"),
+    ({"samples": 10}, "do not split into batches of 4: set dataloader_drop_last=True"),
+    ({"samples": 12, "gradient_accumulation_steps": 2}, r"3 batches do not split into steps of 2"),
+])
+def test_misuse_is_one_error_before_the_store_exists(tmp_path, change, message):
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from replay.recorder.hf_trainer import TrainerRecorder
+
+    config = AutoConfig.for_model("llama", vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
+                             report_to="none", use_cpu=True,
+                             **{k: v for k, v in change.items() if k not in ("wrap", "samples")})
+    recorder = TrainerRecorder(str(tmp_path / "run"))
+    data = _Tokens(change.get("samples", 16))
+    trainer = Trainer(model=AutoModelForCausalLM.from_config(config), args=args,
+                      train_dataset=recorder.dataset(data) if change.get("wrap", True) else data, callbacks=[recorder])
+    with pytest.raises(UsageError, match=message):
+        trainer.train()
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,136 @@
+"""examples/llama: a plain PyTorch loop training transformers' Llama and Qwen2 (built from a config,
+grouped-query attention) recorded, replayed bit for bit, overridden per query head and analysed per head.
+Every run is a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replay.store import RunStore
+from tests.conftest import REPO, replay_cli
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = REPO / "examples" / "llama"
+N_HEAD, N_KV, HD = 4, 2, 8   # the example's shape: 4 query heads in 2 groups, n_embd 32
+
+
+def _train(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(EXAMPLE / "train.py"), *args], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("llama")
+
+
+def _record(runs: Path, token_file: Path, family: str) -> Path:
+    store = runs / family
+    done = _train(runs, f"--family={family}", f"--data={token_file}", f"--store={store}", "--max_iters=20",
+                  "--checkpoint_every=10")
+    assert done.returncode == 0, done.stderr
+    return store
+
+
+@pytest.fixture(scope="module")
+def llama(runs, token_file) -> Path:
+    return _record(runs, token_file, "llama")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_window_replays_bit_for_bit(family, runs, token_file, llama):
+    store = llama if family == "llama" else _record(runs, token_file, family)
+    m = RunStore.open(store).manifest
+    assert (m.config.model.n_layer, m.config.model.n_head, m.layout["q"]) == \
+        (2, N_HEAD, "model.layers.{layer}.self_attn.q_proj.weight")
+    result = replay_cli("run", str(store), "--from", "12", "--to", "15", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"] == {"steps": [10, 15], "bitwise": True, "divergence": None}
+
+
+def test_one_query_head_on_emulated_bf16_attention_diverges_exactly_at_from(llama):
+    result = replay_cli("run", str(llama), "--from", "12", "--to", "14", "--verify", "--json",
+                        "--attention", "fa2-emu:dtype=bf16", "--heads", "1.3")
+    assert result.returncode == 0, result.stderr
+    v = json.loads(result.stdout)["verification"]
+    assert not v["bitwise"] and v["divergence"]["step"] == 12   # steps 10, 11 were bit for bit
+
+
+def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_weights(llama):
+    """Query head h reads key/value head h // 2: its W_K, W_V numbers and W_Q,h W_K,g^T are those of that
+    group's rows of k_proj / v_proj (nn.Linear keeps (out, in))."""
+    from replay.analysis import jobs
+    from replay.analysis.names import HEAD_MATRICES, MATRICES
+
+    store = RunStore.open(llama)
+    items, _ = jobs.plan_metrics(RunStore.open(llama, mode="a"))
+    item = next(i for i in items if i.ckpt.step == 20)
+    values = jobs.compute_metrics(item)
+    w = {k: t.double().numpy() for k, t in store.read_shard(20, 0)["state"]["replicated"]["model"].items()}
+    sigma = lambda m: np.linalg.svd(m, compute_uv=False)[0]   # noqa: E731
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        q, k, v, o = (w[p + f"self_attn.{n}_proj.weight"] for n in "qkvo")
+        assert k.shape == (N_KV * HD, N_HEAD * HD)
+        whole = {"q": q, "k": k, "v": v, "o": o, "fc": w[p + "mlp.up_proj.weight"], "proj": w[p + "mlp.down_proj.weight"]}
+        for i, name in enumerate(MATRICES):
+            assert values["spectral"][layer, i] == pytest.approx(sigma(whole[name]), rel=1e-5), (layer, name)
+        for head in range(N_HEAD):
+            rows, group = slice(head * HD, (head + 1) * HD), slice(head // 2 * HD, (head // 2 + 1) * HD)
+            expected = {"q": q[rows], "k": k[group], "v": v[group], "o": o[:, rows]}
+            for i, name in enumerate(HEAD_MATRICES):
+                assert values["spectral_head"][layer, i, head] == pytest.approx(sigma(expected[name]), rel=1e-5), \
+                    (layer, name, head)
+            qk = q[rows].T @ k[group]   # W_Q,h W_K,g^T as (in, in)
+            assert values["spectral_qk"][layer, head] == pytest.approx(sigma(qk), rel=1e-5), (layer, head)
+    assert np.isfinite(values["update_rel_head"]).all()
+
+
+def test_the_probe_is_the_recorded_models_attention_on_its_first_batch_after_rope(llama, token_file):
+    """The probe rows are the first training forward's inputs; its entropy per query head is that of the
+    attention transformers' own eager forward returns, and its max logit that of q k^T / sqrt(hd) with
+    RoPE applied and each query head on its group's key head, recomputed here step by step."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from replay.analysis import jobs
+
+    store = RunStore.open(llama)
+    info = store.manifest.model
+    first = store.read_steps(["sample_ids"])["sample_ids"][0, 0, 0]
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
+    assert info.probe == [tokens[i:i + 32].astype(int).tolist() for i in first]   # --block_size 32, 4 rows
+    items, _ = jobs.plan_metrics(RunStore.open(llama, mode="a"))
+    values = jobs.compute_metrics(next(i for i in items if i.ckpt.step == 20))
+
+    model = AutoModelForCausalLM.from_config(LlamaConfig.from_dict(info.transformers_config), attn_implementation="eager")
+    weights = store.read_shard(20, 0)["state"]["replicated"]["model"]
+    model.load_state_dict(weights, strict=False)
+    x = torch.tensor(info.probe)
+    with torch.no_grad():
+        out = model(input_ids=x, output_attentions=True, output_hidden_states=True)
+        for layer in range(2):
+            p = out.attentions[layer][..., 1:, :]   # [batch, head, row, key]; row 0 sees one key
+            entropy = -(p * torch.log(p.clamp_min(1e-38))).sum(-1).mean(dim=(0, 2))
+            assert np.allclose(values["attn_entropy"][layer], entropy.numpy(), rtol=1e-5)
+            block = model.model.layers[layer]
+            h = block.input_layernorm(out.hidden_states[layer])
+            b, t, _ = h.shape
+            q = block.self_attn.q_proj(h).view(b, t, N_HEAD, HD).transpose(1, 2)
+            k = block.self_attn.k_proj(h).view(b, t, N_KV, HD).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(h, torch.arange(t)[None])
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            logits = q @ k[:, [0, 0, 1, 1]].transpose(-1, -2) / HD ** 0.5
+            logits = logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -torch.inf)
+            assert np.allclose(values["max_logit"][layer], logits.amax(dim=(0, 2, 3)).numpy(), rtol=1e-5)
+    assert np.isfinite(values["tie_rate"]).all() and np.isfinite(values["log_z"]).all()
