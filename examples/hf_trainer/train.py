@@ -24,6 +24,7 @@ family = "llama"                    # llama, qwen2 or mistral
 n_layer, n_head, n_kv_head, n_embd, block_size = 2, 4, 2, 32, 32
 batch_size, gradient_accumulation_steps, learning_rate, max_steps, checkpoint_every = 4, 2, 3e-3, 60, 20
 bf16 = False
+save_steps = 0                      # the Trainer's own checkpoints (0: none)
 attn_implementation = "sdpa"        # eager or sdpa
 seed = 1337
 for arg in sys.argv[1:]:
@@ -49,7 +50,8 @@ class Blocks(torch.utils.data.Dataset):
 args = TrainingArguments(output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=batch_size,
                          gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=learning_rate,
                          warmup_steps=10, weight_decay=0.1, max_grad_norm=1.0, bf16=bf16, seed=seed,
-                         logging_steps=20, save_strategy="no", report_to="none", dataloader_drop_last=True,
+                         logging_steps=20, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+                         report_to="none", dataloader_drop_last=True,
                          use_cpu=not torch.cuda.is_available())
 torch.manual_seed(seed)
 config = AutoConfig.for_model(family, vocab_size=256, hidden_size=n_embd, intermediate_size=4 * n_embd,

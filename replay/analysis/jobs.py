@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,18 +204,17 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
 
     lo, hi = item.block
     store = RunStore.open(item.ckpt.path)
-
-    def wanted(key: str) -> bool:   # the model's tensors, of its first `hi` layers
-        layer = re.search(r"\.layers\.(\d+)\.", key)
-        return key.startswith(MODEL_KEYS) and (layer is None or int(layer.group(1)) < hi)
-
-    keys = [k for k in store.shard_index(item.ckpt.step, 0) if wanted(k)]
-    state = {k[len(MODEL_KEYS):]: t.float() for k, t in store.read_shard(item.ckpt.step, 0, keys=keys).items()}
     config = CONFIG_MAPPING[item.transformers_config["model_type"]].from_dict(item.transformers_config)
     config.get_text_config().num_hidden_layers = hi   # the layers below the block's end are all it needs
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)   # tied: not stored
+    names = set(model.state_dict())
+    keys = [k for k in store.shard_index(item.ckpt.step, 0) if k.startswith(MODEL_KEYS) and k[len(MODEL_KEYS):] in names]
+    state = {k[len(MODEL_KEYS):]: t.float() for k, t in store.read_shard(item.ckpt.step, 0, keys=keys).items()}
+    missing = names - set(state) - {"lm_head.weight"}   # a tied output embedding may be stored once
+    if missing:
+        raise StoreError(f"checkpoint {item.ckpt.step} of {store.path} lacks {sorted(missing)[:3]} of the model its "
+                         "config builds: the probe cannot run it")
+    model.load_state_dict(state, strict=False)
     _register_probe_attention()
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in hf_attention_modules(model):

@@ -244,13 +244,17 @@ class _Ungrouped:
 
 
 def eager_function(module) -> Callable:
-    """The model's own eager attention (each transformers model file defines one)."""
+    """The model's own eager attention: the `eager_attention_forward` of the file defining its attention
+    class (or a class it derives from; every transformers model file has one), else GPT-2's (an attention
+    module of one's own, with as many key as query heads, under `sdpa_dispatch`)."""
     owner = module.module if isinstance(module, _Ungrouped) else module
-    fn = getattr(sys.modules[type(owner).__module__], "eager_attention_forward", None)
-    if fn is None:
-        raise UsageError(f"{type(owner).__name__} has no eager_attention_forward in {type(owner).__module__}: "
-                         "its model cannot run `eager` heads through replay's attention plans")
-    return fn
+    for cls in type(owner).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if fn is not None:
+            return fn
+    from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
+
+    return eager_attention_forward
 
 
 # Backends added by plugins: name -> a causal attention function (q, k, v, scaling) -> out, on [B, H, N, d].
@@ -362,9 +366,9 @@ def is_transformers_model(model) -> bool:
 
 
 def hf_attention_modules(model) -> list:
-    """A transformers model's attention modules, by layer: those that know their `layer_idx`."""
-    found = [m for m in model.modules()
-             if "attention" in type(m).__name__.lower() and isinstance(getattr(m, "layer_idx", None), int)]
+    """A transformers model's self-attention modules, by layer: those that know their `layer_idx`."""
+    found = [m for m in model.modules() if "attention" in type(m).__name__.lower()
+             and isinstance(getattr(m, "layer_idx", None), int) and not getattr(m, "is_cross_attention", False)]
     return sorted(found, key=lambda m: m.layer_idx)
 
 

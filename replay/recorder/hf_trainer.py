@@ -19,7 +19,7 @@ checkpoint's step on. The callback drives a `Loop` from the Trainer's events:
   not the Trainer's logged average; the gradient norm is the one after the Trainer's clipping (read
   before the optimizer step);
 - a replay ends the Trainer after --to (`should_training_stop`) and never writes the Trainer's own
-  checkpoints (`should_save` off): the store's checkpoints are the replay's. In a recording the Trainer's
+  checkpoints (its `save_strategy` set to "no"): the store's checkpoints are the replay's. In a recording the Trainer's
   own checkpoints are the user's, written as their `TrainingArguments` say.
 
 What a Trainer run cannot do that a loop of your own can (docs/your-loop.md): `--skip` (the Trainer trains
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import SaveStrategy
 
 from replay.errors import ReplayError, UsageError
 from replay.recorder.loop import RESUME_ENV, Loop
@@ -53,10 +54,10 @@ class RecordedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
-        return self.__getitems__([index])[0]
+    def __getitem__(self, index: int):   # a read outside the DataLoader's batches (a length grouping): not noted
+        return self.dataset[index]
 
-    def __getitems__(self, indices: list[int]) -> list:
+    def __getitems__(self, indices: list[int]) -> list:   # what the DataLoader calls for each batch
         indices = self.owner._fetched([int(i) for i in indices])
         return [self.dataset[i] for i in indices]
 
@@ -124,22 +125,34 @@ class TrainerRecorder(TrainerCallback):
         if args.fp16:
             raise UsageError("TrainerRecorder: fp16 training keeps its loss scaler inside accelerate, where a "
                              "checkpoint cannot reach it; train in bf16 or fp32")
+        if state.global_step:
+            raise UsageError("TrainerRecorder: trainer.train(resume_from_checkpoint=...) is not supported: the store's "
+                             "run starts at step 0 (record a new run)")
         precision = "bf16" if args.bf16 else "fp32"
         self.loop = Loop(self.store, model, getattr(optimizer, "optimizer", optimizer), scheduler=lr_scheduler,
                          total_steps=state.max_steps, precision=precision, **self.options)
+        self._batches.clear()
         window = self.loop.window
         if window is not None:
-            if window.skip:
-                raise ReplayError("--skip: a Trainer run trains every step it fetches, so it cannot skip one")
-            if self.loop.store.manifest.config.precision != self.loop.precision:
-                raise ReplayError("--precision: a Trainer run's autocast is accelerate's (TrainingArguments' bf16), "
-                                  "which a replay cannot change")
-            if os.environ.get(RESUME_ENV) == "1":
-                raise ReplayError("a Trainer run's replay cannot be resumed: discard it and run it again")
+            try:
+                self._check_replay(window)
+            except BaseException:
+                self.loop.close()
+                raise
+            args.save_strategy = SaveStrategy.NO   # the store's checkpoints are the replay's; the Trainer's stay
             self._serve = (window.start_checkpoint, 0)
         self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        model.register_forward_hook(self._after_forward)]
         self._steps = self.loop.steps()
+
+    def _check_replay(self, window) -> None:
+        if window.skip:
+            raise ReplayError("--skip: a Trainer run trains every step it fetches, so it cannot skip one")
+        if self.loop.store.manifest.config.precision != self.loop.precision:
+            raise ReplayError("--precision: a Trainer run's autocast is accelerate's (TrainingArguments' bf16), "
+                              "which a replay cannot change")
+        if os.environ.get(RESUME_ENV) == "1":
+            raise ReplayError("a Trainer run's replay cannot be resumed: discard it and run it again")
 
     def _before_forward(self, module, args, kwargs):
         if module.training:
@@ -171,11 +184,11 @@ class TrainerRecorder(TrainerCallback):
                               "the model output's `loss`)")
         losses = torch.stack(self._losses)
         loss = losses.sum() if self._summed else losses.mean()
+        if self._summed and args.average_tokens_across_devices and args.world_size > 1:
+            loss = loss * args.world_size   # each rank's share is of every rank's tokens, as the Trainer scales it
         self.loop.log(loss=loss, grad_norm=self._grad_norm)
-        if self.loop.replaying:
-            control.should_save = False
-            if self.loop.step >= self.loop.window.stop:
-                control.should_training_stop = True
+        if self.loop.replaying and self.loop.step >= self.loop.window.stop:
+            control.should_training_stop = True
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -175,13 +175,20 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     if o.touches_attention and cfg.model.n_layer == 0:
         raise UsageError("attention overrides need the model's attention modules, and none was found when this run "
                          "was recorded: record with Loop(..., attention='PATTERN') naming them")
-    plan = AttentionPlan.parse(cfg.model.attention)
     scope = o.scope(cfg.model.n_layer, cfg.model.n_head)
     for layer, head in scope:
         if not (0 <= layer < cfg.model.n_layer and 0 <= head < cfg.model.n_head):
             raise UsageError(f"layer {layer} head {head} is out of range: the model has layers 0..{cfg.model.n_layer - 1} "
                              f"with heads 0..{cfg.model.n_head - 1}")
     if o.touches_attention:
+        try:
+            plan = AttentionPlan.parse(cfg.model.attention)
+        except UsageError:
+            if launcher != "custom":
+                raise
+            raise UsageError(f"attention overrides: the recording ran transformers' {cfg.model.attention!r} attention, "
+                             "which replay's plans do not run per head; record with attn_implementation='sdpa' or "
+                             "'eager' to override it") from None
         new = BackendSpec.parse(o.attention) if o.attention else None
         heads = dict(plan.heads)
         for layer, head in scope:

@@ -16,7 +16,7 @@ import torch
 
 from replay.errors import UsageError
 from replay.store import RunStore
-from tests.conftest import REPO, error_line, replay_cli
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
 
 EXAMPLE = REPO / "examples" / "hf_trainer"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -44,15 +44,30 @@ def _record(runs: Path, token_file: Path, name: str, *args: str, launcher: list[
 
 @pytest.fixture(scope="module")
 def one_process(runs, token_file) -> Path:
-    return _record(runs, token_file, "one")
+    return _record(runs, token_file, "one", "--save_steps=5")   # the Trainer's own checkpoints too
+
+
+def _first_step_loss(store: RunStore, token_file: Path) -> float:
+    """Step 0's loss recomputed: checkpoint 0's weights in transformers' own eager Llama, on every rank's
+    recorded samples of that step, as the mean token loss over all of them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BLOCK)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.load_state_dict(store.read_shard(0, 0)["state"]["replicated"]["model"], strict=False)
+    ids = store.read_steps(["sample_ids"])["sample_ids"][0].ravel()
+    x = torch.stack([torch.from_numpy(tokens[i * BLOCK:(i + 1) * BLOCK].astype(np.int64)) for i in ids])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[:, :-1]
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1)))
 
 
 @pytest.mark.slow
 def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_process, token_file):
-    """The step's loss is the model's mean token loss over the step's samples (both micro-batches), which
-    an independent forward of checkpoint 0's weights on the recorded indices gives back."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """The step's loss is the model's mean token loss over the step's samples (both micro-batches), not
+    the Trainer's logged average."""
     store = RunStore.open(one_process)
     m = store.manifest
     assert (m.status, m.world_size, m.layout["o"], m.config.model.attention) == \
@@ -63,22 +78,15 @@ def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_proces
     n_blocks = (token_file.stat().st_size // 2 - 1) // BLOCK
     assert ids.shape == (20, 1, 2, 4) and ids.min() >= 0 and ids.max() < n_blocks
     assert len(np.unique(ids[:3])) == 24   # a shuffled epoch: no sample twice
-
-    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
-    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BLOCK)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    weights = store.read_shard(0, 0)["state"]["replicated"]["model"]
-    model.load_state_dict({k: t for k, t in weights.items()}, strict=False)
-    x = torch.stack([torch.from_numpy(tokens[i * BLOCK:(i + 1) * BLOCK].astype(np.int64)) for i in ids[0].ravel()])
-    with torch.no_grad():
-        logits = model(input_ids=x).logits[:, :-1]
-    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1))
-    assert steps["loss"][0] == pytest.approx(float(expected), rel=1e-5)
+    assert steps["loss"][0] == pytest.approx(_first_step_loss(store, token_file), rel=1e-5)
+    saved = sorted(p.name for p in Path(f"{one_process}-out").glob("checkpoint-*"))
+    assert saved == [f"checkpoint-{s}" for s in (10, 15, 20, 5)]
 
 
 @pytest.mark.slow
 def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_process):
+    """...and neither replay writes a checkpoint of the Trainer's own into the recording's output_dir."""
+    trainer_out = tree_snapshot(Path(f"{one_process}-out"))
     result = replay_cli("run", str(one_process), "--from", "12", "--to", "15", "--verify", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["verification"] == {"steps": [10, 15], "bitwise": True, "divergence": None}
@@ -87,6 +95,7 @@ def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_pr
     assert result.returncode == 0, result.stderr
     v = json.loads(result.stdout)["verification"]
     assert not v["bitwise"] and v["divergence"]["step"] == 12
+    assert tree_snapshot(Path(f"{one_process}-out")) == trainer_out
 
 
 @pytest.mark.slow
@@ -94,9 +103,12 @@ def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bi
     store = _record(runs, token_file, "ddp", launcher=TORCHRUN)
     m = RunStore.open(store).manifest
     assert (m.world_size, m.command.launcher) == (2, "torchrun")
-    ids = RunStore.open(store).read_steps(["sample_ids"])["sample_ids"]
+    steps = RunStore.open(store).read_steps(["sample_ids", "loss"])
+    ids = steps["sample_ids"]
     assert ids.shape == (20, 2, 2, 4)
     assert all(np.intersect1d(ids[s, 0], ids[s, 1]).size == 0 for s in range(20))   # the ranks' shares
+    # each rank's loss is its share of the step's tokens over both ranks': their mean is the step's mean
+    assert steps["loss"][0] == pytest.approx(_first_step_loss(RunStore.open(store), token_file), rel=1e-5)
     result = replay_cli("run", str(store), "--from", "11", "--to", "13", "--verify", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["verification"]["bitwise"] is True
