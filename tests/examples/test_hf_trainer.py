@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from replay.analysis.results import read_metrics
 from replay.errors import UsageError
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
@@ -119,6 +121,24 @@ def test_a_skip_is_refused_in_one_line(one_process):
     result = replay_cli("run", str(one_process), "--from", "12", "--to", "13", "--skip", "12")
     assert "the training script failed" in error_line(result)
     assert "rank 0: --skip: a Trainer run trains every step it fetches" in result.stderr
+
+
+@pytest.mark.slow
+def test_compare_analyze_and_report_read_trainer_runs_as_any_other(one_process, runs, token_file, ray_local, tmp_path):
+    """Another seed's run, compared with this one (the weights' distances, checkpoint by checkpoint);
+    this one analysed (every checkpoint, the probe on its first batch) and reported."""
+    store = tmp_path / "one"
+    shutil.copytree(one_process, store)
+    other = _record(runs, token_file, "seed7", "--seed=7")
+    result = replay_cli("compare", str(other), str(store), "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["steps"] == [0, 10, 20] and max(out["relative"][0]) > 0.5   # another initialisation
+    result = replay_cli("analyze", str(store), "--json")
+    assert result.returncode == 0, result.stderr
+    table = read_metrics(store)
+    assert table["step"].tolist() == [0, 10, 20] and np.isfinite(table["max_logit"]).all()
+    assert replay_cli("report", str(store)).returncode == 0 and (store / "report.html").stat().st_size > 10_000
 
 
 # -- misuse, in this process: the Trainer stops at its first event ---------------------------------
