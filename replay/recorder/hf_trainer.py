@@ -22,8 +22,12 @@ checkpoint's step on. The callback drives a `Loop` from the Trainer's events:
   checkpoints (its `save_strategy` set to "no"): the store's checkpoints are the replay's. In a recording the Trainer's
   own checkpoints are the user's, written as their `TrainingArguments` say.
 
-What a Trainer run cannot do that a loop of your own can (docs/your-loop.md): `--skip` (the Trainer trains
-every step it fetches), `--precision` (its autocast is accelerate's), resuming a killed recording or
+A step a replay skips (`--skip`, and the data bisect's probes) still runs, as the Trainer runs every step
+it fetches, but without its update: its gradients are dropped before the optimizer step, and the
+scheduler moves on as the Trainer steps it.
+
+What a Trainer run cannot do that a loop of your own can (docs/your-loop.md): `--precision` (its autocast
+is accelerate's), resuming a killed recording or
 replay (the Trainer restarts its data from the beginning), fp16 (its loss scaler is inside accelerate),
 dataloader worker processes (the indices are noted in this process), and epochs that end with a smaller
 batch (use `dataloader_drop_last=True`).
@@ -130,7 +134,7 @@ class TrainerRecorder(TrainerCallback):
                              "run starts at step 0 (record a new run)")
         precision = "bf16" if args.bf16 else "fp32"
         self.loop = Loop(self.store, model, getattr(optimizer, "optimizer", optimizer), scheduler=lr_scheduler,
-                         total_steps=state.max_steps, precision=precision, **self.options)
+                         total_steps=state.max_steps, precision=precision, yield_skipped=True, **self.options)
         self._batches.clear()
         window = self.loop.window
         if window is not None:
@@ -146,8 +150,6 @@ class TrainerRecorder(TrainerCallback):
         self._steps = self.loop.steps()
 
     def _check_replay(self, window) -> None:
-        if window.skip:
-            raise ReplayError("--skip: a Trainer run trains every step it fetches, so it cannot skip one")
         if self.loop.store.manifest.config.precision != self.loop.precision:
             raise ReplayError("--precision: a Trainer run's autocast is accelerate's (TrainingArguments' bf16), "
                               "which a replay cannot change")
@@ -171,22 +173,31 @@ class TrainerRecorder(TrainerCallback):
             if not self._batches:
                 raise ReplayError(f"step {step}: the Trainer trains on a batch that was not fetched through "
                                   "recorder.dataset(...)")
-            self.loop.sample_ids(np.asarray(self._batches.popleft(), dtype=np.int64))
+            ids = np.asarray(self._batches.popleft(), dtype=np.int64)
+            if not self.loop.skipping:   # a skipped step's ids are the record's, noted by the loop
+                self.loop.sample_ids(ids)
         self._losses = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.loop.skipping:   # the Trainer runs every step: this one's update is left out, its schedule moves on
+            for p in model.parameters():
+                p.grad = None
+            return
         norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
         self._grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else float("nan")
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not self._losses:
+        if self.loop.skipping:
+            self.loop.log_skipped()
+        elif not self._losses:
             raise ReplayError(f"step {self.loop.step}: the model returned no loss in training (TrainerRecorder reads "
                               "the model output's `loss`)")
-        losses = torch.stack(self._losses)
-        loss = losses.sum() if self._summed else losses.mean()
-        if self._summed and args.average_tokens_across_devices and args.world_size > 1:
-            loss = loss * args.world_size   # each rank's share is of every rank's tokens, as the Trainer scales it
-        self.loop.log(loss=loss, grad_norm=self._grad_norm)
+        else:
+            losses = torch.stack(self._losses)
+            loss = losses.sum() if self._summed else losses.mean()
+            if self._summed and args.average_tokens_across_devices and args.world_size > 1:
+                loss = loss * args.world_size   # each rank's share is of every rank's tokens, as the Trainer does
+            self.loop.log(loss=loss, grad_norm=self._grad_norm)
         if self.loop.replaying and self.loop.step >= self.loop.window.stop:
             control.should_training_stop = True
         return control

@@ -92,7 +92,10 @@ class Loop:
     stored one. `state` is checkpointed instead of model, optimizer, scheduler and scaler (a DeepSpeed
     engine: recorder/state.py). `apply_attention(plan)` puts a replay's attention plan into the model at
     `--from` (default: `sdpa_dispatch`), returning a context to leave at the end, or None.
-    `skipped_numerics()` gives the numerics row of a step a replay skips.
+    `skipped_numerics()` gives the numerics row of a step a replay skips. `yield_skipped=True`, for a
+    driver that cannot leave a step out (the Trainer, recorder/hf_trainer.py): a step the replay skips is
+    yielded with `loop.skipping` true; the driver runs it without its update (and steps its scheduler as
+    usual) and ends it with `loop.log_skipped()` instead of `log`.
     """
 
     def __init__(self, store: str | os.PathLike, model: torch.nn.Module, optimizer: Any, *, total_steps: int,
@@ -101,7 +104,7 @@ class Loop:
                  attention: str | None = None, n_head: int | None = None, layout: str | dict | None = None,
                  resume: bool = False, description: str = "", lease: str | None = None, state: TrainState | None = None,
                  apply_attention: Callable[[AttentionPlan], Any] | None = None,
-                 skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None):
+                 skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None, yield_skipped: bool = False):
         follow_parent()   # started by `replay run`: die with it
         if precision not in PRECISIONS:
             raise UsageError(f"Loop(precision={precision!r}): use one of {', '.join(PRECISIONS)}")
@@ -112,6 +115,8 @@ class Loop:
         self.attention = attention
         self._apply_attention = apply_attention or _attention_applier(unwrap(model), attention)
         self._skipped_numerics = skipped_numerics
+        self._yield_skipped = yield_skipped
+        self.skipping = False   # the current step is one the replay skips (yielded with yield_skipped=True)
         self._lease: Lease | None = None
         if os.environ.get(STORE_ENV):   # started again by `replay run`: its replay store and lease
             sys.excepthook = _one_line_errors(sys.excepthook, self.rank)
@@ -287,8 +292,9 @@ class Loop:
             self.step, self._ids, self._logged, self._autocast_entered = step, [], False, False
             if self._replay and step >= self._replay.spec.start and not self._overriding:
                 self._begin_overrides(step)
-            if self._replay and step in self._replay.spec.skip:
-                self._skip(step)
+            self.skipping = bool(self._replay) and step in self._replay.spec.skip
+            if self.skipping and not self._yield_skipped:
+                self._skip(step, step_scheduler=True)
                 continue
             yield step
             if not self._logged:
@@ -395,14 +401,22 @@ class Loop:
         else:   # rates the script (or a scheduler from other state, as OneCycleLR) sets: scaled at each step
             self._exits.enter_context(_scaled_lr(self.optimizer, r.lr_scale))
 
-    def _skip(self, step: int) -> None:
-        """A skipped step: no training; the scheduler moves on as if it had trained."""
+    def log_skipped(self) -> None:
+        """End a step the replay skips, which the driver ran without its update (`yield_skipped=True`)."""
+        if self.step is None or self._logged or not self.skipping:
+            raise UsageError("loop.log_skipped() ends a step the replay skips (loop.skipping), once")
+        self._logged = True
+        self._skip(self.step, step_scheduler=False)
+
+    def _skip(self, step: int, step_scheduler: bool) -> None:
+        """A skipped step: no training; the scheduler moves on as if it had trained (stepped here, or by
+        the driver that ran the step without its update)."""
         self._check_draws = False   # the loader's randomness no longer follows the record's
         ids = self.recorded_ids(step)[self.rank]
         self.recorder.record_skipped(step, sample_ids=ids, lr=self.optimizer.param_groups[0]["lr"],
                                      numerics=self._skipped_numerics() if self._skipped_numerics else None,
                                      finish=False)
-        if self.scheduler is not None:
+        if step_scheduler and self.scheduler is not None:
             self.scheduler.step()
         self._pending = (step, None)   # its checkpoint holds the scheduler's step
 

@@ -18,7 +18,7 @@ import torch
 from replay.analysis.results import read_metrics
 from replay.errors import UsageError
 from replay.store import RunStore
-from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+from tests.conftest import REPO, replay_cli, tree_snapshot
 
 EXAMPLE = REPO / "examples" / "hf_trainer"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -117,10 +117,18 @@ def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bi
 
 
 @pytest.mark.slow
-def test_a_skip_is_refused_in_one_line(one_process):
-    result = replay_cli("run", str(one_process), "--from", "12", "--to", "13", "--skip", "12")
-    assert "the training script failed" in error_line(result)
-    assert "rank 0: --skip: a Trainer run trains every step it fetches" in result.stderr
+def test_a_skipped_step_runs_without_its_update_and_its_schedule_moves_on(one_process):
+    """The Trainer runs every step it fetches: --skip 10 leaves the weights after step 10 those before it
+    (the parent's checkpoint 10), while step 11 has the learning rate it had in the record."""
+    result = replay_cli("run", str(one_process), "--from", "10", "--to", "11", "--skip", "10", "--checkpoint-every",
+                        "1", "--json")
+    assert result.returncode == 0, result.stderr
+    replay, parent = RunStore.open(json.loads(result.stdout)["replay"]), RunStore.open(one_process)
+    after = replay.read_shard(11, 0)["state"]["replicated"]["model"]
+    before = parent.read_shard(10, 0)["state"]["replicated"]["model"]
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    ours, theirs = replay.read_steps(["lr", "loss"], start=11, stop=12), parent.read_steps(["lr", "loss"], start=11, stop=12)
+    assert ours["lr"][0] == theirs["lr"][0] and ours["loss"][0] != theirs["loss"][0]
 
 
 @pytest.mark.slow
