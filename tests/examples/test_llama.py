@@ -66,8 +66,9 @@ def test_one_query_head_on_emulated_bf16_attention_diverges_exactly_at_from(llam
 
 
 def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_weights(llama):
-    """Query head h reads key/value head h // 2: its W_K, W_V numbers and W_Q,h W_K,g^T are those of that
-    group's rows of k_proj / v_proj (nn.Linear keeps (out, in))."""
+    """Query head h reads key/value head h // 2: its W_K, W_V numbers (spectral norms; relative update per
+    step from checkpoint 10 to 20 and the cosine of that update with the one from 0 to 10) and W_Q,h W_K,g^T
+    are those of that group's rows of k_proj / v_proj (nn.Linear keeps (out, in))."""
     from replay.analysis import jobs
     from replay.analysis.names import HEAD_MATRICES, MATRICES
 
@@ -75,7 +76,8 @@ def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_
     items, _ = jobs.plan_metrics(RunStore.open(llama, mode="a"))
     item = next(i for i in items if i.ckpt.step == 20)
     values = jobs.compute_metrics(item)
-    w = {k: t.double().numpy() for k, t in store.read_shard(20, 0)["state"]["replicated"]["model"].items()}
+    w, w10, w0 = ({k: t.double().numpy() for k, t in store.read_shard(step, 0)["state"]["replicated"]["model"].items()}
+                  for step in (20, 10, 0))
     sigma = lambda m: np.linalg.svd(m, compute_uv=False)[0]   # noqa: E731
     for layer in range(2):
         p = f"model.layers.{layer}."
@@ -92,7 +94,13 @@ def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_
                     (layer, name, head)
             qk = q[rows].T @ k[group]   # W_Q,h W_K,g^T as (in, in)
             assert values["spectral_qk"][layer, head] == pytest.approx(sigma(qk), rel=1e-5), (layer, head)
-    assert np.isfinite(values["update_rel_head"]).all()
+            for i, name in ((1, "k"), (2, "v")):
+                key = p + f"self_attn.{name}_proj.weight"
+                now, then = w[key][group] - w10[key][group], w10[key][group] - w0[key][group]
+                rel = np.linalg.norm(now) / np.linalg.norm(w10[key][group]) / 10
+                cos = (now * then).sum() / (np.linalg.norm(now) * np.linalg.norm(then))
+                assert values["update_rel_head"][layer, i, head] == pytest.approx(rel, rel=1e-6), (layer, name, head)
+                assert values["update_cos_head"][layer, i, head] == pytest.approx(cos, rel=1e-6), (layer, name, head)
 
 
 def test_the_probe_is_the_recorded_models_attention_on_its_first_batch_after_rope(llama, token_file):
