@@ -200,7 +200,7 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     embedding (NaN for a model whose decoder has no `norm` and `layers`)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from replay.kernels.registry import hf_attention_modules, per_query_head
+    from replay.kernels.registry import hf_attention_modules, per_query_head, register
 
     lo, hi = item.block
     store = RunStore.open(item.ckpt.path)
@@ -215,7 +215,7 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
         raise StoreError(f"checkpoint {item.ckpt.step} of {store.path} lacks {sorted(missing)[:3]} of the model its "
                          "config builds: the probe cannot run it")
     model.load_state_dict(state, strict=False)
-    _register_probe_attention()
+    register()
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in hf_attention_modules(model):
         module.replay_probe = seen
@@ -244,28 +244,6 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
 
 def _keep_output(outputs: dict, layer: int, module, args, output) -> None:
     outputs[layer] = output[0] if isinstance(output, tuple) else output
-
-
-_probe_registered = False
-
-
-def _register_probe_attention() -> None:
-    """`replay-probe`: the model's own eager attention, noting the q and k each attention module receives."""
-    global _probe_registered
-    if _probe_registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    from replay.kernels.registry import eager_function
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        module.replay_probe[module.layer_idx] = (query, key)
-        return eager_function(module)(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("replay-probe", attention)
-    AttentionMaskInterface.register("replay-probe", eager_mask)
-    _probe_registered = True
 
 
 def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:

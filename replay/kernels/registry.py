@@ -349,14 +349,24 @@ def _replay_mask(*args, **kwargs):
 _registered = False
 
 
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    """`replay-probe` (the analysis probe): the model's own eager attention, noting the q and k the module
+    receives (after RoPE) in its `replay_probe` dict, by layer."""
+    module.replay_probe[module.layer_idx] = (query, key)
+    return eager_function(module)(module, query, key, value, attention_mask, **kwargs)
+
+
 def register() -> None:
+    """Register `replay` (attention plans) and `replay-probe` with transformers' interfaces, once."""
     global _registered
     if not _registered:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
         AttentionInterface.register("replay", _replay_attention)
         AttentionMaskInterface.register("replay", _replay_mask)
+        AttentionInterface.register("replay-probe", _probe_attention)
+        AttentionMaskInterface.register("replay-probe", eager_mask)
         _registered = True
 
 
