@@ -169,7 +169,13 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
         recorded = RunStore.open(store_path).manifest
         notes = environment_notes(recorded.environment)
         if pending and recorded.command is not None:
-            run_script(str(path), recorded.command, resume, lease.spec)
+            try:
+                run_script(str(path), recorded.command, resume, lease.spec)
+            except ReplayError:
+                left = RunStore.open(path)
+                if not resume and left.n_steps == 0 and not left.checkpoints():
+                    shutil.rmtree(path)   # the script refused it before its first step: nothing to keep or resume
+                raise
             reached = RunStore.open(path)
             if reached.manifest.status != "complete":   # the script left its loop (or exited) before the window's end
                 raise ReplayError(f"the training script ended without an error after step {reached.end_step - 1}, "

@@ -18,7 +18,7 @@ import torch
 from replay.analysis.results import read_metrics
 from replay.errors import UsageError
 from replay.store import RunStore
-from tests.conftest import REPO, replay_cli, tree_snapshot
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
 
 EXAMPLE = REPO / "examples" / "hf_trainer"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -129,6 +129,17 @@ def test_a_skipped_step_runs_without_its_update_and_its_schedule_moves_on(one_pr
     assert all(torch.equal(after[k], before[k]) for k in before)
     ours, theirs = replay.read_steps(["lr", "loss"], start=11, stop=12), parent.read_steps(["lr", "loss"], start=11, stop=12)
     assert ours["lr"][0] == theirs["lr"][0] and ours["loss"][0] != theirs["loss"][0]
+
+
+@pytest.mark.slow
+def test_a_precision_change_is_refused_in_one_line_and_leaves_the_store_as_it_was(one_process):
+    """The Trainer's autocast is accelerate's: the script refuses --precision as it starts, and the replay
+    it never ran is not left in the store."""
+    before = tree_snapshot(one_process)
+    result = replay_cli("run", str(one_process), "--from", "12", "--to", "13", "--precision", "bf16")
+    assert "the training script failed" in error_line(result)
+    assert "rank 0: --precision: a Trainer run's autocast is accelerate's" in result.stderr
+    assert tree_snapshot(one_process) == before
 
 
 @pytest.mark.slow
