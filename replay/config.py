@@ -27,7 +27,7 @@ class ModelConfig:
     block_size: int = 64          # sequence length of every sample (GPT-2's n_positions)
     vocab_size: int = 0           # 0: taken from the data (256 for the built-in byte corpus)
     dropout: float = 0.0          # off by default; if on, its masks replay from the recorded RNG states
-    attention: str = "eager"      # attention plan: a backend for every layer/head (replay.kernels.registry)
+    attention: str = "eager"      # attention plan: a backend for every layer/head (replay.kernels.plan)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Fault injection for tests, in one place: off unless REPLAY_FAULT arms a fault point.
 
-`REPLAY_FAULT=<point>:<argument>...` arms one of the points below; the product calls `hit(point, ...)`
-there, which does nothing unless the armed fault names exactly that place. A fault is what a real
+`REPLAY_FAULT=<point>:<argument>...` arms one of the points below (several, comma-separated, arm each);
+the product calls `hit(point, ...)` there, which does nothing unless an armed fault names exactly that
+place. A fault is what a real
 failure does: a SIGKILL of the process, or the OSError a flaky disk raises. With REPLAY_FAULT_ONCE=<dir>,
 a fault fires once over all processes (the first to create its marker in that directory), so a retry
 succeeds.
@@ -30,22 +31,16 @@ def armed() -> dict[str, str]:
 
 
 def hit(point: str, *where: int) -> None:
-    spec = os.environ.get(ENV)
-    if not spec:
-        return
-    name, *args = spec.split(":")
-    if name != point or len(args) != len(where):
-        return
-    if name in _AT_LEAST:
-        if where[0] < int(args[0]):
-            return
-    elif [int(a) for a in args] != list(where):
-        return
-    if not _first(spec):
-        return
-    if point == "analysis-io":
-        raise OSError(f"injected transient I/O error reading checkpoint {where[0]}")
-    os.kill(os.getpid(), signal.SIGKILL)
+    for spec in filter(None, os.environ.get(ENV, "").split(",")):
+        name, *args = spec.split(":")
+        if name != point or len(args) != len(where):
+            continue
+        reached = where[0] >= int(args[0]) if name in _AT_LEAST else [int(a) for a in args] == list(where)
+        if not reached or not _first(spec):
+            continue
+        if point == "analysis-io":
+            raise OSError(f"injected transient I/O error reading checkpoint {where[0]}")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _first(spec: str) -> bool:

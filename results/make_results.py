@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--story-store", type=Path, help="quick mode: an existing `spike` recording for item 4 "
                    "(without it, quick mode skips item 4)")
     p.add_argument("--jobs", type=int, default=1, help="sections run at once (default 1, which the published "
-                   "wall times use; the test runs 2)")
+                   "wall times use; the test runs 4)")
     args = p.parse_args(argv)
     work = args.work or Path("runs/results-quick" if args.quick else "runs/results")
     ctx = Context(out=args.out or (work / "docs" if args.quick else Path("docs")), work=work, quick=args.quick,

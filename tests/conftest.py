@@ -82,13 +82,14 @@ BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
 
 
 @pytest.fixture(scope="session")
-def benchmarks_in_background(ray_local) -> Iterator[Future]:
-    """Every benchmark's quick mode (test_benchmarks.py), one after another in a thread of their own from
-    the session's start: they only wait on processes of their own, which run beside the tests instead of
-    adding to their time. A future of {script: its completed process}; the analysis benchmark uses the
-    session's Ray cluster. (The results pipeline stays in line: beside the tests, its Ray tasks took the
-    CPUs the tests' analyses wait for, and the suite gained nothing.)"""
-    env = child_env(os.environ | {"RAY_ADDRESS": ray_local})
+def benchmarks_in_background() -> Iterator[Future]:
+    """Every benchmark's quick mode (test_benchmarks.py), one after another in a thread of their own, from
+    the first test of BACKGROUND_WITH on: they only wait on processes of their own, which run beside those
+    tests (a user's script in one process each, leaving a core idle) instead of adding to the suite's time.
+    A future of {script: its completed process}. Those that use Ray start local clusters of their own: on
+    the session's, their tasks and probe actors took the CPUs that the tests' analyses then waited for.
+    (The results pipeline stays in line for the same reason.)"""
+    env = child_env({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
 
     def run_all() -> dict[str, subprocess.CompletedProcess]:
         return {script: subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env,
@@ -98,10 +99,14 @@ def benchmarks_in_background(ray_local) -> Iterator[Future]:
         yield pool.submit(run_all)
 
 
-@pytest.fixture(scope="session", autouse=True)
+BACKGROUND_WITH = "tests/examples/test_llama.py"
+
+
+@pytest.fixture(autouse=True)
 def _background(request) -> None:
-    """Start the benchmarks as the session begins, where the session runs their test."""
-    if any("benchmarks_in_background" in item.fixturenames for item in request.session.items):
+    """Start the benchmarks with the first test of BACKGROUND_WITH, where the session runs their test."""
+    if request.node.nodeid.startswith(BACKGROUND_WITH) and any(
+            "benchmarks_in_background" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("benchmarks_in_background")
 
 

@@ -61,7 +61,7 @@ def quick(reported_spike, ray_local, tmp_path_factory):
     shutil.copytree(reported_spike, tmp / "spike")
     out, work = tmp / "docs", tmp / "work"
     proc = subprocess.run([sys.executable, "-m", "results.make_results", "--quick", "--out", str(out), "--work",
-                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "2"], cwd=REPO, capture_output=True, text=True,
+                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "4"], cwd=REPO, capture_output=True, text=True,
                           timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, work, (out / "results.md").read_text()

@@ -1,6 +1,6 @@
 """What the experiments share: the kernels they compare, argument checks, the thread setting.
 
-Kernels (names as in `replay.kernels.registry`): `fa2-emu` and `reference-emu`, the FA2 emulation of
+Kernels (names as in `replay.kernels.plan`): `fa2-emu` and `reference-emu`, the FA2 emulation of
 `flash_emu` with CUDA FA2's and with Qiu & Yao's reference-code rounding placement, tile B_r x B_c; and
 `baseline`, materialised attention computed in the precision under test.
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from replay.errors import UsageError
-from replay.kernels.options import DTYPES
+from replay.kernels.options import PRECISIONS
 
 KERNELS = ("baseline", "fa2-emu", "reference-emu")
 PLACEMENT_OF = {"fa2-emu": "fa2", "reference-emu": "reference"}
@@ -42,8 +42,8 @@ def check_tile(tile) -> Tile:
 
 
 def check_precision(p: str) -> str:
-    if p not in DTYPES:
-        raise UsageError(f"unknown precision {p!r}; choose one of {', '.join(DTYPES)}")
+    if p not in PRECISIONS:
+        raise UsageError(f"unknown precision {p!r}; choose one of {', '.join(PRECISIONS)}")
     return p
 
 

@@ -41,7 +41,8 @@ from replay.experiments.common import Tile, check_precision, check_sizes, check_
 from replay.experiments.golden import TENSORS, _random_inputs, _run
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.flash_emu import flash_attention
-from replay.kernels.options import DTYPES, KEY_ORDERS, AttentionOptions, SafeSoftmaxFix
+from replay.kernels.dtypes import DTYPES
+from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix
 
 TRITON_OPTIONS = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
                   "keys=decreasing": dict(key_order="decreasing")}

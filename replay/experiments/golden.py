@@ -49,7 +49,8 @@ from replay.experiments.common import (
 )
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.flash_emu import flash_attention
-from replay.kernels.options import DTYPES, AttentionOptions
+from replay.kernels.dtypes import DTYPES
+from replay.kernels.options import AttentionOptions
 
 TENSORS = ("O", "dQ", "dK", "dV")
 STATS = ("max", "mean", "std")

@@ -38,7 +38,8 @@ from replay.experiments.common import (
 )
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.flash_emu import flash_attention
-from replay.kernels.options import DTYPES, AttentionOptions, SafeSoftmaxFix
+from replay.kernels.dtypes import DTYPES
+from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
 
 # == the mechanism =================================================================================
 

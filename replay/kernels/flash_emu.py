@@ -36,7 +36,8 @@ import torch
 from replay.errors import UsageError
 from replay.kernels import numerics
 from replay.kernels.baseline import attended, baseline_attention, causal_mask
-from replay.kernels.options import DTYPES, AttentionOptions, SafeSoftmaxFix
+from replay.kernels.dtypes import DTYPES
+from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
 
 LOG2E = math.log2(math.e)
 

@@ -27,9 +27,7 @@ import contextlib
 import numpy as np
 import torch
 
-from replay.errors import UsageError
 
-EMULATED = ("fa2-emu", "reference-emu")
 # What the probe measures per step and layer (the run store keeps them as optional steps/ arrays).
 FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
 
@@ -38,16 +36,6 @@ _active: "NumericsProbe | None" = None
 
 def active() -> "NumericsProbe | None":
     return _active
-
-
-def check_plan(plan, n_layer: int, n_head: int) -> None:
-    """The probe reads the emulation's intermediates, so every head must run on an emulated backend."""
-    for layer in range(n_layer):
-        for head in range(n_head):
-            name = plan.backend_for(layer, head).name
-            if name not in EMULATED:
-                raise UsageError(f"--numerics measures the emulated flash backends, but layer {layer} head {head} "
-                                 f"uses {name!r}; record with --attention reference-emu (or fa2-emu)")
 
 
 class NumericsProbe:

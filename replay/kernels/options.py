@@ -5,11 +5,9 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 
-import torch
-
 from replay.errors import UsageError
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("fp64", "fp32", "bf16", "fp16")   # the torch dtypes: kernels/dtypes.py
 PLACEMENTS = ("fa2", "reference")
 KEY_ORDERS = ("increasing", "decreasing")
 
@@ -56,8 +54,8 @@ class AttentionOptions:
             raise UsageError(f"unknown key order {self.key_order!r}; choose one of {', '.join(KEY_ORDERS)}")
         if self.key_order != "increasing" and self.placement != "fa2":
             raise UsageError("the decreasing key order is CUDA FA2's loop, an option of the fa2 placement only")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise UsageError(f"unknown precision {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.dtype is not None and self.dtype not in PRECISIONS:
+            raise UsageError(f"unknown precision {self.dtype!r}; choose one of {', '.join(PRECISIONS)}")
 
     def with_(self, **changes) -> "AttentionOptions":
         return replace(self, **changes)

@@ -28,7 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
-from replay.kernels.registry import AttentionPlan, LayerAttention, raise_deferred
+from replay.kernels.plan import AttentionPlan
+from replay.kernels.registry import LayerAttention, raise_deferred
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 

@@ -50,7 +50,8 @@ import triton.language as tl
 
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
-from replay.kernels.options import DTYPES, AttentionOptions
+from replay.kernels.dtypes import DTYPES
+from replay.kernels.options import AttentionOptions
 
 LOG2E = math.log2(math.e)
 LOW_PRECISION = (torch.bfloat16, torch.float16)

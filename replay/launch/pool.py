@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from replay.errors import ReplayError
-from replay.kernels.registry import plugin_env
+from replay.kernels.plan import plugin_env
 from replay.launch.ranks import free_port, rank_env
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from replay.config import RunConfig
 from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
-from replay.kernels.registry import check_attention
+from replay.kernels.plan import check_attention
 from replay.lifeline import child_env
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV, writing
@@ -123,14 +123,12 @@ def prepare_resume(store_path: str, world_size: int) -> Resume:
 
 def _environment_check(m: Manifest) -> list[str]:
     """What differs from the environment the run last ran in; a refusal where the run cannot go on here."""
-    import torch
-
-    from replay.recorder.environment import environment_notes
+    from replay.recorder.host import environment_notes
 
     recorded = m.last_environment
     if not recorded:   # killed before its ranks had started: nothing ran anywhere yet
         return []
-    if recorded.get("device", "cpu").startswith("cuda") and not torch.cuda.is_available():
+    if recorded.get("device", "cpu").startswith("cuda") and not _cuda():
         raise UsageError(f"the run was recorded on {recorded['device']} ({recorded.get('cuda', {}).get('gpu')}) and "
                          "this machine has no CUDA device: resume it on a machine like the one it ran on")
     return environment_notes(recorded)
@@ -190,7 +188,8 @@ def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: 
     if pool is not None and cfg.launcher == "local" and pool.world_size == nproc:
         pool.train(store_path, lease, resume=resume)
         return
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
+    if cfg.launcher == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
     port = free_port()
     args = [sys.executable, "-m", "replay.launch.worker", str(store_path)] + (["--resume"] if resume else [])
     procs = [subprocess.Popen(args, env={**rank_env(rank, nproc, port), LEASE_ENV: lease}) for rank in range(nproc)]

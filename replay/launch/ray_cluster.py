@@ -108,9 +108,9 @@ def _quiet_stderr() -> Iterator[None]:
 
 def worker_options() -> dict[str, Any]:
     """What Ray workers must see of this process's environment that they may not inherit (they can be on
-    other nodes, or started before it was set): attention plugins (kernels/registry.py) and a test's
+    other nodes, or started before it was set): attention plugins (kernels/plan.py) and a test's
     armed fault (replay/faults.py)."""
-    from replay.kernels.registry import plugin_env
+    from replay.kernels.plan import plugin_env
 
     env = {**plugin_env(), **faults.armed()}
     return {"runtime_env": {"env_vars": env}} if env else {}

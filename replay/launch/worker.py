@@ -42,7 +42,7 @@ def serve(train, reply_fd: int) -> int:
     with os.fdopen(reply_fd, "w") as replies:
         for line in sys.stdin:
             request = json.loads(line)
-            os.environ.update(request.get("env", {}))   # the command's plugins (kernels/registry.py)
+            os.environ.update(request.get("env", {}))   # the command's plugins (kernels/plan.py)
             error, code = _attempt(train, request["store"], request["resume"], lease=request["lease"],
                                    keep_group=True)
             replies.write(json.dumps({"error": error, "code": code} if error else {"ok": True}) + "\n")

@@ -1,9 +1,17 @@
-"""Training-side capture: the loop API, the recorder under it, spike detection, environment and determinism."""
+"""Training-side capture: the loop API, the recorder under it, spike detection, environment and determinism.
 
-from replay.recorder.loop import Loop
-from replay.recorder.recorder import (MODEL_KEYS, Recorder, RecorderConfig, create_run_store, model_key,
-                                      resume_run_store)
-from replay.recorder.spikes import SpikeDetector, SpikeEvent, detect_spikes
+The names below load on first use, so that the launchers and replays, which import only the light modules
+of this package (the recorded command's check), never load torch."""
 
-__all__ = ["MODEL_KEYS", "Loop", "Recorder", "RecorderConfig", "SpikeDetector", "SpikeEvent", "create_run_store",
-           "detect_spikes", "model_key", "resume_run_store"]
+import importlib
+
+_HOME = {"Loop": "loop", "MODEL_KEYS": "recorder", "Recorder": "recorder", "RecorderConfig": "recorder",
+         "create_run_store": "recorder", "model_key": "recorder", "resume_run_store": "recorder",
+         "SpikeDetector": "spikes", "SpikeEvent": "spikes", "detect_spikes": "spikes"}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'replay.recorder' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"replay.recorder.{_HOME[name]}"), name)

@@ -21,6 +21,9 @@ from replay.store.manifest import CommandInfo
 
 # kept with the command: they change what runs (the code found, thread counts, hashing, cuBLAS's workspace)
 ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")
+# what `replay run` (launch/script.py) sets for the command it starts again
+STORE_ENV = "REPLAY_LOOP_STORE"      # the replay store to write
+RESUME_ENV = "REPLAY_LOOP_RESUME"    # "1": continue that replay from its last committed checkpoint
 
 
 def capture(world_size: int) -> CommandInfo:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import platform
 import random
-import socket
-from importlib import metadata
 from typing import Any
 
 import numpy as np
 import torch
 
-_PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "zarr", "triton")
+from replay.recorder.host import host
 
 
 def configure_determinism(threads: int) -> None:
@@ -27,19 +24,9 @@ def configure_determinism(threads: int) -> None:
 
 
 def fingerprint(device: torch.device) -> dict[str, Any]:
-    versions = {}
-    for name in _PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+    """The host (recorder/host.py) and how torch computes on it."""
     fp = {
-        "python": platform.python_version(),
-        "packages": versions,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": _cpu_model(),
-        "hostname": socket.gethostname(),
+        **host(),
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -52,32 +39,6 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
         fp["cuda"] = {"version": torch.version.cuda, "gpu": torch.cuda.get_device_name(device),
                       "capability": list(torch.cuda.get_device_capability(device))}
     return fp
-
-
-def environment_notes(recorded: dict[str, Any]) -> list[str]:
-    """What differs from the recording's environment, and so may break bitwise equality."""
-    if not recorded:
-        return ["the record has no environment fingerprint; bitwise equality is not guaranteed"]
-    now = fingerprint(torch.device(recorded.get("device", "cpu")))
-    notes = []
-    for key in ("python", "machine", "processor", "device"):
-        if recorded.get(key) != now.get(key):
-            notes.append(f"{key}: recorded {recorded.get(key)}, now {now.get(key)}")
-    for pkg, version in recorded.get("packages", {}).items():
-        if now["packages"].get(pkg) != version:
-            notes.append(f"{pkg}: recorded {version}, now {now['packages'].get(pkg)}")
-    return notes
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def seed_everything(seed: int) -> None:

@@ -45,7 +45,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import SaveStrategy
 
 from replay.errors import ReplayError, UsageError
-from replay.recorder.loop import RESUME_ENV, Loop
+from replay.recorder.command import RESUME_ENV
+from replay.recorder.loop import Loop
 
 
 class RecordedDataset(torch.utils.data.Dataset):

@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from replay.config import ModelConfig, RunConfig, SpikeConfig
 from replay.errors import ReplayError, UsageError
-from replay.kernels.registry import AttentionPlan, apply_plan, is_transformers_model
+from replay.kernels.plan import AttentionPlan
+from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import attention_modules, sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder import command as cmd
@@ -56,8 +57,6 @@ from replay.store.lease import Lease
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS, DataInfo, Manifest, ModelInfo, ReplaySpec, ResumeInfo
 from replay.store.run_store import check_empty
 
-STORE_ENV = "REPLAY_LOOP_STORE"      # set by `replay run` (launch/script.py): the replay store to write
-RESUME_ENV = "REPLAY_LOOP_RESUME"    # "1": continue that replay from its last committed checkpoint
 PRECISIONS = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
               "fp16": torch.float16, "float16": torch.float16}
 _HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
@@ -118,9 +117,9 @@ class Loop:
         self._yield_skipped = yield_skipped
         self.skipping = False   # the current step is one the replay skips (yielded with yield_skipped=True)
         self._lease: Lease | None = None
-        if os.environ.get(STORE_ENV):   # started again by `replay run`: its replay store and lease
+        if os.environ.get(cmd.STORE_ENV):   # started again by `replay run`: its replay store and lease
             sys.excepthook = _one_line_errors(sys.excepthook, self.rank)
-            store, lease, resume = os.environ[STORE_ENV], os.environ[LEASE_ENV], os.environ.get(RESUME_ENV) == "1"
+            store, lease, resume = os.environ[cmd.STORE_ENV], os.environ[LEASE_ENV], os.environ.get(cmd.RESUME_ENV) == "1"
         elif lease is None:             # the script's own recording: rank 0 prepares the store
             n_layer, heads = _attention_shape(unwrap(model), attention, n_head)
             cfg = RunConfig(preset="custom", steps=total_steps, nproc=self.world, precision=_canonical(precision),

@@ -1,7 +1,7 @@
 """Counterfactual overrides of a replay: what changes, checked against the recorded run, folded into its config.
 
 The scope is the whole model, or `layers`, or `heads` of those layers, or explicit (layer, head) `units`.
-Attention overrides rewrite the recorded attention plan (replay.kernels.registry) in that scope:
+Attention overrides rewrite the recorded attention plan (replay.kernels.plan) in that scope:
 `attention` swaps the backend; `fix` (the safe-softmax fix, with beta) and `hp_delta` switch options on
 the flash backends there (they need an emulated or Triton flash backend: `eager` and `sdpa` have no such
 knobs). `lr_scale` multiplies the learning rate: of every parameter group for the whole model, or, in a
@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 from replay.config import PRECISIONS, RunConfig
 from replay.errors import UsageError
-from replay.kernels.numerics import check_plan
 from replay.kernels.options import SafeSoftmaxFix
-from replay.kernels.registry import AttentionPlan, BackendSpec
+from replay.kernels.plan import AttentionPlan, BackendSpec, check_numerics
 
 
 @dataclass
@@ -199,7 +198,7 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
         plan = _simplify(AttentionPlan(plan.default, dict(plan.layers), heads), cfg.model.n_layer, cfg.model.n_head)
         plan.validate(cfg.model.n_layer, cfg.model.n_head)
         if cfg.numerics:
-            check_plan(plan, cfg.model.n_layer, cfg.model.n_head)
+            check_numerics(plan, cfg.model.n_layer, cfg.model.n_head)
         cfg.model.attention = plan.canonical()
     if o.precision is not None:
         if o.precision not in PRECISIONS:

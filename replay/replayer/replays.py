@@ -122,7 +122,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
             if set(np.asarray(ids[step]).ravel()) <= {s for t, s in req.overrides.drop if t == step}:
                 raise UsageError(f"--drop leaves no sample of step {step}; skip the step with --skip {step}")
     for rank in range(recorded.world_size):   # a corrupted checkpoint is named before anything is written
-        parent.read_shard(ckpt.step, rank)
+        parent.verify_shard(ckpt.step, rank)
 
     spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,
                       start_checkpoint_kind=ckpt.kind, checkpoint_every=req.checkpoint_every,
@@ -161,7 +161,7 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
     is taken in both cases (store/lease.py)."""
     from replay.launch.ranks import run_ranks
     from replay.launch.script import run_script
-    from replay.recorder.environment import environment_notes
+    from replay.recorder.host import environment_notes
 
     RunStore.open(store_path)   # a missing store is named before anything is made
     with writing(Path(store_path) / "replays" / replay_id(req), command, under=under) as lease:

@@ -443,11 +443,24 @@ class RunStore:
             lo = min((index[k]["offset"] for k in wanted), default=0)
             hi = max((index[k]["offset"] + index[k]["nbytes"] for k in wanted), default=0)
             first, last = lo // chunk, max(lo, hi - 1) // chunk
-        buffer = read_chunks(self._ckpt_dir(step) / f"rank{rank}" / "tensors", first, last, chunk,
-                             f"checkpoint {step} rank {rank}: array tensors",
-                             contents=lambda i: _chunk_contents(index, i * chunk, (i + 1) * chunk))
+        buffer = self._read_chunks(step, rank, doc, first, last)
         tensors = {key: as_tensor(entry_view(buffer, index[key], first * chunk), index[key]["dtype"]) for key in wanted}
         return tensors if keys is not None else unflatten(doc["skeleton"], tensors)
+
+    def verify_shard(self, step: int, rank: int) -> None:
+        """Verify the checksum of every byte of one rank's shard of a committed checkpoint, without making
+        tensors of it (so without torch: the launchers check the checkpoint a run or replay starts from)."""
+        if self.schema < 2:
+            self.read_shard(step, rank)
+            return
+        doc = self._shard_doc(step, rank)
+        self._read_chunks(step, rank, doc, 0, doc["chunks"] - 1)
+
+    def _read_chunks(self, step: int, rank: int, doc: dict[str, Any], first: int, last: int) -> np.ndarray:
+        index, chunk = doc["index"], doc["chunk_bytes"]
+        return read_chunks(self._ckpt_dir(step) / f"rank{rank}" / "tensors", first, last, chunk,
+                           f"checkpoint {step} rank {rank}: array tensors",
+                           contents=lambda i: _chunk_contents(index, i * chunk, (i + 1) * chunk))
 
     def shard_index(self, step: int, rank: int) -> dict[str, dict[str, Any]]:
         """What one rank's shard holds: {key: dtype, shape, offset, nbytes} (no tensor is read)."""
@@ -483,7 +496,7 @@ class RunStore:
         committed = [step for step, state, _ in scan if state == "committed"]
         last = committed[-1] if committed else None
         for rank in range(verify_world_size if last is not None else 0):
-            self.read_shard(last, rank)
+            self.verify_shard(last, rank)
         for step, state, _ in scan:
             if last is None or step > last or state != "committed":
                 shutil.rmtree(self._ckpt_dir(step))

@@ -13,12 +13,15 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from replay.config import RunConfig
 from replay.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 _FULL_HASH_LIMIT = 256 << 20   # files up to this size are hashed whole; larger ones are sampled
 _VOCAB_SCAN_LIMIT = 2 << 30    # token range checked over the whole file up to this size
@@ -70,6 +73,8 @@ class TokenData:
 
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, [len(ids), T] each, for the given sample ids."""
+        import torch   # here, so that the launchers reading the data never load torch
+
         T = self.block_size
         rows = np.stack([self.tokens[i * T: i * T + T + 1] for i in np.asarray(ids).reshape(-1)])
         rows = torch.from_numpy(rows.astype(np.int64))

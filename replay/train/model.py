@@ -10,7 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 from replay.config import ModelConfig, OptimConfig
-from replay.kernels.registry import AttentionPlan, apply_plan
+from replay.kernels.plan import AttentionPlan
+from replay.kernels.registry import apply_plan
 
 
 BODY = "transformer."   # GPT2LMHeadModel's prefix of the GPT2Model inside it

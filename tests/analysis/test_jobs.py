@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from replay.analysis.jobs import analyze
 from replay.analysis.results import METRICS, read_distances, read_metrics
@@ -36,12 +35,11 @@ def test_xarray_opens_the_analysis_group_with_named_dimensions(analysed_store):
     assert any("c_attn" in str(t) for t in dist["tensor"].values)
 
 
-@pytest.mark.parametrize("fault", ["analysis-io:20", "analysis-kill:20"])
-def test_a_failed_task_is_retried_and_the_results_are_complete(fault, replayed_copy, analysed_store, ray_local, tmp_path,
-                                                               monkeypatch):
-    """An injected transient I/O error (OSError) or a worker SIGKILLed mid-task, on checkpoint 20: Ray
-    runs the task again and the results equal those of an undisturbed analysis."""
-    monkeypatch.setenv("REPLAY_FAULT", fault)
+def test_failed_tasks_are_retried_and_the_results_are_complete(replayed_copy, analysed_store, ray_local, tmp_path,
+                                                              monkeypatch):
+    """An injected transient I/O error (OSError) on checkpoint 20 and a worker SIGKILLed mid-task on
+    checkpoint 10: Ray runs both tasks again and the results equal those of an undisturbed analysis."""
+    monkeypatch.setenv("REPLAY_FAULT", "analysis-io:20,analysis-kill:10")
     monkeypatch.setenv("REPLAY_FAULT_ONCE", str(tmp_path))   # the retry succeeds
     summary = analyze(replayed_copy)
     assert summary.computed == 7 and summary.skipped == 0    # 4 run + 2 replay checkpoints, 1 distance
@@ -50,7 +48,8 @@ def test_a_failed_task_is_retried_and_the_results_are_complete(fault, replayed_c
 
 def test_an_interrupted_analysis_resumes_without_recomputing(replayed_copy, analysed_store, ray_local):
     """The driver is SIGKILLed after 2 finished items; the next run computes only the rest."""
-    killed_by_fault("analysis-driver-kill:2", "analyze", str(replayed_copy), "--workers", "1")
+    killed_by_fault("analysis-driver-kill:2", "analyze", str(replayed_copy), "--workers", "1",
+                    env={"RAY_ADDRESS": ray_local})
     result = replay_cli("analyze", str(replayed_copy), "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from replay.kernels.baseline import causal_mask
-from replay.kernels.registry import register_backend
+from replay.kernels.plan import register_backend
 from replay.train.data import DataOrder
 
 VOCAB, BLOCK, STEPS, BATCH, SEED = 16, 32, 48, 8, 1337

@@ -5,8 +5,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from replay.kernels import registry
-from replay.kernels.registry import AttentionPlan, apply_plan
+from replay.kernels import plan
+from replay.kernels.plan import AttentionPlan
+from replay.kernels.registry import apply_plan
 
 N_HEAD, N_KV, HD = 4, 2, 8   # query heads 0, 1 read key/value head 0; heads 2, 3 read head 1
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -40,8 +41,8 @@ def probes():
     """Two test backends (plugins, as a user would add one): zeros, and the values the head was given."""
     for name, fn in (("zeros-test", lambda q, k, v, scaling: torch.zeros_like(q)),
                      ("values-test", lambda q, k, v, scaling: v.clone())):
-        if name not in registry._PLUGINS:
-            registry.register_backend(name, fn)
+        if name not in plan.PLUGINS:
+            plan.register_backend(name, fn)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,8 +6,9 @@ import torch
 
 from replay.config import ModelConfig
 from replay.errors import UsageError
-from replay.kernels.numerics import NumericsProbe, check_plan
-from replay.kernels.registry import AttentionPlan, apply_plan
+from replay.kernels.numerics import NumericsProbe
+from replay.kernels.plan import AttentionPlan, check_numerics
+from replay.kernels.registry import apply_plan
 from replay.train.model import build_model, lm_loss
 
 CFG = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=48)
@@ -133,8 +134,8 @@ def test_probe_leaves_the_computation_bitwise_unchanged():
 
 def test_plans_the_probe_cannot_read_are_refused():
     with pytest.raises(UsageError, match="layer 1 head 0 uses 'eager'"):
-        check_plan(AttentionPlan.parse("reference-emu;1=eager"), 2, 2)
-    check_plan(AttentionPlan.parse("reference-emu;1.1=fa2-emu"), 2, 2)
+        check_numerics(AttentionPlan.parse("reference-emu;1=eager"), 2, 2)
+    check_numerics(AttentionPlan.parse("reference-emu;1.1=fa2-emu"), 2, 2)
     model = _model("eager")
     apply_plan(model, AttentionPlan.parse("fa2-emu"))
     numbers, _ = _step(model, NumericsProbe(model))

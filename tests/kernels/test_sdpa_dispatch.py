@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from replay.errors import UsageError
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
-from replay.kernels.registry import AttentionPlan
+from replay.kernels.plan import AttentionPlan
 from replay.kernels.sdpa_dispatch import attention_modules, sdpa_dispatch
 
 

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,6 +43,7 @@ def test_ranks_die_with_their_record_killed_alone(tmp_path, moment):
         found = wait_for_descendants(proc.pid, _ranks(2))   # start-up: the ranks are still importing torch
         if moment == "training":
             while len(RunStore.open(store).checkpoints()) < 2:
+                time.sleep(0.05)
                 found = wait_for_descendants(proc.pid, _ranks(2))
         _kill_alone(proc)
         assert_gone(found, within=2.0)

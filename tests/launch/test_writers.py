@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,6 +26,7 @@ def test_a_running_recording_is_the_only_writer_and_a_dead_one_is_taken_over(tmp
     try:
         while not (store / "zarr.json").exists() or len(RunStore.open(store).checkpoints()) < 2:
             assert proc.poll() is None, "the recording ended early"
+            time.sleep(0.05)
         holder = f"`replay record` (pid {proc.pid} on {socket.gethostname()} since"
         for args in (["record", "--store", str(store), "--resume"], ["run", str(store), "--from", "0", "--to", "1"],
                      ["analyze", str(store)]):

@@ -1,0 +1,48 @@
+"""The machine and the packages a run ran on, and what differs from them now. No torch: a launcher
+compares them before any rank starts (recorder/environment.py adds how torch computes)."""
+
+from __future__ import annotations
+
+import platform
+import socket
+from importlib import metadata
+from typing import Any
+
+_PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "zarr", "triton")
+
+
+def host() -> dict[str, Any]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"python": platform.python_version(), "packages": versions, "platform": platform.platform(),
+            "machine": platform.machine(), "processor": _cpu_model(), "hostname": socket.gethostname()}
+
+
+def environment_notes(recorded: dict[str, Any]) -> list[str]:
+    """What differs from the recording's environment, and so may break bitwise equality."""
+    if not recorded:
+        return ["the record has no environment fingerprint; bitwise equality is not guaranteed"]
+    now = host()
+    notes = []
+    for key in ("python", "machine", "processor"):
+        if recorded.get(key) != now.get(key):
+            notes.append(f"{key}: recorded {recorded.get(key)}, now {now.get(key)}")
+    for pkg, version in recorded.get("packages", {}).items():
+        if now["packages"].get(pkg) != version:
+            notes.append(f"{pkg}: recorded {version}, now {now['packages'].get(pkg)}")
+    return notes
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
