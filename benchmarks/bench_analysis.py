@@ -66,7 +66,7 @@ def main() -> None:
 
     import torch
 
-    from replay.analysis import jobs
+    from replay.analysis import jobs, tasks
     from replay.analysis import metrics as M
     from replay.store import RunStore
 
@@ -89,13 +89,13 @@ def main() -> None:
         cfg = run.manifest.config.model
 
         def matrices(step: int) -> list[dict]:
-            return jobs.read_layers(run, step, range(cfg.n_layer))
+            return tasks.read_layers(run, step, range(cfg.n_layer))
 
         mats = matrices(2)
         spectral = best_of(3, lambda: [M.weight_metrics(m, cfg.n_head) for m in mats])
         read = best_of(3, lambda: matrices(2))
         items, _ = jobs.plan_metrics(RunStore.open(store, mode="a"))
-        full = best_of(1, lambda: [jobs.compute_metrics(i) for i in items if i.ckpt.step == 2])
+        full = best_of(1, lambda: [tasks.compute_metrics(i) for i in items if i.ckpt.step == 2])
         print(f"one checkpoint, {cfg.n_layer} layers x {cfg.n_head} heads, one core: spectral part {spectral:.2f} s "
               f"(target <= 2 s at GPT-2 small); whole work items {full:.2f} s (reading the layers {read:.2f} s; the "
               "rest is update statistics and the probe forward)")

@@ -285,7 +285,7 @@ def signature(store: Path, step: int | None = None) -> dict[str, Any]:
     spectral norm of W_Q,h and of W_Q,h W_K,h^T; with --numerics, per layer, the median cosine of successive
     W_Q gradient errors and the mean tied-maxima rate over the run."""
     from replay.analysis import metrics as M
-    from replay.analysis.jobs import read_layers
+    from replay.analysis.tasks import read_layers
     from replay.store import RunStore
 
     run = RunStore.open(store)

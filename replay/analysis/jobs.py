@@ -9,7 +9,6 @@ is new, and an interrupted analysis resumes where it stopped.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,18 +16,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
-from replay.analysis import metrics as M
 from replay.analysis import results as R
-from replay import faults
 from replay.analysis.names import DISTANCES
+from replay import faults
 from replay.errors import StoreError, UsageError
-from replay.recorder import MODEL_KEYS, model_key
 from replay.store import RunStore
-from replay.store.layout import Layout, layout_of
+from replay.store.layout import MODEL_KEYS, Layout, layout_of
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
-from replay.store.lease import require, writing
+from replay.store.lease import writing
 
 LAYER_BLOCK = 4                         # layers per work item
 
@@ -85,172 +81,22 @@ class Summary:
     seconds: float = 0.0
 
 
-# -- tasks (run on Ray workers) -------------------------------------------------------------------
-
 def run_item(item: MetricItem | DistanceItem) -> str:
-    """One work item, start to finish, on a Ray worker. Returns the node it ran on."""
-    import ray
+    """One work item, start to finish, on a Ray worker (analysis/tasks.py: torch loads there, never in the
+    driver). Returns the node it ran on."""
+    from replay.analysis.tasks import run
 
-    torch.set_num_threads(1)
-    step = item.ckpt.step if isinstance(item, MetricItem) else item.other.step
-    faults.hit("analysis-io", step)
-    faults.hit("analysis-kill", step)
-    result = compute_metrics(item) if isinstance(item, MetricItem) else compute_distances(item)
-    require(item.lease)   # a task of a driver that lost the store (it died, another took over) writes nothing
-    if isinstance(item, MetricItem):
-        R.write_metrics(item.store, item.row, item.block, item.block_index, result)
-    else:
-        R.write_distances(item.store, item.table, item.row, result)
-    return ray.get_runtime_context().get_node_id()
+    return run(item)
 
 
-def read_layers(store: RunStore, step: int, layers: range) -> list[dict[str, np.ndarray]]:
-    """Each layer's weight matrices at a checkpoint, as (in, out), by analysis name (store/layout.py)."""
-    layout = _layout(store)
-    keys = {layer: {role: model_key(key) for role, key in layout.keys(layer).items()} for layer in layers}
-    tensors = store.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
-    return [layout.matrices({role: tensors[key].float().numpy() for role, key in keys[layer].items()})
-            for layer in layers]
-
-
-def _layout(store: RunStore) -> Layout:
+def weight_layout(store: RunStore) -> Layout:
+    """Where the store's checkpoints keep each layer's weights (store/layout.py), or one line saying why not."""
     m = store.manifest
     layout = layout_of(m.launcher, m.layout)
     if layout is None:
         raise UsageError(f"{store.path} was recorded by a loop that named no weight layout, so its per-head "
                          "metrics cannot be found: record with Loop(..., layout='nanogpt' | 'hf-gpt2' | 'hf-llama' | {...})")
     return layout
-
-
-def _read_layers(src: Source, layers: range) -> list[dict[str, np.ndarray]]:
-    return read_layers(RunStore.open(src.path), src.step, layers)
-
-
-def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
-    layers = range(*item.block)
-    cur = _read_layers(item.ckpt, layers)
-    prev = _read_layers(item.prev, layers) if item.prev else [None] * len(layers)
-    before = _read_layers(item.before, layers) if item.before else [None] * len(layers)
-    per_layer = []
-    for i in range(len(layers)):
-        values = M.weight_metrics(cur[i], item.n_head)
-        values.update(M.update_metrics(cur[i], prev[i], before[i], item.n_head))
-        if item.prev:   # per step, so checkpoints at uneven spacing (snapshots, dense replays) compare
-            values["update_rel"] /= item.ckpt.step - item.prev.step
-            values["update_rel_head"] /= item.ckpt.step - item.prev.step
-        per_layer.append(values)
-    out = {name: np.stack([v[name] for v in per_layer]) for name in per_layer[0]}
-    if item.probe and item.transformers_config:
-        out.update(hf_probe_metrics(item))
-    else:
-        out.update(probe_metrics(item) if item.probe else _no_probe(len(layers), item.n_head))
-    return out
-
-
-def _no_probe(n_layers: int, n_head: int) -> dict[str, np.ndarray]:
-    """A model of the user's own has no probe (it needs the model's code and data): NaN."""
-    return {**{name: np.full((n_layers, n_head), np.nan) for name in ("max_logit", "tie_rate", "attn_entropy")},
-            "log_z": np.full(n_layers, np.nan)}
-
-
-def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
-    """Run the model's first blocks (FP32, eager attention) on the probe batch and measure each layer
-    of the item's block: per head the max attention logit, the BF16 tied-maxima rate and the attention
-    entropy; per layer log Z (metrics.py says what each is)."""
-    from transformers import GPT2Model
-
-    from replay.train.model import BODY, gpt2_config
-
-    lo, hi = item.block
-    store = RunStore.open(item.ckpt.path)
-    index = store.shard_index(item.ckpt.step, 0)
-    body = model_key(BODY)
-    wanted = [k for k in index if k.startswith(body) and (".h." not in k or int(k.split(".h.")[1].split(".")[0]) < hi)]
-    tensors = store.read_shard(item.ckpt.step, 0, keys=wanted)
-    state = {k[len(body):]: t.float() for k, t in tensors.items()}
-    wte = state["wte.weight"]
-    cfg = store.manifest.config.model
-    model = GPT2Model(gpt2_config(cfg, vocab_size=wte.shape[0], n_layer=hi)).eval()
-    model.set_attn_implementation("eager")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    x = torch.tensor(item.probe, dtype=torch.long)[:, :-1]
-    with torch.no_grad():
-        # hidden[l] is block l's input; the last entry is the last block's output after ln_f
-        hidden = model(input_ids=x, output_hidden_states=True).hidden_states
-        per_head: dict[str, list[np.ndarray]] = {}
-        z = []
-        for layer in range(lo, hi):
-            block = model.h[layer]
-            qkv = block.attn.c_attn(block.ln_1(hidden[layer]))
-            b, t, _ = qkv.shape
-            q, k, _v = (y.view(b, t, item.n_head, -1).transpose(1, 2) for y in qkv.split(item.n_embd, dim=2))
-            for name, values in M.attention_probe(q, k).items():
-                per_head.setdefault(name, []).append(values)
-            norm = model.ln_f if layer + 1 < hi else torch.nn.Identity()   # the last entry has had ln_f
-            z.append(M.log_z(hidden[layer + 1], norm, wte))
-    return {**{name: np.stack(v) for name, v in per_head.items()}, "log_z": np.array(z)}
-
-
-def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
-    """The probe of a transformers model of the user's own, rebuilt from its recorded config (FP32, eager
-    attention) on its recorded probe rows: per query head the max attention logit, the BF16 tied-maxima
-    rate and the entropy, of q and k as the model's attention function receives them (after RoPE, each
-    query head with its group's key head); per layer log Z through the decoder's final norm and the output
-    embedding (NaN for a model whose decoder has no `norm` and `layers`)."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    from replay.kernels.registry import hf_attention_modules, per_query_head, register
-
-    lo, hi = item.block
-    store = RunStore.open(item.ckpt.path)
-    config = CONFIG_MAPPING[item.transformers_config["model_type"]].from_dict(item.transformers_config)
-    config.get_text_config().num_hidden_layers = hi   # the layers below the block's end are all it needs
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    names = set(model.state_dict())
-    keys = [k for k in store.shard_index(item.ckpt.step, 0) if k.startswith(MODEL_KEYS) and k[len(MODEL_KEYS):] in names]
-    state = {k[len(MODEL_KEYS):]: t.float() for k, t in store.read_shard(item.ckpt.step, 0, keys=keys).items()}
-    missing = names - set(state) - {"lm_head.weight"}   # a tied output embedding may be stored once
-    if missing:
-        raise StoreError(f"checkpoint {item.ckpt.step} of {store.path} lacks {sorted(missing)[:3]} of the model its "
-                         "config builds: the probe cannot run it")
-    model.load_state_dict(state, strict=False)
-    register()
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module in hf_attention_modules(model):
-        module.replay_probe = seen
-    model.set_attn_implementation("replay-probe")
-    decoder = model.get_decoder()
-    outputs: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_hook(functools.partial(_keep_output, outputs, i))
-             for i, layer in enumerate(getattr(decoder, "layers", []))]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor(item.probe, dtype=torch.long))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    norm, unembed = getattr(decoder, "norm", None), model.get_output_embeddings().weight
-    per_head: dict[str, list[np.ndarray]] = {}
-    z = []
-    with torch.no_grad():
-        for layer in range(lo, hi):
-            q, k = seen[layer]
-            for name, values in M.attention_probe(q, per_query_head(k, q.shape[1])).items():
-                per_head.setdefault(name, []).append(values)
-            z.append(M.log_z(outputs[layer], norm, unembed) if norm is not None and layer in outputs else np.nan)
-    return {**{name: np.stack(v) for name, v in per_head.items()}, "log_z": np.array(z)}
-
-
-def _keep_output(outputs: dict, layer: int, module, args, output) -> None:
-    outputs[layer] = output[0] if isinstance(output, tuple) else output
-
-
-def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
-    a = RunStore.open(item.reference.path).read_shard(item.reference.step, 0, keys=item.tensors)
-    b = RunStore.open(item.other.path).read_shard(item.other.step, 0, keys=item.tensors)
-    rows = [M.tensor_distances(a[k].float().numpy(), b[k].float().numpy()) for k in item.tensors]
-    return {metric: np.array([r[metric] for r in rows]) for metric in DISTANCES}
 
 
 # -- planning (driver) ----------------------------------------------------------------------------
@@ -427,7 +273,7 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
     run = RunStore.open(store_path)
     if run.kind != "run":
         raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
-    _layout(run)
+    weight_layout(run)
     if not run.checkpoints():
         raise UsageError(f"{store_path} has no committed checkpoint to analyse")
     with writing(store_path, "replay analyze") as lease, ray_session(address, workers) as slots:

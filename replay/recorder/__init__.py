@@ -5,8 +5,8 @@ of this package (the recorded command's check), never load torch."""
 
 import importlib
 
-_HOME = {"Loop": "loop", "MODEL_KEYS": "recorder", "Recorder": "recorder", "RecorderConfig": "recorder",
-         "create_run_store": "recorder", "model_key": "recorder", "resume_run_store": "recorder",
+_HOME = {"Loop": "loop", "Recorder": "recorder", "RecorderConfig": "recorder", "create_run_store": "recorder",
+         "resume_run_store": "recorder",
          "SpikeDetector": "spikes", "SpikeEvent": "spikes", "detect_spikes": "spikes"}
 __all__ = sorted(_HOME)
 

@@ -43,17 +43,6 @@ from replay.store.manifest import DataInfo, Manifest
 from replay.store.tensors import Packed, pack, whole_buffer
 
 
-# The layout of every checkpoint: each rank's shard is the tree {"state": TrainState.state_dict(rank), "rng":
-# rng_state()}; a TrainState's tree is {"replicated": ..., "local": ...}, with the model's state dict at
-# "replicated/model" (rank 0's shard). A shard's tensors are keyed by their path in that tree.
-MODEL_KEYS = "/state/replicated/model/"
-
-
-def model_key(name: str) -> str:
-    """The key of the model's tensor `name` (a state-dict key) in rank 0's shard."""
-    return MODEL_KEYS + name
-
-
 class TrainState(Protocol):
     """What a checkpoint holds besides RNG states (see replay.recorder.state): {"replicated", "local"}."""
 

@@ -28,6 +28,17 @@ import numpy as np
 from replay.config import ModelConfig
 from replay.errors import UsageError
 
+# Every checkpoint's tree (recorder/recorder.py writes it): each rank's shard is {"state": TrainState.state_dict(rank),
+# "rng": rng_state()}; a TrainState's tree is {"replicated": ..., "local": ...}, with the model's state dict at
+# "replicated/model" (rank 0's shard). A shard's tensors are keyed by their path in that tree.
+MODEL_KEYS = "/state/replicated/model/"
+
+
+def model_key(name: str) -> str:
+    """The key of the model's tensor `name` (a state-dict key) in rank 0's shard."""
+    return MODEL_KEYS + name
+
+
 _GPT2 = {"qkv": "transformer.h.{layer}.attn.c_attn.weight", "o": "transformer.h.{layer}.attn.c_proj.weight",
          "fc": "transformer.h.{layer}.mlp.c_fc.weight", "proj": "transformer.h.{layer}.mlp.c_proj.weight"}
 _LLAMA = {role: f"model.layers.{{layer}}.{key}.weight" for role, key in (

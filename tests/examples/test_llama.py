@@ -69,13 +69,13 @@ def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_
     """Query head h reads key/value head h // 2: its W_K, W_V numbers (spectral norms; relative update per
     step from checkpoint 10 to 20 and the cosine of that update with the one from 0 to 10) and W_Q,h W_K,g^T
     are those of that group's rows of k_proj / v_proj (nn.Linear keeps (out, in))."""
-    from replay.analysis import jobs
+    from replay.analysis import jobs, tasks
     from replay.analysis.names import HEAD_MATRICES, MATRICES
 
     store = RunStore.open(llama)
     items, _ = jobs.plan_metrics(RunStore.open(llama, mode="a"))
     item = next(i for i in items if i.ckpt.step == 20)
-    values = jobs.compute_metrics(item)
+    values = tasks.compute_metrics(item)
     w, w10, w0 = ({k: t.double().numpy() for k, t in store.read_shard(step, 0)["state"]["replicated"]["model"].items()}
                   for step in (20, 10, 0))
     sigma = lambda m: np.linalg.svd(m, compute_uv=False)[0]   # noqa: E731
@@ -111,7 +111,7 @@ def test_the_probe_is_the_recorded_models_attention_on_its_first_batch_after_rop
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from replay.analysis import jobs
+    from replay.analysis import jobs, tasks
 
     store = RunStore.open(llama)
     info = store.manifest.model
@@ -119,7 +119,7 @@ def test_the_probe_is_the_recorded_models_attention_on_its_first_batch_after_rop
     tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
     assert info.probe == [tokens[i:i + 32].astype(int).tolist() for i in first]   # --block_size 32, 4 rows
     items, _ = jobs.plan_metrics(RunStore.open(llama, mode="a"))
-    values = jobs.compute_metrics(next(i for i in items if i.ckpt.step == 20))
+    values = tasks.compute_metrics(next(i for i in items if i.ckpt.step == 20))
 
     model = AutoModelForCausalLM.from_config(LlamaConfig.from_dict(info.transformers_config), attn_implementation="eager")
     weights = store.read_shard(20, 0)["state"]["replicated"]["model"]

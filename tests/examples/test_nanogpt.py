@@ -138,13 +138,13 @@ def test_a_killed_recording_resumes_to_the_uninterrupted_run(data_dir, tmp_path)
 def test_analyze_reads_the_nanogpt_layout(torchrun_store):
     """Per-head spectral norms of the analysis against an SVD of the stored c_attn weight, which nn.Linear
     keeps as (out, in): head h's W_Q is rows h*16:(h+1)*16 of its first third."""
-    from replay.analysis import jobs
+    from replay.analysis import jobs, tasks
     from replay.analysis.names import HEAD_MATRICES
 
     store = RunStore.open(torchrun_store)
     items, _ = jobs.plan_metrics(RunStore.open(torchrun_store, mode="a"))
     item = next(i for i in items if i.ckpt.step == 40)
-    values = jobs.compute_metrics(item)
+    values = tasks.compute_metrics(item)
     shard = store.read_shard(40, 0)["state"]["replicated"]["model"]
     for layer in range(2):
         w = shard[f"transformer.h.{layer}.attn.c_attn.weight"].double().numpy()   # [3 * 32, 32]
