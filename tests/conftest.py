@@ -99,7 +99,7 @@ def benchmarks_in_background() -> Iterator[Future]:
         yield pool.submit(run_all)
 
 
-BACKGROUND_WITH = "tests/examples/test_llama.py"
+BACKGROUND_WITH = "tests/examples/"
 
 
 @pytest.fixture(autouse=True)
