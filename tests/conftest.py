@@ -79,59 +79,35 @@ def ray_local() -> str:
 
 
 BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
-# The background work below runs at the lowest CPU priority, so it takes only the CPU the tests leave idle
-# (a user's script in one process, a rank waiting on its peer, Ray starting) and never slows them. Where it
-# uses Ray, it starts local clusters of its own: on the session's, its tasks and actors took the CPUs the
-# tests' analyses then waited for.
-BACKGROUND = ["nice", "-n", "19"]
-
-
-def _background_env() -> dict[str, str]:
-    return child_env({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
 
 
 @pytest.fixture(scope="session")
 def benchmarks_in_background() -> Iterator[Future]:
-    """Every benchmark's quick mode (test_benchmarks.py), one after another in the background from the
-    session's start. A future of {script: its completed process}."""
-    env = _background_env()
+    """Every benchmark's quick mode (test_benchmarks.py), one after another in a thread of their own, from
+    the first test of BACKGROUND_WITH on: they only wait on processes of their own, which run beside those
+    tests (a user's script in one process each, leaving a core idle) instead of adding to the suite's time.
+    A future of {script: its completed process}. Those that use Ray start local clusters of their own: on
+    the session's, their tasks and probe actors took the CPUs that the tests' analyses then waited for.
+    (The results pipeline stays in line for the same reason.)"""
+    env = child_env({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
 
     def run_all() -> dict[str, subprocess.CompletedProcess]:
-        return {script: subprocess.run([*BACKGROUND, sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO,
-                                       env=env, capture_output=True, text=True, timeout=600) for script in BENCHMARKS}
+        return {script: subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env,
+                                       capture_output=True, text=True, timeout=300) for script in BENCHMARKS}
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="benchmarks") as pool:
         yield pool.submit(run_all)
 
 
-@pytest.fixture(scope="session")
-def results_in_background(reported_spike, tmp_path_factory) -> Iterator[Future]:
-    """`make results` at its reduced size (test_results.py), in the background from the session's start,
-    its story section on a copy of the reported spike run. A future of (its completed process, the doc's
-    directory, its work directory)."""
-    tmp = tmp_path_factory.mktemp("results")
-    shutil.copytree(reported_spike, tmp / "spike")
-    out, work = tmp / "docs", tmp / "work"
-    args = ["-m", "results.make_results", "--quick", "--out", str(out), "--work", str(work), "--story-store",
-            str(tmp / "spike"), "--jobs", "4"]
-    env = _background_env()
-
-    def run() -> tuple[subprocess.CompletedProcess, Path, Path]:
-        proc = subprocess.run([*BACKGROUND, sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=1200)
-        return proc, out, work
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="results") as pool:
-        yield pool.submit(run)
+BACKGROUND_WITH = "tests/examples/"
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def _background(request) -> None:
-    """Start the background work as the session begins, where the session runs the tests that read it."""
-    wanted = {name for item in request.session.items for name in item.fixturenames}
-    for name in ("benchmarks_in_background", "results_in_background"):
-        if name in wanted:
-            request.getfixturevalue(name)
+    """Start the benchmarks with the first test of BACKGROUND_WITH, where the session runs their test."""
+    if request.node.nodeid.startswith(BACKGROUND_WITH) and any(
+            "benchmarks_in_background" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("benchmarks_in_background")
 
 
 def wait_for_descendants(pid: int, want, timeout: float = 120) -> dict[int, int]:

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from results import golden, qiu_yao, story
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -50,9 +55,14 @@ def pair(cell: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def quick(results_in_background):
-    """The pipeline ran in the background from the session's start (conftest.py)."""
-    proc, out, work = results_in_background.result()
+def quick(reported_spike, ray_local, tmp_path_factory):
+    """The pipeline's commands that use Ray (analyze, bisect, compare) use the session's cluster."""
+    tmp = tmp_path_factory.mktemp("results")
+    shutil.copytree(reported_spike, tmp / "spike")
+    out, work = tmp / "docs", tmp / "work"
+    proc = subprocess.run([sys.executable, "-m", "results.make_results", "--quick", "--out", str(out), "--work",
+                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "4"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, work, (out / "results.md").read_text()
 
