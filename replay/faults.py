@@ -2,10 +2,9 @@
 
 `REPLAY_FAULT=<point>:<argument>...` arms one of the points below (several, comma-separated, arm each);
 the product calls `hit(point, ...)` there, which does nothing unless an armed fault names exactly that
-place. A fault is what a real
-failure does: a SIGKILL of the process, or the OSError a flaky disk raises. With REPLAY_FAULT_ONCE=<dir>,
-a fault fires once over all processes (the first to create its marker in that directory), so a retry
-succeeds.
+place. A fault is what a real failure does: a SIGKILL of the process, or the OSError a flaky disk raises.
+With REPLAY_FAULT_ONCE=<dir>, a fault fires once over all processes (the first to create its marker in
+that directory), so a retry succeeds.
 
     shard-half:STEP:RANK       rank RANK half-way through its shard of checkpoint STEP      SIGKILL
     before-commit:STEP:RANK    rank RANK once its shard of STEP is written, before the commit  SIGKILL
