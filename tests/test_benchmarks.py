@@ -1,7 +1,7 @@
 """Every benchmark runs in its quick mode, through its public entry points, and prints its ratios (never
 asserted on: the numbers are the benchmark's to report, not the suite's to judge). They run one after
-another in the background from the session's start (conftest.py), beside the other tests, which only the
-numbers they print feel."""
+another in the background from the examples' tests on (conftest.py), beside the other tests, which only
+the numbers they print feel."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 import torch
 
 from replay.errors import UsageError
-from replay.kernels.options import PRECISIONS
 
 KERNELS = ("baseline", "fa2-emu", "reference-emu")
 PLACEMENT_OF = {"fa2-emu": "fa2", "reference-emu": "reference"}
@@ -39,12 +38,6 @@ def check_tile(tile) -> Tile:
     if b_r < 1 or b_c < 1:
         raise UsageError(f"tile sizes must be >= 1, got B_r={b_r}, B_c={b_c}")
     return b_r, b_c
-
-
-def check_precision(p: str) -> str:
-    if p not in PRECISIONS:
-        raise UsageError(f"unknown precision {p!r}; choose one of {', '.join(PRECISIONS)}")
-    return p
 
 
 @contextmanager

@@ -37,12 +37,12 @@ from pathlib import Path
 import torch
 
 from replay.errors import UsageError
-from replay.experiments.common import Tile, check_precision, check_sizes, check_tile, tile_name
+from replay.experiments.common import Tile, check_sizes, check_tile, tile_name
 from replay.experiments.golden import TENSORS, _random_inputs, _run
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.dtypes import DTYPES
-from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix
+from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix, check_precision
 
 TRITON_OPTIONS = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
                   "keys=decreasing": dict(key_order="decreasing")}

@@ -41,7 +41,6 @@ from replay.experiments.common import (
     KERNELS,
     PLACEMENT_OF,
     Tile,
-    check_precision,
     check_sizes,
     check_tile,
     tile_name,
@@ -50,7 +49,7 @@ from replay.experiments.common import (
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.dtypes import DTYPES
-from replay.kernels.options import AttentionOptions
+from replay.kernels.options import AttentionOptions, check_precision
 
 TENSORS = ("O", "dQ", "dK", "dV")
 STATS = ("max", "mean", "std")

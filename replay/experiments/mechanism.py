@@ -32,14 +32,13 @@ from matplotlib.figure import Figure
 from replay.errors import UsageError
 from replay.experiments.common import (
     PLACEMENT_OF,
-    check_precision,
     check_sizes,
     torch_threads,
 )
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.dtypes import DTYPES
-from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
+from replay.kernels.options import AttentionOptions, SafeSoftmaxFix, check_precision
 
 # == the mechanism =================================================================================
 

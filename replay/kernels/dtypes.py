@@ -2,7 +2,7 @@
 
 import torch
 
-from replay.kernels.options import PRECISIONS
+from replay.kernels.options import COMPUTE_DTYPES
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-assert tuple(DTYPES) == PRECISIONS
+assert tuple(DTYPES) == COMPUTE_DTYPES

@@ -7,9 +7,16 @@ from dataclasses import dataclass, replace
 
 from replay.errors import UsageError
 
-PRECISIONS = ("fp64", "fp32", "bf16", "fp16")   # the torch dtypes: kernels/dtypes.py
+COMPUTE_DTYPES = ("fp64", "fp32", "bf16", "fp16")   # what a backend can compute in (torch dtypes: kernels/dtypes.py)
 PLACEMENTS = ("fa2", "reference")
 KEY_ORDERS = ("increasing", "decreasing")
+
+
+def check_precision(name: str, where: str = "") -> str:
+    """`name` if a backend can compute in it, else one line naming the choices."""
+    if name not in COMPUTE_DTYPES:
+        raise UsageError(f"unknown precision {name!r}{where}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,8 @@ class AttentionOptions:
             raise UsageError(f"unknown key order {self.key_order!r}; choose one of {', '.join(KEY_ORDERS)}")
         if self.key_order != "increasing" and self.placement != "fa2":
             raise UsageError("the decreasing key order is CUDA FA2's loop, an option of the fa2 placement only")
-        if self.dtype is not None and self.dtype not in PRECISIONS:
-            raise UsageError(f"unknown precision {self.dtype!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.dtype is not None:
+            check_precision(self.dtype)
 
     def with_(self, **changes) -> "AttentionOptions":
         return replace(self, **changes)

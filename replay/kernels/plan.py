@@ -29,7 +29,7 @@ from typing import Callable
 
 from replay.config import ModelConfig
 from replay.errors import UsageError
-from replay.kernels.options import PRECISIONS, AttentionOptions, SafeSoftmaxFix
+from replay.kernels.options import AttentionOptions, SafeSoftmaxFix, check_precision
 
 TRANSFORMERS_NAMES = ("eager", "sdpa")
 EMULATED = {"fa2-emu": "fa2", "reference-emu": "reference", "triton-fa2": "fa2"}
@@ -64,8 +64,8 @@ class BackendSpec:
             if unknown:
                 raise UsageError(f"baseline takes only dtype=..., not {', '.join(sorted(unknown))}")
             dtype = opts.get("dtype")
-            if dtype is not None and dtype not in PRECISIONS:
-                raise UsageError(f"unknown precision {dtype!r} in {text!r}; choose one of {', '.join(PRECISIONS)}")
+            if dtype is not None:
+                check_precision(dtype, f" in {text!r}")
             return cls(name, dtype=dtype)
         return cls(name, options=_emulation_options(name, opts, text))
 

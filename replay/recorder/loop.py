@@ -83,7 +83,8 @@ class Loop:
     attention modules (`transformer.h.*.attn`) when they cannot be found by their names. `n_head`: the
     heads per layer, when the attention modules do not say (`n_head`, `num_heads` attributes).
     `layout`: where the attention weights live, for `replay analyze` (store/layout.py): "nanogpt",
-    "hf-gpt2", "hf-llama" or a mapping (a transformers GPT-2, Llama, Qwen2 or Mistral: its own by default). `resume`: continue the run in `store` from its last committed checkpoint.
+    "hf-gpt2", "hf-llama" or a mapping (a transformers GPT-2, Llama, Qwen2 or Mistral: its own by default).
+    `resume`: continue the run in `store` from its last committed checkpoint.
 
     For a launcher that prepares the store itself (the built-in `replay record` and `replay run`):
     `lease`, the spec of the lease it holds (store/lease.py), says the store exists already: a new run, one
@@ -119,7 +120,8 @@ class Loop:
         self._lease: Lease | None = None
         if os.environ.get(cmd.STORE_ENV):   # started again by `replay run`: its replay store and lease
             sys.excepthook = _one_line_errors(sys.excepthook, self.rank)
-            store, lease, resume = os.environ[cmd.STORE_ENV], os.environ[LEASE_ENV], os.environ.get(cmd.RESUME_ENV) == "1"
+            store, lease = os.environ[cmd.STORE_ENV], os.environ[LEASE_ENV]
+            resume = os.environ.get(cmd.RESUME_ENV) == "1"
         elif lease is None:             # the script's own recording: rank 0 prepares the store
             n_layer, heads = _attention_shape(unwrap(model), attention, n_head)
             cfg = RunConfig(preset="custom", steps=total_steps, nproc=self.world, precision=_canonical(precision),

@@ -28,9 +28,10 @@ import numpy as np
 from replay.config import ModelConfig
 from replay.errors import UsageError
 
-# Every checkpoint's tree (recorder/recorder.py writes it): each rank's shard is {"state": TrainState.state_dict(rank),
-# "rng": rng_state()}; a TrainState's tree is {"replicated": ..., "local": ...}, with the model's state dict at
-# "replicated/model" (rank 0's shard). A shard's tensors are keyed by their path in that tree.
+# Every checkpoint's tree (recorder/recorder.py writes it): each rank's shard is {"state":
+# TrainState.state_dict(rank), "rng": rng_state()}; a TrainState's tree is {"replicated": ..., "local": ...},
+# with the model's state dict at "replicated/model" (rank 0's shard). A shard's tensors are keyed by their
+# path in that tree.
 MODEL_KEYS = "/state/replicated/model/"
 
 
