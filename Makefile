@@ -24,8 +24,9 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/replay demo --out $(DEMO)
 
+# In two lanes on two worker processes (tests/conftest.py says which tests share one).
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --durations=15
 
 # The edit loop: everything but the tests marked `slow` (those that start processes, Ray or record a run).
 test-fast: setup

@@ -48,10 +48,40 @@ SLOW_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike
                  "planted_layer", "two_node_cluster", "other_seed", "interpreted", "token_file"}
 
 
+# `make test` runs the suite in two lanes, one pytest-xdist worker each (`-n 2`): a session fixture is made
+# once in every lane that uses it, so the tests that read the costly recordings (the spike, its analysed
+# replay, the DeepSpeed run) share the first lane, and the rest, the examples' first, the second. The first
+# lane holds about as much time as the second: with both filled the 2 cores idle little (serial, `pytest`
+# without -n, the suite leaves a fifth of their time idle: its tests mostly wait on one process at a time).
+SHARED_LANE = ("tests/analysis/test_cluster.py", "tests/analysis/test_compare.py", "tests/analysis/test_report.py",
+               "tests/bisect/", "tests/replayer/", "tests/launch/test_lifeline.py", "tests/launch/test_pool.py",
+               "tests/launch/test_record.py", "tests/launch/test_record_deepspeed.py", "tests/launch/test_soak.py",
+               "tests/test_results.py")
+COSTLY = {"spike_store", "zero1_store", "reported_spike"}
+
+
+def lane(nodeid: str) -> str:
+    return "shared" if nodeid.startswith(SHARED_LANE) else "rest"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):   # a scope per lane; each worker takes one
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        used = set(getattr(item, "fixturenames", ()))
+        if SLOW_FIXTURES & used:
             item.add_marker(pytest.mark.slow)
+        if COSTLY & used and lane(item.nodeid) != "shared":
+            raise pytest.UsageError(f"{item.nodeid} reads {', '.join(sorted(COSTLY & used))}: put its file in "
+                                    "SHARED_LANE (tests/conftest.py), or `make test` records them twice")
 
 
 @pytest.fixture(scope="session", autouse=True)
