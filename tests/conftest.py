@@ -9,9 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,15 +47,16 @@ SLOW_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike
                  "planted_layer", "two_node_cluster", "other_seed", "interpreted", "token_file"}
 
 
-# `make test` runs the suite in two lanes, one pytest-xdist worker each (`-n 2`): a session fixture is made
+# `make test` runs the suite in two lanes, one pytest-xdist worker each (`-n 2`). A session fixture is made
 # once in every lane that uses it, so the tests that read the costly recordings (the spike, its analysed
-# replay, the DeepSpeed run) share the first lane, and the rest, the examples' first, the second. The first
-# lane holds about as much time as the second: with both filled the 2 cores idle little (serial, `pytest`
-# without -n, the suite leaves a fifth of their time idle: its tests mostly wait on one process at a time).
-SHARED_LANE = ("tests/analysis/test_cluster.py", "tests/analysis/test_compare.py", "tests/analysis/test_report.py",
-               "tests/bisect/", "tests/replayer/", "tests/launch/test_lifeline.py", "tests/launch/test_pool.py",
-               "tests/launch/test_record.py", "tests/launch/test_record_deepspeed.py", "tests/launch/test_soak.py",
-               "tests/test_results.py")
+# replay, the DeepSpeed run) share one lane; the rest, the examples' first, make the other, about as long.
+# Serial (`pytest` without -n) the suite leaves a fifth of the 2 cores' time idle: its tests mostly wait on
+# one process at a time. Within the shared lane the files that use Ray run last, once the other lane is past
+# the examples, which use it too (docs/benchmarks.md has the measurements).
+SHARED_LANE = ("tests/analysis/test_cluster.py", "tests/analysis/test_compare.py", "tests/analysis/test_jobs.py",
+               "tests/analysis/test_report.py", "tests/bisect/", "tests/replayer/",
+               "tests/launch/test_lifeline.py", "tests/launch/test_pool.py", "tests/launch/test_record.py",
+               "tests/launch/test_record_deepspeed.py", "tests/test_results.py")
 COSTLY = {"spike_store", "zero1_store", "reported_spike"}
 
 
@@ -75,6 +75,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(items):
+    ray_files = {_file(it) for it in items if "ray_local" in getattr(it, "fixturenames", ())}
+    items.sort(key=lambda it: lane(it.nodeid) == "shared" and _file(it) in ray_files)   # stable: else as collected
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if SLOW_FIXTURES & used:
@@ -82,6 +84,10 @@ def pytest_collection_modifyitems(items):
         if COSTLY & used and lane(item.nodeid) != "shared":
             raise pytest.UsageError(f"{item.nodeid} reads {', '.join(sorted(COSTLY & used))}: put its file in "
                                     "SHARED_LANE (tests/conftest.py), or `make test` records them twice")
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -109,35 +115,6 @@ def ray_local() -> str:
 
 
 BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
-
-
-@pytest.fixture(scope="session")
-def benchmarks_in_background() -> Iterator[Future]:
-    """Every benchmark's quick mode (test_benchmarks.py), one after another in a thread of their own, from
-    the first test of BACKGROUND_WITH on: they only wait on processes of their own, which run beside those
-    tests (a user's script in one process each, leaving a core idle) instead of adding to the suite's time.
-    A future of {script: its completed process}. Those that use Ray start local clusters of their own: on
-    the session's, their tasks and probe actors took the CPUs that the tests' analyses then waited for.
-    (The results pipeline stays in line for the same reason.)"""
-    env = child_env({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
-
-    def run_all() -> dict[str, subprocess.CompletedProcess]:
-        return {script: subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env,
-                                       capture_output=True, text=True, timeout=300) for script in BENCHMARKS}
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="benchmarks") as pool:
-        yield pool.submit(run_all)
-
-
-BACKGROUND_WITH = "tests/examples/"
-
-
-@pytest.fixture(autouse=True)
-def _background(request) -> None:
-    """Start the benchmarks with the first test of BACKGROUND_WITH, where the session runs their test."""
-    if request.node.nodeid.startswith(BACKGROUND_WITH) and any(
-            "benchmarks_in_background" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("benchmarks_in_background")
 
 
 def wait_for_descendants(pid: int, want, timeout: float = 120) -> dict[int, int]:
