@@ -43,7 +43,42 @@ def _main_errors(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _UsageLine(click.ClickException):
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+class _Commands(click.Group):
+    """click's usage errors (a bad option, value or argument) in one line, as every other error, instead of
+    click's usage, hint and message."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def _one_line(e: click.UsageError) -> click.ClickException:
+    if isinstance(e, click.exceptions.NoArgsIsHelpError):   # `replay` alone: the help, as click prints it
+        return e
+    names, ctx = [], e.ctx
+    while ctx is not None and ctx.parent is not None:   # the root is `replay`, however it was started
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    where = " ".join(["replay", *reversed(names)])
+    return _UsageLine(f"{e.format_message().rstrip('.')}; see `{where} --help`")
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.version_option(package_name="replay")
 def main(debug: bool) -> None:
