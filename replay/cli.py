@@ -139,10 +139,7 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
                            zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
                            seed=seed, numerics=numerics, data={"path": data} if data else None,
                            model={"attention": attention} if attention else None)
-        click.echo(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) "
-                   f"({cfg.launcher}{f', ZeRO-{cfg.zero_stage}' if cfg.launcher == 'deepspeed' else ''}, "
-                   f"{cfg.precision}) into {store}", err=True)
-        ranks.record_new(store, cfg)
+        ranks.record_new(store, cfg, progress=lambda m: click.echo(m, err=True))
     _print_info(store, as_json=False)
 
 

@@ -32,10 +32,14 @@ from replay.train.data import (DataOrder, TokenData, builtin_corpus, cpu_count, 
                                fingerprint_tokens, load_data, make_data, open_token_file)
 
 
-def record_new(store_path: str, cfg: RunConfig, command: str = "replay record") -> None:
+def record_new(store_path: str, cfg: RunConfig, command: str = "replay record",
+               progress: Callable[[str], None] = lambda m: None) -> None:
     """Record a new run on this machine's ranks, holding the store's lease throughout."""
     with writing(store_path, command) as lease:
         prepare_new(store_path, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
+        zero = f", ZeRO-{cfg.zero_stage}" if cfg.launcher == "deepspeed" else ""
+        progress(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) ({cfg.launcher}{zero}, "
+                 f"{cfg.precision}) into {store_path}")
         run_ranks(store_path, cfg, cfg.nproc, False, lease.spec)
 
 

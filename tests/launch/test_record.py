@@ -107,7 +107,8 @@ def test_info_and_batch_read_the_store(two_rank_store):
 ])
 def test_bad_record_input_writes_nothing(tmp_path, args, expected):
     store = tmp_path / "new"
-    assert expected in error_line(replay_cli("record", "--store", str(store), *args))
+    result = replay_cli("record", "--store", str(store), *args)
+    assert expected in error_line(result) and result.stderr.strip() == error_line(result)   # nothing else said
     assert not store.exists()
 
 
@@ -121,7 +122,8 @@ def test_too_short_data_file(tmp_path):
 
 def test_non_empty_store_without_resume_is_left_untouched(store_copy):
     before = tree_snapshot(store_copy)
-    assert "not empty" in error_line(replay_cli("record", "--store", str(store_copy), "--steps", "5"))
+    result = replay_cli("record", "--store", str(store_copy), "--steps", "5")
+    assert "not empty" in error_line(result) and result.stderr.strip() == error_line(result)
     assert tree_snapshot(store_copy) == before
 
 
