@@ -59,11 +59,11 @@ from replay.config import RunConfig, build_config
 from replay.lifeline import follow_parent
 from replay.recorder import Recorder, RecorderConfig, create_run_store
 from replay.recorder.environment import configure_determinism
+from replay.recorder.state import TorchTrainState
 from replay.store.integrity import crc32c
 from replay.store.tensors import pack
 from replay.train.data import DataOrder, builtin_corpus, make_data
 from replay.train.model import build_model, lm_loss, lr_factor
-from replay.recorder.state import TorchTrainState
 
 _LIBC = ctypes.CDLL(None)
 SMALL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=128"]

@@ -48,7 +48,7 @@ def header() -> list[str]:
     driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                             capture_output=True, text=True).stdout.strip() or "unknown"
     versions = ", ".join(f"{name} {_version(name)}" for name in ("torch", "triton", "transformers"))
-    return [f"# replay GPU check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
+    return [f"# replay GPU check, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
             f"- device: {torch.cuda.get_device_name()} (compute capability "
             f"{'.'.join(map(str, torch.cuda.get_device_capability()))}), driver {driver}, CUDA {torch.version.cuda}",
             f"- {versions}; Python {sys.version.split()[0]}", ""]

@@ -15,7 +15,6 @@ from typing import Any
 
 from replay.errors import UsageError
 
-
 PRECISIONS = ("fp32", "bf16")   # FP32, or BF16 autocast (DeepSpeed's BF16 mode under DeepSpeed)
 
 
@@ -122,7 +121,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         cfg = cls()
         _apply_mapping(cfg, d, prefix="")
         return cfg

@@ -14,9 +14,10 @@ BF16 flash-attention run the default is the safe-softmax fix.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from replay.errors import UsageError
 

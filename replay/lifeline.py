@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from replay.processes import descendants, start_time
 

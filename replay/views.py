@@ -4,7 +4,6 @@ they show (the store, the replays, the bisect sessions, the analysis)."""
 from __future__ import annotations
 
 import dataclasses
-
 import warnings
 from pathlib import Path
 from typing import Any

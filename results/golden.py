@@ -16,8 +16,19 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from results.common import (Context, Section, cli, cli_parallel, command_line, complete_store, copy_png, ratio,
-                            save_figure, sci, table)
+from results.common import (
+    Context,
+    Section,
+    cli,
+    cli_parallel,
+    command_line,
+    complete_store,
+    copy_png,
+    ratio,
+    save_figure,
+    sci,
+    table,
+)
 
 KERNELS = ("baseline", "fa2-emu", "reference-emu")
 PAPER_RATIO = 10   # Golden et al.: Flash deviates about 10x more than Baseline at BF16

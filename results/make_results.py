@@ -21,7 +21,6 @@ from pathlib import Path
 from results import golden, qiu_yao, story
 from results.common import Context, Section, shared_ray
 
-
 SECTIONS = [golden.forward, golden.weights, qiu_yao.mechanism, story.story]
 
 

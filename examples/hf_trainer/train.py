@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
-from replay.recorder.hf_trainer import TrainerRecorder   # replay
+from replay.recorder.hf_trainer import TrainerRecorder  # replay
 
 data = "data/train.bin"             # uint16 tokens (bytes here: vocabulary 256)
 store = "runs/hf-trainer"           # replay

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from replay.recorder import Loop   # replay
+from replay.recorder import Loop  # replay
 
 data = "data/train.bin"             # uint16 tokens (bytes here: vocabulary 256)
 store = "runs/llama"                # replay

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from replay.recorder import Loop   # replay
+from replay.recorder import Loop  # replay
 
 # -- settings ------------------------------------------------------------------------------------------
 data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")

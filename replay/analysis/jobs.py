@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from replay import faults
 from replay.analysis import results as R
 from replay.analysis.names import DISTANCES
-from replay import faults
 from replay.errors import StoreError, UsageError
 from replay.store import RunStore
 from replay.store.layout import MODEL_KEYS, Layout, layout_of
-from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 from replay.store.lease import writing
+from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 
 LAYER_BLOCK = 4                         # layers per work item
 

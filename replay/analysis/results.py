@@ -67,7 +67,7 @@ class MetricsTable:
 
     @classmethod
     def open_or_create(cls, store_path: str | Path, n_layer: int, n_head: int, layer_block: int,
-                       probe: dict[str, Any]) -> "MetricsTable":
+                       probe: dict[str, Any]) -> MetricsTable:
         if not has_analysis(store_path):
             root = zarr.open_group(LocalStore(Path(store_path)), mode="r+")
             group = root.create_group(GROUP)
@@ -189,7 +189,7 @@ class DistanceTable:
 
     @classmethod
     def open_or_create(cls, store_path: str | Path, name: str, reference: str, other: str,
-                       tensors: list[str]) -> "DistanceTable":
+                       tensors: list[str]) -> DistanceTable:
         path = f"{GROUP}/distances/{name}"
         root = zarr.open_group(LocalStore(Path(store_path)), mode="r+")
         if path in root and dict(root[path].attrs).get("tensors") not in (None, tensors):

@@ -24,22 +24,23 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from replay import faults
+from replay.bisect.probes import ProbeRunner, request
+from replay.bisect.rule import Rule, judge
+from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
+from replay.bisect.session import Session, Verdict
 from replay.errors import ReplayError, UsageError
 from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides, apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
 from replay.store import RunStore
 from replay.store.lease import Lease, writing
-from replay.bisect.probes import ProbeRunner, request
-from replay.bisect.rule import Rule, judge
-from replay.bisect.session import Session, Verdict
-from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
 
 PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
           "all": ["steps", "layers", "heads", "data"]}

@@ -104,7 +104,7 @@ class ProbeRunner:
         for a in self.actors:
             ray.kill(a)
 
-    def __enter__(self) -> "ProbeRunner":
+    def __enter__(self) -> ProbeRunner:
         return self
 
     def __exit__(self, *exc) -> None:

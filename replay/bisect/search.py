@@ -14,7 +14,8 @@ about 2 k log2(N) when k elements matter. Repeated candidates are the caller's t
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 Test = Callable[[list], list[bool]]

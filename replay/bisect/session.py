@@ -7,8 +7,9 @@ probe (a replay, judged by the rule), the working state of each phase, and, once
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Verdict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Verdict":
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -128,7 +129,7 @@ class Session:
         return {**asdict(self), "verdict": self.verdict.to_dict() if self.verdict else None}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Session":
+    def from_dict(cls, d: dict[str, Any]) -> Session:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in d.items() if k in known}
         fields["verdict"] = Verdict.from_dict(d["verdict"]) if d.get("verdict") else None

@@ -40,8 +40,8 @@ from replay.errors import UsageError
 from replay.experiments.common import Tile, check_sizes, check_tile, tile_name
 from replay.experiments.golden import TENSORS, _random_inputs, _run
 from replay.kernels.baseline import baseline_attention
-from replay.kernels.flash_emu import flash_attention
 from replay.kernels.dtypes import DTYPES
+from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix, check_precision
 
 TRITON_OPTIONS = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
@@ -84,7 +84,7 @@ class Agreement:
     max_ulps: int
 
     @classmethod
-    def of(cls, got: torch.Tensor, want: torch.Tensor) -> "Agreement":
+    def of(cls, got: torch.Tensor, want: torch.Tensor) -> Agreement:
         distance = ulp_distance(got, want)
         return cls(float((distance == 0).double().mean()), float((distance <= 1).double().mean()),
                    int(distance.max()))

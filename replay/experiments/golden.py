@@ -47,8 +47,8 @@ from replay.experiments.common import (
     torch_threads,
 )
 from replay.kernels.baseline import baseline_attention
-from replay.kernels.flash_emu import flash_attention
 from replay.kernels.dtypes import DTYPES
+from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import AttentionOptions, check_precision
 
 TENSORS = ("O", "dQ", "dK", "dV")

@@ -27,14 +27,13 @@ import contextlib
 import numpy as np
 import torch
 
-
 # What the probe measures per step and layer (the run store keeps them as optional steps/ arrays).
 FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
 
-_active: "NumericsProbe | None" = None
+_active: NumericsProbe | None = None
 
 
-def active() -> "NumericsProbe | None":
+def active() -> NumericsProbe | None:
     return _active
 
 

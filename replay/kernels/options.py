@@ -64,5 +64,5 @@ class AttentionOptions:
         if self.dtype is not None:
             check_precision(self.dtype)
 
-    def with_(self, **changes) -> "AttentionOptions":
+    def with_(self, **changes) -> AttentionOptions:
         return replace(self, **changes)

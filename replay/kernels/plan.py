@@ -24,8 +24,8 @@ from __future__ import annotations
 import importlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from replay.config import ModelConfig
 from replay.errors import UsageError
@@ -45,7 +45,7 @@ class BackendSpec:
     dtype: str | None = None                  # baseline
 
     @classmethod
-    def parse(cls, text: str) -> "BackendSpec":
+    def parse(cls, text: str) -> BackendSpec:
         name, _, rest = text.strip().partition(":")
         _load_plugins()
         if name in PLUGINS:
@@ -130,7 +130,7 @@ class AttentionPlan:
     heads: dict[tuple[int, int], BackendSpec] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, text: str) -> "AttentionPlan":
+    def parse(cls, text: str) -> AttentionPlan:
         default, layers, heads = None, {}, {}
         for entry in (e.strip() for e in text.split(";")):
             if not entry:

@@ -14,7 +14,7 @@ that head's attention only, and its group's keys and values stay shared with the
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +23,7 @@ from replay.kernels.baseline import baseline_attention, causal_mask
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.plan import PLUGINS, AttentionPlan, BackendSpec
+
 
 class LayerAttention:
     """One layer's heads, grouped by backend; called by the registered `replay` attention function and by

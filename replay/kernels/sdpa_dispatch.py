@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode

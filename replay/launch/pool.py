@@ -33,10 +33,10 @@ class RankPoolError(ReplayError):
     """A rank of the pool failed or died: the pool is gone; the next request starts a fresh one."""
 
 
-_active: list["RankPool"] = []
+_active: list[RankPool] = []
 
 
-def active_pool(world_size: int) -> "RankPool | None":
+def active_pool(world_size: int) -> RankPool | None:
     """The innermost active pool of `world_size` ranks, if any."""
     return next((p for p in reversed(_active) if p.world_size == world_size), None)
 
@@ -143,7 +143,7 @@ class RankPool:
             os.close(fd)
         self._procs, self._replies = [], []
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         _active.append(self)
         return self
 

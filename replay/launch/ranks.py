@@ -14,9 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -25,11 +25,21 @@ from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.plan import check_attention
 from replay.lifeline import child_env
 from replay.store import RunStore
-from replay.store.lease import ENV as LEASE_ENV, writing
+from replay.store.lease import ENV as LEASE_ENV
+from replay.store.lease import writing
 from replay.store.manifest import DataInfo, Manifest, ResumeInfo
 from replay.store.run_store import check_empty
-from replay.train.data import (DataOrder, TokenData, builtin_corpus, cpu_count, fingerprint_file,
-                               fingerprint_tokens, load_data, make_data, open_token_file)
+from replay.train.data import (
+    DataOrder,
+    TokenData,
+    builtin_corpus,
+    cpu_count,
+    fingerprint_file,
+    fingerprint_tokens,
+    load_data,
+    make_data,
+    open_token_file,
+)
 
 
 def record_new(store_path: str, cfg: RunConfig, command: str = "replay record",

@@ -11,7 +11,8 @@ import contextlib
 import os
 import socket
 import sys
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from replay import faults
 from replay.errors import ReplayError, UsageError

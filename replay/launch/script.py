@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 from replay.errors import ReplayError
-from replay.lifeline import child_env
 from replay.launch.ranks import free_port, rank_env, wait_for_ranks
+from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV
 from replay.store.lease import ENV as LEASE_ENV
 from replay.store.manifest import CommandInfo

@@ -18,7 +18,6 @@ from pathlib import Path
 from replay.errors import UsageError
 from replay.store.manifest import CommandInfo
 
-
 # kept with the command: they change what runs (the code found, thread counts, hashing, cuBLAS's workspace)
 ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")
 # what `replay run` (launch/script.py) sets for the command it starts again

@@ -53,7 +53,7 @@ class RecordedDataset(torch.utils.data.Dataset):
     """A map-style dataset whose fetched indices are noted, batch by batch (or, in a replay, replaced by the
     recorded ones)."""
 
-    def __init__(self, dataset, owner: "TrainerRecorder"):
+    def __init__(self, dataset, owner: TrainerRecorder):
         self.dataset, self.owner = dataset, owner
 
     def __len__(self) -> int:

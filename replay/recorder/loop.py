@@ -31,9 +31,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -275,7 +276,7 @@ class Loop:
 
     # -- the loop ----------------------------------------------------------------------------------
 
-    def __enter__(self) -> "Loop":
+    def __enter__(self) -> Loop:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -365,7 +366,7 @@ class Loop:
             self._pending = None
             self.recorder.finish_step(step, event)
 
-    def autocast(self, device_type: str) -> "_Autocast":
+    def autocast(self, device_type: str) -> _Autocast:
         """The context the forward runs under: autocast to the run's precision (none for fp32), or to a
         replay's --precision from the window on. Reusable: make it once, enter it every micro-batch."""
         return _Autocast(self, device_type)

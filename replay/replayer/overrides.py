@@ -60,7 +60,7 @@ class Overrides:
             return {"scale": self.lr_scale, "layers": list(self.layers)}
         return {"scale": self.lr_scale, "units": [list(u) for u in self.scope(n_layer, n_head)]}
 
-    def with_scope(self, layers: list[int] | None = None, units: list[list[int]] | None = None) -> "Overrides":
+    def with_scope(self, layers: list[int] | None = None, units: list[list[int]] | None = None) -> Overrides:
         return dataclasses.replace(self, layers=layers, heads=None, units=units)
 
     def as_args(self) -> str:

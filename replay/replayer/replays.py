@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replay.config import RunConfig
-from replay.recorder.command import check_unchanged
 from replay.errors import ReplayError, UsageError
+from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
-from replay.store.manifest import Manifest, ReplaySpec, ResumeInfo
 from replay.store.lease import writing
+from replay.store.manifest import Manifest, ReplaySpec, ResumeInfo
 
 if TYPE_CHECKING:
     from replay.launch.pool import RankPool

@@ -13,9 +13,9 @@ import ctypes
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

@@ -73,7 +73,7 @@ class Layout:
                 raise UsageError(f"layout key {role!r} ({key!r}) has no '{{layer}}' to put the layer number in")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Layout":
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
         unknown = set(d) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise UsageError(f"unknown layout keys {sorted(unknown)}: use {', '.join(_ROLES)} and orientation")

@@ -38,9 +38,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from replay.errors import StoreError
 from replay.processes import alive, start_time
@@ -115,7 +115,7 @@ def holder_of(store: str | Path, scope: str = "run") -> Holder | None:
 class Lease:
     """A held lease. `acquire` refuses with one line naming the living holder, or takes over a dead one."""
 
-    _held: dict[tuple[str, str], "Lease"] = {}   # this process's leases, by (store, scope): re-entrant
+    _held: dict[tuple[str, str], Lease] = {}   # this process's leases, by (store, scope): re-entrant
     _lock = threading.Lock()
 
     def __init__(self, store: Path, scope: str, holder: Holder, fd: int, created_dir: bool):
@@ -141,7 +141,7 @@ class Lease:
 
     @classmethod
     def acquire(cls, store: str | Path, command: str, scope: str = "run",
-                report: Callable[[str], None] | None = None) -> "Lease":
+                report: Callable[[str], None] | None = None) -> Lease:
         store = Path(store)
         key = (str(store.resolve()), scope)
         with cls._lock:
@@ -250,7 +250,7 @@ class Lease:
             self._held.pop((str(self.store.resolve()), self.scope), None)
             _remove_empty(self.store, self._created_dir)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -122,7 +122,7 @@ class Manifest:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
         meta = d["replay"]
         replay = None
         if meta["kind"] == "replay":

@@ -44,8 +44,7 @@ from zarr.storage import LocalStore
 
 from replay.errors import ChecksumError, StoreError, UsageError
 from replay.store.chunks import chunking, read_chunks, write_chunks
-from replay.store.integrity import (crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal,
-                                    write_file)
+from replay.store.integrity import crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal, write_file
 from replay.store.manifest import READABLE, SCHEMA, Manifest
 
 # The tensor codec (store/tensors.py, and with it torch) is imported by the methods that move tensors, so that
@@ -110,7 +109,7 @@ class RunStore:
     # -- opening -----------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | Path, manifest: Manifest, first_step: int = 0) -> "RunStore":
+    def create(cls, path: str | Path, manifest: Manifest, first_step: int = 0) -> RunStore:
         """A new store: a recorded run, or a replay (whose step log starts at `first_step`)."""
         path = Path(path)
         check_empty(path)
@@ -124,7 +123,7 @@ class RunStore:
         return store
 
     @classmethod
-    def open(cls, path: str | Path, mode: str = "r") -> "RunStore":
+    def open(cls, path: str | Path, mode: str = "r") -> RunStore:
         path = Path(path)
         if not (path / "zarr.json").is_file():
             what = "does not exist" if not path.exists() else "is not a replay run store (no zarr.json)"

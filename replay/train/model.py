@@ -13,7 +13,6 @@ from replay.config import ModelConfig, OptimConfig
 from replay.kernels.plan import AttentionPlan
 from replay.kernels.registry import apply_plan
 
-
 BODY = "transformer."   # GPT2LMHeadModel's prefix of the GPT2Model inside it
 
 

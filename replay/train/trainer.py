@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 
 from replay.config import RunConfig
-from replay.recorder.environment import configure_determinism, seed_everything
-from replay.recorder.loop import Loop
-from replay.store import RunStore
-from replay.store.lease import require
-from replay.train.data import DataOrder, TokenData, load_data
 from replay.kernels.numerics import NumericsProbe
 from replay.kernels.registry import apply_plan, raise_deferred
-from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
-from replay.train.model import build_model, lm_loss, lr_factor
+from replay.recorder.environment import configure_determinism, seed_everything
+from replay.recorder.loop import Loop
 from replay.recorder.state import DeepSpeedTrainState, TorchTrainState
+from replay.store import RunStore
+from replay.store.lease import require
+from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
+from replay.train.data import DataOrder, TokenData, load_data
+from replay.train.model import build_model, lm_loss, lr_factor
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Rank:
     device: torch.device
 
     @classmethod
-    def from_env(cls, cfg: RunConfig) -> "Rank":
+    def from_env(cls, cfg: RunConfig) -> Rank:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())

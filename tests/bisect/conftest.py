@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bisect.planted import RECORD_ARGS, periodic_tokens, plant_degenerate_samples, STEPS, BATCH
+from tests.bisect.planted import BATCH, RECORD_ARGS, STEPS, periodic_tokens, plant_degenerate_samples
 from tests.conftest import replay_cli
 
 DATA_SPIKE_STEP, DATA_POSITIONS = 37, [1, 6]   # positions 1 and 6 of the batch: one sample on each rank

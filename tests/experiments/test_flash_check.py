@@ -10,7 +10,6 @@ from replay.experiments.flash_check import FlashCheckConfig, boundary_distance, 
 from tests.conftest import error_line, replay_cli
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_ulp_distance_counts_representable_steps(dtype):
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)).to(dtype)

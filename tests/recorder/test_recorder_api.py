@@ -8,8 +8,8 @@ import torch
 
 from replay.config import RunConfig
 from replay.recorder import Recorder, RecorderConfig, SpikeEvent, create_run_store, resume_run_store
-from replay.store import RunStore
 from replay.recorder.state import TorchTrainState
+from replay.store import RunStore
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replay.launch.pool import RankPool
 from replay.errors import UsageError
+from replay.launch.pool import RankPool
 from replay.replayer.overrides import Overrides, parse_drop, parse_heads
 from replay.replayer.replays import ReplayRequest, prepare, run
 from replay.store import RunStore
