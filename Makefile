@@ -1,4 +1,4 @@
-# Entry points, each setting everything up first: `make demo` (the main job), `make test`, `make test-fast`,
+# Entry points, each setting everything up first: `make demo` (the main job), `make test`, `make test-fast`, `make lint`,
 # `make bench`, `make soak`, `make results` and, on a CUDA machine, `make gpu-check`.
 # TORCH is installed before the package so pip never resolves an unpinned torch to the CUDA build;
 # on a GPU machine use e.g. `make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test test-fast bench soak results gpu-check clean
+.PHONY: setup demo test test-fast lint bench soak results gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $@
 
 # The whole story on the embedded default: record the `spike` preset on 2 CPU ranks, bisect its spike,
@@ -31,6 +31,12 @@ test: setup
 # The edit loop: everything but the tests marked `slow` (those that start processes, Ray or record a run).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) over the tree and mypy over the package, strict on
+# replay.store and replay.bisect (pyproject.toml says how).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The papers' headline results at laptop scale, with the product's own commands, into docs/results.md
 # (plots beside it); run stores go to runs/results and are reused by a rerun. About 13 minutes on 2 cores.
