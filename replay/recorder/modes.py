@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Literal, Protocol
 
@@ -45,7 +46,7 @@ def decide(store: str | os.PathLike[str], lease: str | None, resume: bool,
                      by_replay_run=True)
     if lease is None:
         return Start("record", str(store), None, resume, by_replay_run=False)
-    kind = RunStore.open(store).kind
+    kind = RunStore.open(Path(store)).kind
     return Start("replay" if kind == "replay" else "record", str(store), lease, resume, by_replay_run=False)
 
 

@@ -92,6 +92,7 @@ class Recorder:
                  world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None,
                  lease: str | None = None):
         self._lease = None
+        guard: Callable[[], None] | None
         if lease is not None:
             require(lease)
             guard = functools.partial(require, lease)
@@ -194,7 +195,8 @@ class Recorder:
             self._flush_ring()
             if self.coordinator:
                 self._flush_rows()
-                self.writer.submit(lambda e=event: self.store.add_spike(e.to_dict()))
+                spike = event.to_dict()
+                self.writer.submit(lambda: self.store.add_spike(spike))
         if self.coordinator and len(self._rows) >= self.cfg.flush_every:
             self._flush_rows()
 
@@ -255,9 +257,12 @@ class Recorder:
             self._flush_rows()
         rank, world, store = self.rank, self.world, self.store
 
+        def half_way(i: int, n: int) -> None:
+            if i == max(1, n // 2):
+                faults.hit("shard-half", step, rank)
+
         def write() -> None:
-            store.write_shard(step, rank, packed, after_chunk=lambda i, n: i == max(1, n // 2) and faults.hit(
-                "shard-half", step, rank))
+            store.write_shard(step, rank, packed, after_chunk=half_way)
             self._give_back(packed)
             faults.hit("before-commit", step, rank)
 

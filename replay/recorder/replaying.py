@@ -17,6 +17,7 @@ from replay.recorder.modes import Start
 from replay.recorder.overrides import ReplayOverrides
 from replay.recorder.recorder import RecorderConfig
 from replay.store import RunStore
+from replay.store.manifest import ReplaySpec
 
 
 class Replaying:
@@ -25,12 +26,13 @@ class Replaying:
         store = RunStore.open(start.store)
         spec = store.manifest.replay
         assert spec is not None, "a replay's store has its spec"
-        self.window = spec
+        self.window: ReplaySpec | None = spec
+        self._spec = spec
         self.parent = RunStore.open(store.path / spec.parent)
         self.cfg = self.parent.manifest.config   # as recorded
         self.overrides = ReplayOverrides.read(spec, store.manifest.config, self.cfg)
+        assert start.lease is not None, "a replay's store is prepared under its launcher's lease"
         self.lease = start.lease
-        assert self.lease is not None, "a replay's store is prepared under its launcher's lease"
         self.start_from = None if start.resume else (self.parent, spec.start_checkpoint)
         stop = spec.stop + 1
         self.recorder_config = RecorderConfig(total_steps=stop, checkpoint_every=spec.checkpoint_every or stop + 1,
@@ -55,7 +57,7 @@ class Replaying:
         return self.overrides.skips(step)
 
     def recorded_ids(self, step: int) -> np.ndarray:
-        return self._ids[step - self.window.start_checkpoint]
+        return self._ids[step - self._spec.start_checkpoint]
 
     def sample(self, step: int, call: int, drawn: np.ndarray) -> np.ndarray:
         recorded_step = self.recorded_ids(step)[self._rank]
