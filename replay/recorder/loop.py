@@ -100,8 +100,9 @@ class Loop:
                  apply_attention: Callable[[AttentionPlan], Any] | None = None,
                  skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None, yield_skipped: bool = False):
         follow_parent()   # started by `replay run`: die with it
-        options = RunOptions(total_steps, precision, checkpoint_every, snapshot_every, snapshot_ring, spike,
-                             attention, n_head, layout, description)
+        options = RunOptions(total_steps=total_steps, precision=precision, checkpoint_every=checkpoint_every,
+                             snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike,
+                             attention=attention, n_head=n_head, layout=layout, description=description)
         self.model, self.optimizer, self.scheduler, self.attention = model, optimizer, scheduler, attention
         self.rank, self.world = _rank_and_world()
         start = decide(store, lease, resume)
