@@ -27,7 +27,8 @@ from replay.lifeline import child_env
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV
 from replay.store.lease import writing
-from replay.store.manifest import DataInfo, Manifest, ResumeInfo
+from replay.store.lifecycle import create_run, resume_run
+from replay.store.manifest import DataInfo, Manifest
 from replay.store.run_store import check_empty
 from replay.train.data import (
     DataOrder,
@@ -87,8 +88,7 @@ def prepare_new(store_path: str, cfg: RunConfig, world_size: int, local_world: i
                         **fingerprint_tokens(tokens))
     _check_deepspeed(cfg)
     cfg.model.attention = check_attention(cfg.model, cfg.numerics)
-    store = RunStore.create(path, Manifest(kind="run", config=cfg, world_size=world_size, launcher=cfg.launcher,
-                                           data=data, created=time.time()))
+    store = create_run(path, cfg, world_size=world_size, launcher=cfg.launcher, data=data)
     if data.embedded:
         store.write_tokens(tokens)
     return store
@@ -129,9 +129,8 @@ def prepare_resume(store_path: str, world_size: int) -> Resume:
     data = _data(store, cfg, m.data, start)
     if start:
         _check_data_order(store, cfg, data, start)
-    rewound = store.rewind(verify_world_size=world_size)
+    rewound = resume_run(store, world_size)
     assert rewound == start, "the lease keeps the store still while it is resumed"
-    store.update_manifest(status="running", resumes=[*m.resumes, ResumeInfo(from_step=start or 0, time=time.time())])
     return Resume(store, cfg, start, notes)
 
 

@@ -54,7 +54,7 @@ def rng_state() -> dict[str, Any]:
     version, mt, gauss = random.getstate()
     state = {
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-        "numpy": dict(zip(("kind", "keys", "pos", "has_gauss", "cached_gaussian"), np.random.get_state())),
+        "numpy": dict(zip(("kind", "keys", "pos", "has_gauss", "cached_gaussian"), np.random.get_state(), strict=True)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

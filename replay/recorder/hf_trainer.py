@@ -98,7 +98,7 @@ class TrainerRecorder(TrainerCallback):
     # -- the data ----------------------------------------------------------------------------------
 
     def _fetched(self, indices: list[int]) -> list[int]:
-        if self._serve is not None and self.loop is not None:
+        if self._serve is not None and self.loop is not None and self.loop.window is not None:
             step, micro = self._serve
             if step <= self.loop.window.stop:   # past --to: the Trainer's prefetch, never trained on
                 recorded = self.loop.recorded_ids(step)[self.loop.rank]
@@ -140,7 +140,7 @@ class TrainerRecorder(TrainerCallback):
         window = self.loop.window
         if window is not None:
             try:
-                self._check_replay(window)
+                self._check_replay(self.loop)
             except BaseException:
                 self.loop.close()
                 raise
@@ -150,8 +150,9 @@ class TrainerRecorder(TrainerCallback):
                        model.register_forward_hook(self._after_forward)]
         self._steps = self.loop.steps()
 
-    def _check_replay(self, window) -> None:
-        if self.loop.store.manifest.config.precision != self.loop.precision:
+    @staticmethod
+    def _check_replay(loop: Loop) -> None:
+        if loop.store.manifest.config.precision != loop.precision:
             raise ReplayError("--precision: a Trainer run's autocast is accelerate's (TrainingArguments' bf16), "
                               "which a replay cannot change")
         if os.environ.get(RESUME_ENV) == "1":

@@ -12,7 +12,7 @@ _PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "zarr", "triton")
 
 
 def host() -> dict[str, Any]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in _PACKAGES:
         try:
             versions[name] = metadata.version(name)

@@ -40,7 +40,7 @@ from replay.recorder.spikes import SpikeDetector, SpikeEvent
 from replay.recorder.writer import BackgroundWriter
 from replay.store import RunStore
 from replay.store.lease import Lease, require
-from replay.store.manifest import DataInfo, Manifest
+from replay.store.lifecycle import create_run, no_data, resume_run
 from replay.store.tensors import Packed, pack, whole_buffer
 
 
@@ -72,18 +72,16 @@ class RecorderConfig:
 def create_run_store(path: str, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
     """A new run store for a training loop of your own. `config` describes the run as far as it can
     (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
-    data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="",
-                    source=description or "a custom training loop")
     with Lease.acquire(path, "create_run_store"):
-        return RunStore.create(path, Manifest(kind="run", config=config, world_size=world_size, launcher="custom",
-                                              data=data, created=time.time()))
+        return create_run(path, config, world_size=world_size, launcher="custom",
+                          data=no_data(description or "a custom training loop"))
 
 
 def resume_run_store(path: str, world_size: int = 1) -> int | None:
     """Before the ranks of your own loop restart (once): cut the run back to its last committed checkpoint
     and return its step; None when nothing was committed (`Recorder.start` then begins at step 0)."""
     with Lease.acquire(path, "resume_run_store"):
-        return RunStore.open(path, mode="a").rewind(verify_world_size=world_size)
+        return resume_run(RunStore.open(path, mode="a"), world_size)
 
 
 class Recorder:
@@ -94,6 +92,7 @@ class Recorder:
                  world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None,
                  lease: str | None = None):
         self._lease = None
+        guard: Callable[[], None] | None
         if lease is not None:
             require(lease)
             guard = functools.partial(require, lease)
@@ -196,7 +195,8 @@ class Recorder:
             self._flush_ring()
             if self.coordinator:
                 self._flush_rows()
-                self.writer.submit(lambda e=event: self.store.add_spike(e.to_dict()))
+                spike = event.to_dict()
+                self.writer.submit(lambda: self.store.add_spike(spike))
         if self.coordinator and len(self._rows) >= self.cfg.flush_every:
             self._flush_rows()
 
@@ -257,9 +257,12 @@ class Recorder:
             self._flush_rows()
         rank, world, store = self.rank, self.world, self.store
 
+        def half_way(i: int, n: int) -> None:
+            if i == max(1, n // 2):
+                faults.hit("shard-half", step, rank)
+
         def write() -> None:
-            store.write_shard(step, rank, packed, after_chunk=lambda i, n: i == max(1, n // 2) and faults.hit(
-                "shard-half", step, rank))
+            store.write_shard(step, rank, packed, after_chunk=half_way)
             self._give_back(packed)
             faults.hit("before-commit", step, rank)
 

@@ -66,7 +66,8 @@ class SpikeDetector:
         return event
 
 
-def robust_z(history: np.ndarray, x: float, relative_floor: float = 0.0, floor: float = 0.0) -> tuple[float, float, float]:
+def robust_z(history: np.ndarray, x: float, relative_floor: float = 0.0,
+             floor: float = 0.0) -> tuple[float, float, float]:
     """(z, median, spread) of `x` against `history`: z = (x - median) / spread, where spread = 1.4826 x the
     median absolute deviation (the standard deviation, for normal data), but at least `relative_floor` x
     |median| and `floor`, so that a flat history does not turn a wobble into a large score."""

@@ -26,7 +26,8 @@ class SelfAttention(torch.nn.Module):
     def forward(self, h):
         b, t, _ = h.shape
         q, k, v = (y.view(b, t, 2, 4).transpose(1, 2) for y in self.qkv(h).split(8, dim=-1))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 8)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return attended.transpose(1, 2).reshape(b, t, 8)
 
 
 class Tiny(torch.nn.Module):

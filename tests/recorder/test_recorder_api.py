@@ -96,7 +96,7 @@ def test_own_loop_resumes_from_the_last_committed_checkpoint(tmp_path):
     rec3.close()
     a, b = RunStore.open(path).read_steps(), RunStore.open(ref_path).read_steps()
     assert np.array_equal(a["loss"], b["loss"]) and np.array_equal(a["grad_norm"], b["grad_norm"])
-    assert all(torch.equal(p, q) for p, q in zip(model2.parameters(), model3.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model2.parameters(), model3.parameters(), strict=True))
 
 
 def test_bad_recorder_settings_are_value_errors():

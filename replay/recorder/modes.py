@@ -1,0 +1,105 @@
+"""How a `Loop` was started, decided once (`decide`), and what its two modes answer to it (`Mode`).
+
+Three ways in: the script run as it is (a recording whose rank 0 prepares the store), started again by
+`replay run` (a replay: REPLAY_LOOP_STORE names its store, REPLAY_LOOP_LEASE its lease), or by a launcher
+that prepared the store itself and passes its lease (`Loop(lease=...)`: the built-in trainer, recording or
+replaying as the store's kind says). The modes are recorder/recording.py and recorder/replaying.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Protocol
+
+import numpy as np
+
+from replay.config import RunConfig
+from replay.errors import ReplayError
+from replay.recorder import command as cmd
+from replay.recorder.recorder import RecorderConfig
+from replay.store import RunStore
+from replay.store.lease import ENV as LEASE_ENV
+from replay.store.manifest import ReplaySpec
+
+
+@dataclass(frozen=True)
+class Start:
+    """How this process's loop was started."""
+
+    mode: Literal["record", "replay"]
+    store: str
+    lease: str | None     # the spec of the lease it writes under; None: rank 0 takes one and prepares the store
+    resume: bool
+    by_replay_run: bool   # started again by `replay run`: the loop's own errors end the process in one line
+
+
+def decide(store: str | os.PathLike[str], lease: str | None, resume: bool,
+           environ: Mapping[str, str] = os.environ) -> Start:
+    """The one place the mode is decided: from `replay run`'s environment, the `lease=` argument, or neither."""
+    if environ.get(cmd.STORE_ENV):
+        return Start("replay", environ[cmd.STORE_ENV], environ[LEASE_ENV], environ.get(cmd.RESUME_ENV) == "1",
+                     by_replay_run=True)
+    if lease is None:
+        return Start("record", str(store), None, resume, by_replay_run=False)
+    kind = RunStore.open(Path(store)).kind
+    return Start("replay" if kind == "replay" else "record", str(store), lease, resume, by_replay_run=False)
+
+
+class Mode(Protocol):
+    """What differs between recording and replaying, asked by the `Loop` at fixed points of its steps."""
+
+    cfg: RunConfig                              # the run's config, as recorded
+    lease: str                                  # the spec of the lease every rank writes under
+    start_from: tuple[RunStore, int] | None     # the checkpoint the first step restores (a replay's parent's)
+    recorder_config: RecorderConfig             # steps, checkpoint cadence, snapshots
+    window: ReplaySpec | None                   # a replay's window, overrides and skips
+
+    def opened(self, store: RunStore) -> None:
+        """Rank 0, once the recorder has the store open for writing."""
+
+    def started(self, step: int) -> None:
+        """The first step to train is `step` (restored from a checkpoint, or 0)."""
+
+    def begin(self, step: int) -> bool:
+        """`step` begins; returns whether it is one the replay skips."""
+
+    def sample(self, step: int, call: int, drawn: np.ndarray) -> np.ndarray | None:
+        """The ids micro-batch `call` of `step` trains on, when not the `drawn` ones (a replay's recorded ids)."""
+
+    def skip(self, step: int) -> np.ndarray:
+        """`step` is skipped: this rank's recorded ids of it."""
+
+    def check_step(self, autocast_used: bool) -> None:
+        """Refuse, at `log`, a step the mode cannot record as it ran."""
+
+    def precision(self) -> str:
+        """What `loop.autocast()` gives now."""
+
+    def in_window(self) -> bool:
+        """Whether the current step is in a replay's window (its overrides apply)."""
+
+    def recorded_ids(self, step: int) -> np.ndarray:
+        """A replay: the ids the record has for `step` (rank, micro-batch, sample)."""
+
+    def close(self) -> None:
+        """Take back what the mode put into the model, the optimizer or the store's lease."""
+
+
+Hook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
+
+
+def one_line_errors(hook: Hook, rank: int) -> Hook:
+    """In a replay, the loop's own errors end the process with one line and their exit code, as a rank of the
+    built-in trainer does (a traceback with REPLAY_DEBUG=1); any other error is the script's, shown whole."""
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> object:
+        if not isinstance(value, ReplayError) or os.environ.get("REPLAY_DEBUG"):
+            return hook(kind, value, tb)
+        print(f"rank {rank}: {value}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(value.exit_code)
+    return excepthook

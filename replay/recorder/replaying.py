@@ -1,0 +1,89 @@
+"""The loop replaying a window of its record (started by `replay run`, or a launcher's replay store): it
+restores the parent's checkpoint at or before the window, hands out the recorded sample ids (checking that
+the loader drew them too), applies the overrides from the window on (recorder/overrides.py) and ends after
+the window's last step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay.errors import ReplayError
+from replay.kernels.plan import AttentionPlan
+from replay.recorder.modes import Start
+from replay.recorder.overrides import ReplayOverrides
+from replay.recorder.recorder import RecorderConfig
+from replay.store import RunStore
+from replay.store.manifest import ReplaySpec
+
+
+class Replaying:
+    def __init__(self, start: Start, rank: int, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 apply_attention: Callable[[AttentionPlan], Any]):
+        store = RunStore.open(start.store)
+        spec = store.manifest.replay
+        assert spec is not None, "a replay's store has its spec"
+        self.window: ReplaySpec | None = spec
+        self._spec = spec
+        self.parent = RunStore.open(store.path / spec.parent)
+        self.cfg = self.parent.manifest.config   # as recorded
+        self.overrides = ReplayOverrides.read(spec, store.manifest.config, self.cfg)
+        assert start.lease is not None, "a replay's store is prepared under its launcher's lease"
+        self.lease = start.lease
+        self.start_from = None if start.resume else (self.parent, spec.start_checkpoint)
+        stop = spec.stop + 1
+        self.recorder_config = RecorderConfig(total_steps=stop, checkpoint_every=spec.checkpoint_every or stop + 1,
+                                              snapshot_every=0, snapshot_ring=self.cfg.snapshot_ring,
+                                              spike=self.cfg.spike)
+        # (step, rank, call, sample): what the parent trained on, from the start checkpoint's step to the end
+        self._ids = self.parent.read_steps(["sample_ids"], start=spec.start_checkpoint, stop=stop)["sample_ids"]
+        self._rank, self._optimizer, self._scheduler = rank, optimizer, scheduler
+        self._apply_attention = apply_attention
+        self._check_draws = True   # the loader draws the recorded ids, until a skipped step moves its randomness
+
+    def opened(self, store: RunStore) -> None:
+        pass
+
+    def started(self, step: int) -> None:
+        if any(s < step for s in self.overrides.skip):   # resumed after a skip: its restored RNG states are
+            self._check_draws = False                   # its own, no longer the record's
+
+    def begin(self, step: int) -> bool:
+        if step >= self.overrides.start and not self.overrides.active:
+            self.overrides.begin(step, self._optimizer, self._scheduler, self._apply_attention)
+        return self.overrides.skips(step)
+
+    def recorded_ids(self, step: int) -> np.ndarray:
+        return self._ids[step - self._spec.start_checkpoint]
+
+    def sample(self, step: int, call: int, drawn: np.ndarray) -> np.ndarray:
+        recorded_step = self.recorded_ids(step)[self._rank]
+        if call >= len(recorded_step) or recorded_step[call].shape != drawn.shape:
+            raise ReplayError(f"step {step}: the script draws micro-batch {call} of shape {drawn.shape}, the "
+                              f"record has {len(recorded_step)} of shape {recorded_step[0].shape}: it does not run "
+                              "as recorded")
+        recorded = recorded_step[call]
+        if self._check_draws and not np.array_equal(recorded, drawn):
+            raise ReplayError(f"step {step}, rank {self._rank}: the loader drew samples {drawn[:4].tolist()}..., "
+                              f"the record has {recorded[:4].tolist()}...: its randomness is not the recorded RNG "
+                              "state's (an unrecorded generator, or a changed script)")
+        return recorded
+
+    def skip(self, step: int) -> np.ndarray:
+        self._check_draws = False   # the loader's randomness no longer follows the record's
+        return self.recorded_ids(step)[self._rank]
+
+    def check_step(self, autocast_used: bool) -> None:
+        self.overrides.check_step(autocast_used)
+
+    def precision(self) -> str:
+        return self.overrides.autocast_precision(self.cfg.precision)
+
+    def in_window(self) -> bool:
+        return self.overrides.active
+
+    def close(self) -> None:
+        self.overrides.close()

@@ -1,0 +1,61 @@
+"""A run store's life, written once for every way of recording (`replay record`, a `Loop` of the user's own,
+the Python `Recorder` API): created, resumed after a stop, told where it ran, completed.
+
+    store = create_run(path, cfg, world_size=2, launcher="local", data=data)
+    ... the ranks record; the run stops ...
+    start = resume_run(RunStore.open(path, mode="a"), world_size=2)   # its last committed checkpoint's step
+    note_environment(store, fingerprint, resumed=True)
+    ... the ranks record to the end ...
+    complete_run(store)
+
+The caller holds the store's lease throughout (store/lease.py) and checks what its launcher needs first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from replay.config import RunConfig
+from replay.store.manifest import CommandInfo, DataInfo, Manifest, ModelInfo, ResumeInfo
+from replay.store.run_store import RunStore
+
+
+def no_data(source: str) -> DataInfo:
+    """A run whose samples the store neither holds nor fingerprints (a loop of the user's own): `source` says
+    in words what they were."""
+    return DataInfo(embedded=False, path=None, bytes=0, method="none", digest="", source=source)
+
+
+def create_run(path: str | Path, config: RunConfig, *, world_size: int, launcher: str, data: DataInfo,
+               command: CommandInfo | None = None, layout: dict[str, Any] | None = None,
+               model: ModelInfo | None = None) -> RunStore:
+    """A new run's store, "running" from now on; refused (untouched) where `path` holds anything already."""
+    return RunStore.create(path, Manifest(kind="run", config=config, world_size=world_size, launcher=launcher,
+                                          data=data, created=time.time(), command=command, layout=layout,
+                                          model=model))
+
+
+def resume_run(store: RunStore, world_size: int) -> int | None:
+    """Cut a stopped run (opened for writing) back to its last committed checkpoint and note the resume;
+    returns that checkpoint's step, or None when nothing was committed (the run starts over at step 0)."""
+    last = store.rewind(verify_world_size=world_size)
+    store.update_manifest(status="running",
+                          resumes=[*store.manifest.resumes, ResumeInfo(from_step=last or 0, time=time.time())])
+    return last
+
+
+def note_environment(store: RunStore, environment: dict[str, Any], resumed: bool) -> None:
+    """Where the run runs now (recorder/environment.py's fingerprint): the run's own, or its last resume's."""
+    resumes = store.manifest.resumes
+    if resumed and resumes:
+        store.update_manifest(resumes=[*resumes[:-1], dataclasses.replace(resumes[-1], environment=environment)])
+    else:
+        store.update_manifest(environment=environment)
+
+
+def complete_run(store: RunStore) -> None:
+    """Every step is recorded: the run (or replay) is complete."""
+    store.update_manifest(status="complete", steps_recorded=store.n_steps)
