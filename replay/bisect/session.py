@@ -1,7 +1,8 @@
 """A bisect session and its verdict, typed, and in words: what the CLI, `replay info` and the report print.
 
 A session is stored in the run store as one JSON document (`STORE/bisect/<id>`): its parameters, every
-probe (a replay, judged by the rule), the working state of each phase, and, once complete, the verdict.
+probe (a replay, judged by the rule), the result of each phase (below: one JSON object each, whose fields
+that do not apply to an outcome are left out), and, once complete, the verdict.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Self
 
 
 @dataclass
@@ -112,6 +113,102 @@ class Verdict:
                 ("probes", f"{self.probes} (worst case {self.bound}); {self.seconds:.1f} s on {self.workers} worker(s)")]
 
 
+@dataclass(frozen=True, kw_only=True)
+class PhaseResult:
+    ALWAYS: ClassVar[tuple[str, ...]] = ()   # the answer's fields, stored even when None (nothing found)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None or k in self.ALWAYS}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaselineResult(PhaseResult):
+    """The plain replay from the checkpoint before the spike, which reproduced it."""
+
+    checkpoint: int
+    bitwise: bool
+    spike_at: int | None
+    probe: str                           # its replay id
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepsResult(PhaseResult):
+    ALWAYS = ("checkpoint",)
+
+    checkpoint: int | None               # the latest checkpoint the counterfactual prevents the spike from
+    last_preventing_step: int | None = None
+    first_failing_step: int | None = None
+    window: list[int] | None = None      # [checkpoint, first failing step]
+    separation: dict[str, Any] | None = None   # {"first_bit", "measurable", "relative"}: where the trajectories part
+    candidates: list[int]                # the checkpoints tried
+    bound: int                           # the probes the searches could need at worst
+    monotone: bool                       # False: the answers were not monotone in the start step
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayersResult(PhaseResult):
+    ALWAYS = ("layers",)
+
+    start: int                           # the step the probes start from
+    layers: list[int] | None             # None: the counterfactual on every layer does not prevent the spike
+    also: list[list[int]] | None = None  # other sets no larger that prevent it too
+    minimal: bool | None = None          # False: the probe budget ran out first; None: nothing was searched
+    bound: int
+    rerun: str | None = None             # the `replay run` of the answer's probe
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsResult(PhaseResult):
+    ALWAYS = ("heads",)
+
+    start: int
+    heads: list[list[int]] | None        # [layer, head] pairs; None: the layers' heads alone do not prevent it
+    also: list[list[list[int]]] | None = None
+    minimal: bool | None = None
+    bound: int
+    rerun: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataResult(PhaseResult):
+    ALWAYS = ("batches", "samples")
+
+    window: list[int]                    # the steps whose batches were tried
+    batches: list[int] | None            # None: skipping every batch does not prevent the spike
+    samples: list[list[int]] | None      # [step, sample id] pairs; None: narrowed down to batches only
+    minimal: bool | None = None
+    bound: int
+    rerun: str | None = None
+    spike_at_without: int | None = None  # where the spike comes with every batch skipped
+
+
+@dataclass
+class Phases:
+    """Each phase's result, once it has run."""
+
+    baseline: BaselineResult | None = None
+    steps: StepsResult | None = None
+    layers: LayersResult | None = None
+    heads: HeadsResult | None = None
+    data: DataResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: r.to_dict() for f in dataclasses.fields(self) if (r := getattr(self, f.name)) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Phases:
+        return cls(baseline=BaselineResult.from_dict(d["baseline"]) if "baseline" in d else None,
+                   steps=StepsResult.from_dict(d["steps"]) if "steps" in d else None,
+                   layers=LayersResult.from_dict(d["layers"]) if "layers" in d else None,
+                   heads=HeadsResult.from_dict(d["heads"]) if "heads" in d else None,
+                   data=DataResult.from_dict(d["data"]) if "data" in d else None)
+
+
 @dataclass
 class Session:
     id: str
@@ -119,18 +216,20 @@ class Session:
     rule: str
     created: float
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)   # replay id -> phase, window, judgement
-    phases: dict[str, dict[str, Any]] = field(default_factory=dict)   # each phase's working state and answer
+    phases: Phases = field(default_factory=Phases)                    # each phase's result
     runs: list[dict[str, Any]] = field(default_factory=list)          # every invocation: time, seconds, probes
     status: str = "running"              # running, complete or failed
     error: str | None = None
     verdict: Verdict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "verdict": self.verdict.to_dict() if self.verdict else None}
+        return {**asdict(self), "phases": self.phases.to_dict(),
+                "verdict": self.verdict.to_dict() if self.verdict else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Session:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in d.items() if k in known}
+        fields["phases"] = Phases.from_dict(d.get("phases") or {})
         fields["verdict"] = Verdict.from_dict(d["verdict"]) if d.get("verdict") else None
         return cls(**fields)

@@ -22,6 +22,7 @@ from replay.config import PRECISIONS, RunConfig
 from replay.errors import UsageError
 from replay.kernels.options import SafeSoftmaxFix
 from replay.kernels.plan import AttentionPlan, BackendSpec, check_numerics
+from replay.store.capabilities import Capabilities
 
 
 @dataclass
@@ -158,8 +159,9 @@ def parse_steps(text: str, what: str = "--skip") -> list[int]:
     return sorted(steps)
 
 
-def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) -> RunConfig:
-    """The replay's config: the recorded one with the overrides folded in (validated against the model)."""
+def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], caps: Capabilities) -> RunConfig:
+    """The replay's config: the recorded one with the overrides folded in (validated against the model and
+    against what the recorded run can do)."""
     cfg = RunConfig.from_dict(cfg.to_dict())
     if o.heads is not None and o.layers is None:
         raise UsageError("--heads needs --layers: heads are numbered within a layer (or give layer.head pairs)")
@@ -168,9 +170,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     if o.scoped and not (o.touches_attention or o.lr_scale is not None):
         raise UsageError("--layers/--heads select where an attention override or --lr-scale applies; "
                          "add --attention, --fix, --hp-delta or --lr-scale")
-    if o.scoped and o.lr_scale is not None and launcher == "deepspeed":
-        raise UsageError("--lr-scale on --layers/--heads needs the local launcher: DeepSpeed partitions the "
-                         "optimizer's updates")
+    if o.scoped and o.lr_scale is not None and caps.scoped_lr_refusal:
+        raise UsageError(caps.scoped_lr_refusal)
     if o.touches_attention and cfg.model.n_layer == 0:
         raise UsageError("attention overrides need the model's attention modules, and none was found when this run "
                          "was recorded: record with Loop(..., attention='PATTERN') naming them")
@@ -183,11 +184,9 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
         try:
             plan = AttentionPlan.parse(cfg.model.attention)
         except UsageError:
-            if launcher != "custom":
+            if caps.attention_refusal is None:
                 raise
-            raise UsageError(f"attention overrides: the recording ran transformers' {cfg.model.attention!r} attention, "
-                             "which replay's plans do not run per head; record with attn_implementation='sdpa' or "
-                             "'eager' to override it") from None
+            raise UsageError(caps.attention_refusal) from None
         new = BackendSpec.parse(o.attention) if o.attention else None
         heads = dict(plan.heads)
         for layer, head in scope:
@@ -203,8 +202,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     if o.precision is not None:
         if o.precision not in PRECISIONS:
             raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {o.precision!r}")
-        if launcher == "deepspeed" and o.precision != cfg.precision:
-            raise UsageError("--precision cannot change under DeepSpeed: its optimizer state layout depends on it")
+        if o.precision != cfg.precision and caps.precision_refusal:
+            raise UsageError(caps.precision_refusal)
         cfg.precision = o.precision
     outside = [s for s in o.skip if not window[0] <= s <= window[1]]
     if outside:
@@ -212,14 +211,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     outside = [s for s, _ in o.drop if not window[0] <= s <= window[1]]
     if outside:
         raise UsageError(f"--drop step {outside[0]} is outside the window {window[0]}..{window[1]}")
-    if o.drop and launcher == "deepspeed":
-        raise UsageError("--drop needs the local launcher (DeepSpeed scales the loss itself); use --skip")
-    if o.drop and launcher == "custom":
-        raise UsageError("--drop needs the built-in trainer (it reweights the loss over the kept samples, which "
-                         "replay cannot do inside your script); use --skip")
-    if o.scoped and o.lr_scale is not None and launcher == "custom":
-        raise UsageError("--lr-scale on --layers/--heads needs the built-in trainer (it knows which parameters hold "
-                         "a head); use --lr-scale on the whole model")
+    if o.drop and caps.drop_refusal:
+        raise UsageError(caps.drop_refusal)
     both = sorted({s for s, _ in o.drop} & set(o.skip))
     if both:
         raise UsageError(f"step {both[0]} is both skipped and has samples dropped; give it to one of --skip, --drop")

@@ -26,6 +26,7 @@ from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
+from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
 from replay.store.manifest import Manifest, ReplaySpec, ResumeInfo
 
@@ -107,11 +108,13 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         raise UsageError(f"no committed checkpoint at or before step {req.start} in {store_path}")
     ckpt = before[-1]
     recorded = parent.manifest
-    cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), recorded.launcher)
-    if recorded.command is not None and recorded.command.local_world_size not in (0, recorded.world_size):
-        raise UsageError(f"{store_path} was recorded on several nodes ({recorded.command.local_world_size} of its "
-                         f"{recorded.world_size} ranks on one): `replay run` starts a script's ranks on this machine only")
-    if recorded.command is not None and not req.allow_changed:
+    caps = Capabilities.of(recorded)
+    cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), caps)
+    if caps.relaunches_script and caps.multi_node:
+        raise UsageError(f"{store_path} was recorded on several nodes ({caps.ranks_per_node} of its "
+                         f"{caps.world_size} ranks on one): `replay run` starts a script's ranks on this machine only")
+    if caps.relaunches_script and not req.allow_changed:
+        assert recorded.command is not None
         check_unchanged(recorded.command, "replaying it")
     if req.overrides.drop:
         ids = parent.read_steps(["sample_ids"])["sample_ids"]
@@ -168,7 +171,8 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
         path, cfg, pending, resume = prepare(store_path, req)
         recorded = RunStore.open(store_path).manifest
         notes = environment_notes(recorded.environment)
-        if pending and recorded.command is not None:
+        if pending and Capabilities.of(recorded).relaunches_script:
+            assert recorded.command is not None
             try:
                 run_script(str(path), recorded.command, resume, lease.spec)
             except ReplayError:

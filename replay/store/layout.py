@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.config import ModelConfig
+from replay.config import Launcher, ModelConfig
 from replay.errors import UsageError
 
 # Every checkpoint's tree (recorder/recorder.py writes it): each rank's shard is {"state":
@@ -117,9 +117,9 @@ def resolve_layout(layout: str | dict | None, model: ModelConfig) -> dict[str, A
     return Layout.from_dict(dict(layout)).to_dict()
 
 
-def layout_of(launcher: str, stored: dict[str, Any] | None) -> Layout | None:
+def layout_of(launcher: Launcher, stored: dict[str, Any] | None) -> Layout | None:
     """The layout a run's checkpoints have: the built-in trainer's GPT-2, the one a loop of the user's own
     declared, or None (a loop that declared none)."""
-    if launcher != "custom":
+    if launcher != Launcher.CUSTOM:
         return Layout(**BUILT_IN["hf-gpt2"], name="hf-gpt2")
     return Layout.from_dict(stored) if stored else None

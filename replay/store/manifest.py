@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from replay.config import RunConfig
+from replay.config import Launcher, RunConfig
 
 SCHEMA = 2
 READABLE = (1, 2)
@@ -86,7 +86,7 @@ class Manifest:
     kind: str                      # "run" or "replay"
     config: RunConfig
     world_size: int
-    launcher: str                  # "local", "deepspeed" or "custom" (a training loop of the user's own)
+    launcher: Launcher             # what it can do: store/capabilities.py
     data: DataInfo
     created: float
     status: str = "running"        # "running" until the last step is recorded, then "complete"
@@ -100,9 +100,12 @@ class Manifest:
     model: ModelInfo | None = None       # a transformers model of the user's own: what the analysis probe needs
     schema: int = SCHEMA
 
+    def __post_init__(self) -> None:
+        self.launcher = Launcher(self.launcher)   # given as its string too ("custom")
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replay": {"schema": self.schema, "kind": self.kind}, "config": self.config.to_dict(),
-                               "world_size": self.world_size, "launcher": self.launcher, "data": asdict(self.data),
+                               "world_size": self.world_size, "launcher": self.launcher.value, "data": asdict(self.data),
                                "created": self.created, "status": self.status,
                                "resumes": [asdict(r) for r in self.resumes], "environment": self.environment}
         if self.launch_id is not None:
@@ -131,7 +134,7 @@ class Manifest:
                                    if f.name not in ("parent", "start", "stop") and f.name in d})
         data = {f.name: d["data"].get(f.name) for f in dataclasses.fields(DataInfo)}
         return cls(kind=meta["kind"], schema=meta["schema"], config=RunConfig.from_dict(d["config"]),
-                   world_size=d["world_size"], launcher=d["launcher"], data=DataInfo(**data), created=d["created"],
+                   world_size=d["world_size"], launcher=Launcher(d["launcher"]), data=DataInfo(**data), created=d["created"],
                    status=d.get("status", "unknown"), resumes=[ResumeInfo(**r) for r in d.get("resumes", [])],
                    environment=d.get("environment") or {}, launch_id=d.get("launch_id"),
                    steps_recorded=d.get("steps_recorded"), replay=replay,

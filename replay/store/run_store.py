@@ -43,6 +43,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from replay.errors import ChecksumError, StoreError, UsageError
+from replay.store.capabilities import Capabilities
 from replay.store.chunks import chunking, read_chunks, write_chunks
 from replay.store.integrity import crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal, write_file
 from replay.store.manifest import READABLE, SCHEMA, Manifest
@@ -166,6 +167,10 @@ class RunStore:
     def kind(self) -> str:
         return self.manifest.kind
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities.of(self.manifest)
+
     def update_manifest(self, **fields: Any) -> None:
         """Replace the given fields of the manifest (one write of the whole document)."""
         self.check_writable()
@@ -173,13 +178,13 @@ class RunStore:
 
     def check_rebuildable(self, command: str) -> None:
         """Refuse, in one line, what needs the built-in trainer to rebuild the run (a resumed recording)."""
-        if self.manifest.launcher == "custom":
+        if not self.capabilities.builtin:
             raise UsageError(f"{self.path} was recorded by a training loop of your own; `{command}` continues runs "
                              "of the built-in trainer: run your script again with Loop(..., resume=True)")
 
     def check_relaunchable(self, command: str) -> None:
         """Refuse, in one line, a store whose run cannot be started again (replays, bisect)."""
-        if self.manifest.launcher == "custom" and self.manifest.command is None:
+        if not self.capabilities.relaunchable:
             raise UsageError(f"{self.path} was recorded by the Recorder API without its command, so `{command}` "
                              "cannot start it again; record with replay.recorder.Loop, which keeps the command")
 
