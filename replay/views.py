@@ -102,8 +102,9 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"model       {m['n_layer']} attention layers x {m['n_head']} heads, {cfg['precision']}, layout "
                      f"{(summary['layout'] or {}).get('name', 'none')}")
     else:
-        lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
-                     f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
+        lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x "
+                     f"{m['n_embd']}, seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, "
+                     f"seed {cfg['seed']}")
         lines.append(f"ranks       {summary['world_size']} ({summary['launcher']}"
                      f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == Launcher.DEEPSPEED else ''}), "
                      f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
@@ -141,8 +142,8 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         def per_layer(key: str, fmt: str) -> str:
             return ", ".join(format(v, fmt) for v in n[key])
 
-        lines.append(f"numerics    per layer: tied-maxima rate {per_layer('tied_rate_mean', '.4f')}; sum of delta error "
-                     f"{per_layer('delta_err_sum', '+.3e')}; median cosine of successive W_Q gradient errors "
+        lines.append(f"numerics    per layer: tied-maxima rate {per_layer('tied_rate_mean', '.4f')}; sum of delta "
+                     f"error {per_layer('delta_err_sum', '+.3e')}; median cosine of successive W_Q gradient errors "
                      f"{per_layer('wq_err_cos_median', '+.3f')} (from tied rows: "
                      f"{per_layer('wq_tied_err_cos_median', '+.3f')})")
     lines.append(f"bisect      {len(summary['bisect'])} session(s)")

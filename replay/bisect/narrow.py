@@ -34,8 +34,7 @@ from replay import faults
 from replay.bisect.probes import ProbeRunner, request
 from replay.bisect.rule import Rule, judge
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
-from replay.bisect.session import (BaselineResult, DataResult, HeadsResult, LayersResult, Session, StepsResult,
-                                   Verdict)
+from replay.bisect.session import BaselineResult, DataResult, HeadsResult, LayersResult, Session, StepsResult, Verdict
 from replay.errors import ReplayError, UsageError
 from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides, apply, parse_fix
@@ -196,7 +195,7 @@ class Bisect:
         if todo:
             assert self.runner is not None
             runs = [dataclasses.replace(r, allow_changed=self.cfg.allow_changed) for r in todo.values()]
-            for (key, req), result in zip(todo.items(), self.runner.run(runs)):
+            for (key, req), result in zip(todo.items(), self.runner.run(runs), strict=True):
                 phase_of = "baseline" if baseline and key == replay_id(baseline[0]) else phase
                 found = judge(self.record, RunStore.open(self.record.path / "replays" / key), self.rule,
                               req.start, req.stop)
@@ -231,6 +230,7 @@ class Bisect:
         that is complete already is answered from the store, without starting anything."""
         if self.session.status == "complete":
             self.say(f"bisect session {self.id} is complete ({len(self.session.probes)} probes): its answer")
+            assert self.session.verdict is not None, "a complete session has its verdict"
             return dataclasses.replace(self.session, verdict=dataclasses.replace(self.session.verdict, new_probes=0))
         with writing(self.record.path, "replay bisect") as self.lease:   # one bisect at a time, like any writer
             try:
@@ -327,7 +327,10 @@ class Bisect:
     def steps(self) -> StepsResult:
         fix, stop = self.fix, self.stop
         candidates = self.checkpoints[-self.cfg.lookback:]
-        tested = lambda starts: self.prevents([request(s, stop, fix) for s in starts], "steps")   # noqa: E731
+
+        def tested(starts: list[int]) -> list[bool]:
+            return self.prevents([request(s, stop, fix) for s in starts], "steps")
+
         i, monotone = last_true(candidates, tested, self.width)
         bound = last_true_bound(len(candidates), self.width)
         if i < 0:
@@ -354,7 +357,7 @@ class Bisect:
         rec = self.record.read_steps(["loss"])["loss"]
         rows = RunStore.open(self.record.path / "replays" / probe_id).read_steps(["loss"])
         first_bit = measurable = None
-        for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist()):
+        for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist(), strict=True):
             if first_bit is None and np.float64(loss).view(np.uint64) != np.float64(rec[step]).view(np.uint64):
                 first_bit = step
             if abs(loss - rec[step]) > SEPARATION * abs(rec[step]):
@@ -366,8 +369,11 @@ class Bisect:
 
     def layers(self, start: int) -> LayersResult:
         n = self.run_cfg.model.n_layer
-        scoped = lambda subsets: self.prevents(   # noqa: E731
-            [request(start, self.stop, self.fix.with_scope(layers=sorted(s))) for s in subsets], "layers")
+
+        def scoped(subsets: list[list[int]]) -> list[bool]:
+            return self.prevents([request(start, self.stop, self.fix.with_scope(layers=sorted(s))) for s in subsets],
+                                 "layers")
+
         if not scoped([list(range(n))])[0]:
             self.say(f"layers: {self.cfg.fix} on all {n} layers from step {start} does not prevent the spike; "
                      "nothing to narrow")
@@ -380,7 +386,7 @@ class Bisect:
         return LayersResult(start=start, layers=found, also=also, minimal=minimal, bound=1 + ddmin_bound(n),
                             rerun=self.command(request(start, self.stop, self.fix.with_scope(layers=found))))
 
-    def _alternatives(self, phase: str, key: str, found: list) -> list:
+    def _alternatives(self, phase: str, key: str, found: list[Any]) -> list[Any]:
         """Other sets no larger than the answer that the probes found preventing too (ddmin keeps the first)."""
         return [p["overrides"][key] for p in self.session.probes.values()
                 if p["phase"] == phase and p["prevented"] and key in p["overrides"]
@@ -390,8 +396,11 @@ class Bisect:
         if not layers:
             return HeadsResult(start=start, heads=None, bound=0)
         units = [[layer, head] for layer in layers for head in range(self.run_cfg.model.n_head)]
-        scoped = lambda subsets: self.prevents(   # noqa: E731
-            [request(start, self.stop, self.fix.with_scope(units=sorted(s))) for s in subsets], "heads")
+
+        def scoped(subsets: list[list[list[int]]]) -> list[bool]:
+            return self.prevents([request(start, self.stop, self.fix.with_scope(units=sorted(s))) for s in subsets],
+                                 "heads")
+
         if not scoped([units])[0]:
             self.say(f"heads: {self.cfg.fix} on every head of layer(s) {layers} (their attention only) does not "
                      "prevent the spike: the rest of the layer matters")
@@ -399,8 +408,9 @@ class Bisect:
         found, minimal = ddmin(units, scoped, self.exhausted)
         found = sorted(found)
         also = self._alternatives("heads", "units", found)
-        self.say(f"heads: {self.cfg.fix} on head(s) {', '.join(f'{l}.{h}' for l, h in found)} (layer.head) "
-                 "alone prevents the spike" + (f"; so do the head sets {also}" if also else ""))
+        named = ", ".join(f"{layer}.{head}" for layer, head in found)
+        self.say(f"heads: {self.cfg.fix} on head(s) {named} (layer.head) alone prevents the spike"
+                 + (f"; so do the head sets {also}" if also else ""))
         return HeadsResult(start=start, heads=found, also=also, minimal=minimal, bound=1 + ddmin_bound(len(units)),
                            rerun=self.command(request(start, self.stop, self.fix.with_scope(units=found))))
 
@@ -408,8 +418,10 @@ class Bisect:
 
     def data(self, start: int) -> DataResult:
         batches = list(range(start, self.spike + 1))
-        skipped = lambda subsets: self.prevents(   # noqa: E731
-            [self._without(start, Overrides(skip=sorted(s))) for s in subsets], "data")
+
+        def skipped(subsets: list[list[int]]) -> list[bool]:
+            return self.prevents([self._without(start, Overrides(skip=sorted(s))) for s in subsets], "data")
+
         everything = self.probe([self._without(start, Overrides(skip=batches))], "data")[0]
         bound = 1 + ddmin_bound(len(batches))
         if not everything["prevented"]:
@@ -429,13 +441,14 @@ class Bisect:
         units = sorted({(s, int(i)) for s in steps for i in np.asarray(ids[s]).ravel()})
         per_step = {s: {u for u in units if u[0] == s} for s in steps}
 
-        def without(subset) -> Overrides:
+        def without(subset: list[tuple[int, int]]) -> Overrides:
             chosen = set(subset)
             whole = [s for s in steps if per_step[s] <= chosen]
             return Overrides(skip=whole, drop=sorted([list(u) for u in chosen if u[0] not in whole]))
 
-        dropped = lambda subsets: self.prevents(   # noqa: E731
-            [self._without(start, without(s)) for s in subsets], "data")
+        def dropped(subsets: list[list[tuple[int, int]]]) -> list[bool]:
+            return self.prevents([self._without(start, without(s)) for s in subsets], "data")
+
         samples, minimal_samples = ddmin(units, dropped, self.exhausted)
         samples = sorted(samples)
         bound += ddmin_bound(len(units))

@@ -25,7 +25,7 @@ class Verdict:
     heads: list[list[int]] | None = None       # [layer, head] pairs
     minimal: bool = True                 # False: the probe budget ran out before the search finished
     commands: list[str] = field(default_factory=list)   # the `replay run` commands of the answer's probes
-    also: dict[str, list] = field(default_factory=dict)  # other sets the probes found equally sufficient
+    also: dict[str, list[Any]] = field(default_factory=dict)  # other sets the probes found equally sufficient
     batches: list[int] | None = None
     samples: list[list[int]] | None = None      # [step, sample id] pairs
     data_window: list[int] | None = None
@@ -67,8 +67,8 @@ class Verdict:
                        + (f"; it separates from the record at step {sep}" if sep is not None else ""))
         if self.layers:
             out.append(f"  layers: {', '.join(map(str, self.layers))} (the counterfactual on these alone prevents the "
-                       "spike" + "".join(f"; so it does on {', '.join(map(str, a))}" for a in self.also.get("layers", []))
-                       + ")")
+                       "spike" + "".join(f"; so it does on {', '.join(map(str, a))}"
+                                         for a in self.also.get("layers", [])) + ")")
         elif "layers" in self.phases:
             out.append("  layers: the counterfactual on all layers does not prevent the spike; nothing to narrow")
         if self.heads:
@@ -84,7 +84,8 @@ class Verdict:
             for step, sample_id in self.samples:
                 out += sample(step, sample_id)
         elif self.batches:
-            out.append(f"  data: skipping the batches of step(s) {', '.join(map(str, self.batches))} prevents the spike")
+            out.append(f"  data: skipping the batches of step(s) {', '.join(map(str, self.batches))} prevents the "
+                       "spike")
         elif self.data_window:
             out.append(f"  data: no batch is responsible: skipping every batch of steps {self.data_window[0]}.."
                        f"{self.data_window[1]} does not prevent the spike (it comes at step {self.spike_without_data} "
@@ -99,7 +100,7 @@ class Verdict:
 
     def rows(self) -> list[tuple[str, str]]:
         """The answer as a table (the report's)."""
-        def listed(values, fmt=str) -> str:
+        def listed(values: list[Any] | None, fmt: Callable[[Any], str] = str) -> str:
             return ", ".join(fmt(v) for v in values) if values else "-"
 
         return [("counterfactual", self.fix if set(self.phases) != {"data"} else "-"),
@@ -110,7 +111,8 @@ class Verdict:
                 ("heads (layer.head)", listed(self.heads, lambda h: f"{h[0]}.{h[1]}")),
                 ("batches", listed(self.batches)),
                 ("samples (step:id)", listed(self.samples, lambda s: f"{s[0]}:{s[1]}")),
-                ("probes", f"{self.probes} (worst case {self.bound}); {self.seconds:.1f} s on {self.workers} worker(s)")]
+                ("probes", f"{self.probes} (worst case {self.bound}); {self.seconds:.1f} s on {self.workers} "
+                           "worker(s)")]
 
 
 @dataclass(frozen=True, kw_only=True)

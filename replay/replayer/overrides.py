@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from replay.config import PRECISIONS, RunConfig
 from replay.errors import UsageError
@@ -52,12 +54,12 @@ class Overrides:
         return [(layer, head) for layer in (self.layers if self.layers is not None else range(n_layer))
                 for head in (self.heads if self.heads is not None else range(n_head))]
 
-    def lr_scope(self, n_layer: int, n_head: int) -> dict | None:
+    def lr_scope(self, n_layer: int, n_head: int) -> dict[str, Any] | None:
         """A scoped lr_scale, for the trainer (train/counterfactual.py): the scale, and whole layers or
         (layer, head) units."""
         if self.lr_scale is None or not self.scoped:
             return None
-        if self.units is None and self.heads is None:
+        if self.units is None and self.heads is None and self.layers is not None:
             return {"scale": self.lr_scale, "layers": list(self.layers)}
         return {"scale": self.lr_scale, "units": [list(u) for u in self.scope(n_layer, n_head)]}
 
@@ -89,7 +91,7 @@ class Overrides:
             args.append("--drop " + ",".join(f"{step}:{sample}" for step, sample in self.drop))
         return " ".join(args)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False, [])}
 
     def tag(self) -> str:
@@ -116,7 +118,8 @@ def parse_heads(text: str) -> tuple[list[int] | None, list[list[int]] | None]:
     for part in (p.strip() for p in text.split(",") if p.strip()):
         layer, _, head = part.partition(".")
         if not (layer.isdigit() and head.isdigit()):
-            raise UsageError(f"--heads expects heads like 7,8 (with --layers) or layer.head pairs like 1.0,0.3, got {text!r}")
+            raise UsageError("--heads expects heads like 7,8 (with --layers) or layer.head pairs like 1.0,0.3, "
+                             f"got {text!r}")
         units.append([int(layer), int(head)])
     return None, sorted(units)
 
@@ -178,7 +181,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], caps: Capabilit
     scope = o.scope(cfg.model.n_layer, cfg.model.n_head)
     for layer, head in scope:
         if not (0 <= layer < cfg.model.n_layer and 0 <= head < cfg.model.n_head):
-            raise UsageError(f"layer {layer} head {head} is out of range: the model has layers 0..{cfg.model.n_layer - 1} "
+            raise UsageError(f"layer {layer} head {head} is out of range: the model has layers "
+                             f"0..{cfg.model.n_layer - 1} "
                              f"with heads 0..{cfg.model.n_head - 1}")
     if o.touches_attention:
         try:
@@ -238,14 +242,20 @@ def _simplify(plan: AttentionPlan, n_layer: int, n_head: int) -> AttentionPlan:
     whole model the default, so a whole-model override reads as one backend."""
     layers, heads = dict(plan.layers), dict(plan.heads)
     for layer in range(n_layer):
-        specs = {heads.get((layer, h)) for h in range(n_head)}
-        if len(specs) == 1 and None not in specs:
-            layers[layer] = specs.pop()
+        whole = _one(heads.get((layer, h)) for h in range(n_head))
+        if whole is not None:
+            layers[layer] = whole
             for h in range(n_head):
                 heads.pop((layer, h))
     default = plan.default
-    specs = {layers.get(layer) for layer in range(n_layer)}
-    if len(specs) == 1 and None not in specs and not heads:
-        default, layers = specs.pop(), {}
+    everywhere = _one(layers.get(layer) for layer in range(n_layer))
+    if everywhere is not None and not heads:
+        default, layers = everywhere, {}
     layers = {k: v for k, v in layers.items() if v != default}
     return AttentionPlan(default, layers, {k: v for k, v in heads.items() if v != layers.get(k[0], default)})
+
+
+def _one(specs: Iterable[BackendSpec | None]) -> BackendSpec | None:
+    """The backend all of `specs` name, if they are one and none is missing."""
+    distinct = set(specs)
+    return distinct.pop() if len(distinct) == 1 and None not in distinct else None

@@ -137,12 +137,14 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         m = existing.manifest
         same = lambda r: (r.start, r.stop, r.start_checkpoint, r.overrides)   # noqa: E731 (what names a replay)
         if same(m.replay) != same(spec):
-            raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; choose another --name")
+            raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; "
+                             "choose another --name")
         if m.status == "complete":
             return path, cfg, False, False
         if req.resume and existing.checkpoints():
             existing = RunStore.open(path, mode="a")
             last = existing.rewind(verify_world_size=recorded.world_size)
+            assert last is not None, "it has a committed checkpoint"
             existing.update_manifest(resumes=[*m.resumes, ResumeInfo(from_step=last, time=time.time())])
             return path, cfg, True, True
         if not (req.resume or req.discard):
@@ -187,12 +189,12 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
                                   "(a `break`, or a step limit of its own)")
         elif pending:
             run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec, pool=pool)
-        result = Replay(path, created=pending, environment_notes=notes)
-        result.verification = verify(RunStore.open(store_path), RunStore.open(path))
+        verification = verify(RunStore.open(store_path), RunStore.open(path))
+        result = Replay(path, created=pending, verification=verification, environment_notes=notes)
         lease.check()
         done = RunStore.open(path, mode="a")
-        done.update_manifest(replay=dataclasses.replace(done.manifest.replay,
-                                                        verification=result.verification.to_dict()))
+        done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec,
+                                                        verification=verification.to_dict()))
     return result
 
 
@@ -202,7 +204,7 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
     rec, rep = parent.read_steps(list(COMPARED)), replay.read_steps(list(COMPARED))
     steps = rep["step"].tolist()
     rows = np.asarray(steps)
-    skipped = set(replay.manifest.replay.skip)
+    skipped = set(replay.manifest.replay_spec.skip)
     for i, step in enumerate(steps):
         if step in skipped:
             continue

@@ -64,7 +64,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.orientation not in ("out_in", "in_out"):
-            raise UsageError(f"layout orientation must be out_in (nn.Linear) or in_out (Conv1D), got {self.orientation!r}")
+            raise UsageError("layout orientation must be out_in (nn.Linear) or in_out (Conv1D), "
+                             f"got {self.orientation!r}")
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
             raise UsageError("a layout names either one fused 'qkv' key or the three keys 'q', 'k' and 'v'")
         for role in _ROLES:
@@ -106,7 +107,7 @@ class Layout:
 FAMILIES = {"gpt2": "hf-gpt2", "llama": "hf-llama", "qwen2": "hf-llama", "mistral": "hf-llama"}
 
 
-def resolve_layout(layout: str | dict | None, model: ModelConfig) -> dict[str, Any] | None:
+def resolve_layout(layout: str | dict[str, Any] | None, model: ModelConfig) -> dict[str, Any] | None:
     """A layout given by name or mapping, checked, as the manifest stores it (None: none given)."""
     if layout is None:
         return None

@@ -105,8 +105,8 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replay": {"schema": self.schema, "kind": self.kind}, "config": self.config.to_dict(),
-                               "world_size": self.world_size, "launcher": self.launcher.value, "data": asdict(self.data),
-                               "created": self.created, "status": self.status,
+                               "world_size": self.world_size, "launcher": self.launcher.value,
+                               "data": asdict(self.data), "created": self.created, "status": self.status,
                                "resumes": [asdict(r) for r in self.resumes], "environment": self.environment}
         if self.launch_id is not None:
             out["launch_id"] = self.launch_id
@@ -134,12 +134,18 @@ class Manifest:
                                    if f.name not in ("parent", "start", "stop") and f.name in d})
         data = {f.name: d["data"].get(f.name) for f in dataclasses.fields(DataInfo)}
         return cls(kind=meta["kind"], schema=meta["schema"], config=RunConfig.from_dict(d["config"]),
-                   world_size=d["world_size"], launcher=Launcher(d["launcher"]), data=DataInfo(**data), created=d["created"],
+                   world_size=d["world_size"], launcher=d["launcher"], data=DataInfo(**data), created=d["created"],
                    status=d.get("status", "unknown"), resumes=[ResumeInfo(**r) for r in d.get("resumes", [])],
                    environment=d.get("environment") or {}, launch_id=d.get("launch_id"),
                    steps_recorded=d.get("steps_recorded"), replay=replay,
                    command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"),
                    model=ModelInfo(**d["model"]) if d.get("model") else None)
+
+    @property
+    def replay_spec(self) -> ReplaySpec:
+        """What makes this store a replay (of kind "replay")."""
+        assert self.replay is not None, "the store is a run, not a replay"
+        return self.replay
 
     @property
     def last_environment(self) -> dict[str, Any]:
