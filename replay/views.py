@@ -34,7 +34,7 @@ def summarize(path: str) -> dict[str, Any]:
         "schema": m.schema,
         "config": cfg.to_dict(),
         "world_size": m.world_size,
-        "launcher": m.launcher,
+        "launcher": m.launcher.value,
         "grad_accum": cfg.grad_accum,
         "command": dataclasses.asdict(m.command) if m.command else None,
         "layout": m.layout,

@@ -254,7 +254,7 @@ class Bisect:
             world = self.record.manifest.world_size
             cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
             self.width = slots
-            warm = self.caps.warm_ranks   # a script of the user's own is started anew each time
+            warm = self.caps.warm_ranks   # else (DeepSpeed, a script of the user's own) ranks start for each probe
             with ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm) as self.runner:
                 self.say(f"probes run on {slots} Ray worker(s), each with {world} {'warm ' if warm else ''}rank(s) "
                          f"on {cpus} CPU(s)")

@@ -35,7 +35,7 @@ def chunking(size: int) -> tuple[int, int]:
 
 
 def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
-                 after_chunk: Callable[[int, int], None] | None = None) -> None:
+                 after_chunk: Callable[[int, int], object] | None = None) -> None:
     """Write chunks 0..n-1 of the bytes given as (offset, uint8 array) segments (gaps and the tail are zero).
     `after_chunk(i, n)` runs once the i-th chunk to finish is written."""
     chunk_dir = array_dir / "c"

@@ -364,7 +364,7 @@ class RunStore:
         return [(step, why) for step, state, why in self._scan() if state == "damaged"]
 
     def write_shard(self, step: int, rank: int, state: Packed | Any,
-                    after_chunk: Callable[[int, int], None] | None = None) -> None:
+                    after_chunk: Callable[[int, int], object] | None = None) -> None:
         """Write one rank's part of checkpoint `step`: its bytes first, its done marker last.
 
         `state` is a packed tree (what the recorder captures) or a plain one (written straight from its
