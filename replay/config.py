@@ -10,12 +10,22 @@ import dataclasses
 import json
 import tomllib
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
 from replay.errors import UsageError
 
 PRECISIONS = ("fp32", "bf16")   # FP32, or BF16 autocast (DeepSpeed's BF16 mode under DeepSpeed)
+
+
+class Launcher(StrEnum):
+    """What started a run's ranks. A str, so stored manifests and configs read and write it as before;
+    what each can do is replay/store/capabilities.py's."""
+
+    LOCAL = "local"               # the built-in trainer on torch.distributed ranks
+    DEEPSPEED = "deepspeed"       # the built-in trainer in a DeepSpeed engine (ZeRO stage 0-2)
+    CUSTOM = "custom"             # a training loop of the user's own (replay.recorder)
 
 
 @dataclass
@@ -70,7 +80,7 @@ class RunConfig:
     device: str = "auto"          # auto, cpu or cuda
     threads: int = 0              # torch intra-op threads per rank; 0 = cores // local ranks (recorded)
     nproc: int = 1
-    launcher: str = "local"       # local (torch.distributed ranks) or deepspeed
+    launcher: Launcher = Launcher.LOCAL   # local or deepspeed (a config's runs are the built-in trainer's)
     zero_stage: int = 0
     checkpoint_every: int = 20
     snapshot_every: int = 5       # in-memory snapshot cadence (0 disables the pre-spike ring)
@@ -87,11 +97,11 @@ class RunConfig:
             raise UsageError(f"steps must be >= 1, got {self.steps}")
         if self.precision not in PRECISIONS:
             raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.launcher not in ("local", "deepspeed"):
-            raise UsageError(f"launcher must be local or deepspeed, got {self.launcher!r}")
+        if self.launcher not in (Launcher.LOCAL, Launcher.DEEPSPEED):
+            raise UsageError(f"launcher must be local or deepspeed, got {str(self.launcher)!r}")
         if self.zero_stage not in (0, 1, 2):
             raise UsageError(f"zero stage must be 0, 1 or 2, got {self.zero_stage}")
-        if self.zero_stage and self.launcher != "deepspeed":
+        if self.zero_stage and self.launcher is not Launcher.DEEPSPEED:
             raise UsageError("--zero-stage needs --launcher deepspeed")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device must be auto, cpu or cuda, got {self.device!r}")
@@ -118,7 +128,7 @@ class RunConfig:
         return self.batch_size // (self.micro_batch_size * self.nproc)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "launcher": self.launcher.value}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
@@ -186,6 +196,12 @@ _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0":
 
 
 def _coerce(name: str, value: Any, typ: type) -> Any:
+    if issubclass(typ, Enum):
+        try:
+            return typ(value)
+        except ValueError:
+            raise UsageError(f"config key {name!r} expects one of {', '.join(m.value for m in typ)}, "
+                             f"got {value!r}") from None
     if isinstance(value, str) and typ is bool:
         if value.strip().lower() not in _BOOLS:
             raise UsageError(f"config key {name!r} expects true or false, got {value!r}")

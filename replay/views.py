@@ -12,9 +12,11 @@ import numpy as np
 
 from replay.analysis.results import analysis_status
 from replay.bisect.session import Session
+from replay.config import Launcher
 from replay.errors import UsageError
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
+from replay.store.capabilities import Capabilities
 from replay.store.lease import holder_of
 
 
@@ -32,7 +34,7 @@ def summarize(path: str) -> dict[str, Any]:
         "schema": m.schema,
         "config": cfg.to_dict(),
         "world_size": m.world_size,
-        "launcher": m.launcher,
+        "launcher": m.launcher.value,
         "grad_accum": cfg.grad_accum,
         "command": dataclasses.asdict(m.command) if m.command else None,
         "layout": m.layout,
@@ -100,10 +102,11 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"model       {m['n_layer']} attention layers x {m['n_head']} heads, {cfg['precision']}, layout "
                      f"{(summary['layout'] or {}).get('name', 'none')}")
     else:
-        lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
-                     f"seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, seed {cfg['seed']}")
+        lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x "
+                     f"{m['n_embd']}, seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, "
+                     f"seed {cfg['seed']}")
         lines.append(f"ranks       {summary['world_size']} ({summary['launcher']}"
-                     f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == 'deepspeed' else ''}), "
+                     f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == Launcher.DEEPSPEED else ''}), "
                      f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
                      f"{summary['grad_accum']} accumulation")
     lines.append(f"data        {summary['data']}")
@@ -139,8 +142,8 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         def per_layer(key: str, fmt: str) -> str:
             return ", ".join(format(v, fmt) for v in n[key])
 
-        lines.append(f"numerics    per layer: tied-maxima rate {per_layer('tied_rate_mean', '.4f')}; sum of delta error "
-                     f"{per_layer('delta_err_sum', '+.3e')}; median cosine of successive W_Q gradient errors "
+        lines.append(f"numerics    per layer: tied-maxima rate {per_layer('tied_rate_mean', '.4f')}; sum of delta "
+                     f"error {per_layer('delta_err_sum', '+.3e')}; median cosine of successive W_Q gradient errors "
                      f"{per_layer('wq_err_cos_median', '+.3f')} (from tied rows: "
                      f"{per_layer('wq_tied_err_cos_median', '+.3f')})")
     lines.append(f"bisect      {len(summary['bisect'])} session(s)")
@@ -170,7 +173,7 @@ def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, 
         raise UsageError(f"rank {rank} out of range: the run had {ids.shape[0]} ranks")
     m = store.manifest
     run = RunStore.open(store.path / m.replay.parent) if m.replay else store
-    data = None if m.launcher == "custom" else load_data(m.config, run)
+    data = load_data(m.config, run) if Capabilities.of(m).builtin else None
     rows = []
     for r in range(ids.shape[0]) if rank is None else [rank]:
         for micro in range(ids.shape[1]):

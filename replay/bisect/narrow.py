@@ -34,12 +34,13 @@ from replay import faults
 from replay.bisect.probes import ProbeRunner, request
 from replay.bisect.rule import Rule, judge
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
-from replay.bisect.session import Session, Verdict
+from replay.bisect.session import BaselineResult, DataResult, HeadsResult, LayersResult, Session, StepsResult, Verdict
 from replay.errors import ReplayError, UsageError
 from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides, apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
 from replay.store import RunStore
+from replay.store.capabilities import Capabilities
 from replay.store.lease import Lease, writing
 
 PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
@@ -106,7 +107,9 @@ class Bisect:
         if self.record.kind != "run":
             raise UsageError(f"{store_path} is a replay; bisect the run it belongs to")
         self.record.check_relaunchable("replay bisect")
-        if self.record.manifest.command is not None and not cfg.allow_changed:
+        self.caps = Capabilities.of(self.record.manifest)
+        if self.caps.relaunches_script and not cfg.allow_changed:
+            assert self.record.manifest.command is not None
             check_unchanged(self.record.manifest.command, "bisecting it")
         if cfg.by not in PHASES:
             raise UsageError(f"--by must be one of {', '.join(PHASES)}, got {cfg.by!r}")
@@ -164,9 +167,8 @@ class Bisect:
         phases = PHASES[self.cfg.by]
         if phases == ["data"]:   # skips batches and samples; no counterfactual involved
             return
-        launcher = self.record.manifest.launcher
         try:
-            apply(self.run_cfg, self.fix, (self.spike, self.spike), launcher)
+            apply(self.run_cfg, self.fix, (self.spike, self.spike), self.caps)
         except UsageError as e:
             raise UsageError(f"--fix {self.cfg.fix!r} does not apply to this run ({e}); e.g. "
                              "--fix attention=fa2-emu+safe-softmax, --fix lr-scale=0.5") from None
@@ -186,14 +188,14 @@ class Bisect:
         """Run (or reuse) the probes, judge them by the rule, and save the session after each batch. The
         first batch carries the baseline along (it does not depend on it) and is checked against it
         before any of its answers is used."""
-        checked = "baseline" in self.session.phases
+        checked = self.session.phases.baseline is not None
         baseline = [] if checked else [self.baseline_request()]
         keys = [replay_id(r) for r in requests]
         todo = {replay_id(r): r for r in baseline + requests if replay_id(r) not in self.session.probes}
         if todo:
             assert self.runner is not None
             runs = [dataclasses.replace(r, allow_changed=self.cfg.allow_changed) for r in todo.values()]
-            for (key, req), result in zip(todo.items(), self.runner.run(runs)):
+            for (key, req), result in zip(todo.items(), self.runner.run(runs), strict=True):
                 phase_of = "baseline" if baseline and key == replay_id(baseline[0]) else phase
                 found = judge(self.record, RunStore.open(self.record.path / "replays" / key), self.rule,
                               req.start, req.stop)
@@ -211,8 +213,12 @@ class Bisect:
 
     def save(self, **fields: Any) -> None:
         self.session = dataclasses.replace(self.session, **fields)
-        self.lease.check()
+        self.held().check()
         self.record_rw().write_bisect_session(self.id, self.session.to_dict())
+
+    def held(self) -> Lease:
+        assert self.lease is not None, "probes run and the session is saved under the store's lease"
+        return self.lease
 
     def record_rw(self) -> RunStore:
         return RunStore.open(self.store_path, mode="a")
@@ -224,6 +230,7 @@ class Bisect:
         that is complete already is answered from the store, without starting anything."""
         if self.session.status == "complete":
             self.say(f"bisect session {self.id} is complete ({len(self.session.probes)} probes): its answer")
+            assert self.session.verdict is not None, "a complete session has its verdict"
             return dataclasses.replace(self.session, verdict=dataclasses.replace(self.session.verdict, new_probes=0))
         with writing(self.record.path, "replay bisect") as self.lease:   # one bisect at a time, like any writer
             try:
@@ -247,23 +254,23 @@ class Bisect:
             world = self.record.manifest.world_size
             cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
             self.width = slots
-            warm = self.record.manifest.command is None   # a script of the user's own is started anew each time
-            with ProbeRunner(self.store_path, world, cpus, slots, self.lease.spec, warm) as self.runner:
+            warm = self.caps.warm_ranks   # else (DeepSpeed, a script of the user's own) ranks start for each probe
+            with ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm) as self.runner:
                 self.say(f"probes run on {slots} Ray worker(s), each with {world} {'warm ' if warm else ''}rank(s) "
                          f"on {cpus} CPU(s)")
                 phases = self.session.phases
                 start = self.checkpoints[-1]
                 for phase in PHASES[self.cfg.by]:
                     if phase == "steps":
-                        phases["steps"] = self.steps()
-                        found = phases["steps"].get("checkpoint")
-                        start = start if found is None else found
+                        phases.steps = self.steps()
+                        start = start if phases.steps.checkpoint is None else phases.steps.checkpoint
                     elif phase == "layers":
-                        phases["layers"] = self.layers(start)
+                        phases.layers = self.layers(start)
                     elif phase == "heads":
-                        phases["heads"] = self.heads(start, phases["layers"].get("layers"))
+                        assert phases.layers is not None   # PHASES runs layers before heads
+                        phases.heads = self.heads(start, phases.layers.layers)
                     elif phase == "data":
-                        phases["data"] = self.data(start)
+                        phases.data = self.data(start)
                     self.save()
                 self.probe([], "baseline")   # checked already, unless no phase ran a probe
         seconds = time.perf_counter() - t0
@@ -310,23 +317,26 @@ class Bisect:
         if not base["bitwise"]:
             self.say(f"warning: {where} reproduces the spike but not bit for bit (environment differs: "
                      f"{'; '.join(base['environment_notes'])})")
-        self.session.phases["baseline"] = {"checkpoint": c, "bitwise": base["bitwise"], "spike_at": base["spike_at"],
-                                          "probe": replay_id(self.baseline_request())}
+        self.session.phases.baseline = BaselineResult(checkpoint=c, bitwise=base["bitwise"], spike_at=base["spike_at"],
+                                                      probe=replay_id(self.baseline_request()))
         self.say(f"baseline: {where} reproduces the spike at step {base['spike_at']}"
                  + (", bit for bit" if base["bitwise"] else ""))
 
     # -- 2. steps ----------------------------------------------------------------------------------
 
-    def steps(self) -> dict[str, Any]:
+    def steps(self) -> StepsResult:
         fix, stop = self.fix, self.stop
         candidates = self.checkpoints[-self.cfg.lookback:]
-        tested = lambda starts: self.prevents([request(s, stop, fix) for s in starts], "steps")   # noqa: E731
+
+        def tested(starts: list[int]) -> list[bool]:
+            return self.prevents([request(s, stop, fix) for s in starts], "steps")
+
         i, monotone = last_true(candidates, tested, self.width)
         bound = last_true_bound(len(candidates), self.width)
         if i < 0:
             self.say(f"steps: {self.cfg.fix} from checkpoints {candidates[0]}..{candidates[-1]} does not prevent "
                      "the spike")
-            return {"checkpoint": None, "candidates": candidates, "bound": bound, "monotone": monotone}
+            return StepsResult(checkpoint=None, candidates=candidates, bound=bound, monotone=monotone)
         good = candidates[i]
         upper = candidates[i + 1] if i + 1 < len(candidates) else self.spike + 1
         between = list(range(good + 1, min(upper, self.spike + 1)))
@@ -338,16 +348,16 @@ class Bisect:
                  f"{last_good}; from step {last_good + 1} on it no longer can"
                  + (f"; its trajectory separates from the record at step {separation['measurable']}"
                     if separation["measurable"] is not None else ""))
-        return {"checkpoint": good, "last_preventing_step": last_good, "first_failing_step": last_good + 1,
-                "window": [good, last_good + 1], "separation": separation, "candidates": candidates,
-                "bound": bound, "monotone": monotone and monotone_steps}
+        return StepsResult(checkpoint=good, last_preventing_step=last_good, first_failing_step=last_good + 1,
+                           window=[good, last_good + 1], separation=separation, candidates=candidates, bound=bound,
+                           monotone=monotone and monotone_steps)
 
     def _separation(self, probe_id: str) -> dict[str, Any]:
         """The first step whose loss differs from the record's: in any bit, and by > SEPARATION relative."""
         rec = self.record.read_steps(["loss"])["loss"]
         rows = RunStore.open(self.record.path / "replays" / probe_id).read_steps(["loss"])
         first_bit = measurable = None
-        for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist()):
+        for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist(), strict=True):
             if first_bit is None and np.float64(loss).view(np.uint64) != np.float64(rec[step]).view(np.uint64):
                 first_bit = step
             if abs(loss - rec[step]) > SEPARATION * abs(rec[step]):
@@ -357,87 +367,96 @@ class Bisect:
 
     # -- 3. layers, 4. heads -----------------------------------------------------------------------
 
-    def layers(self, start: int) -> dict[str, Any]:
+    def layers(self, start: int) -> LayersResult:
         n = self.run_cfg.model.n_layer
-        scoped = lambda subsets: self.prevents(   # noqa: E731
-            [request(start, self.stop, self.fix.with_scope(layers=sorted(s))) for s in subsets], "layers")
+
+        def scoped(subsets: list[list[int]]) -> list[bool]:
+            return self.prevents([request(start, self.stop, self.fix.with_scope(layers=sorted(s))) for s in subsets],
+                                 "layers")
+
         if not scoped([list(range(n))])[0]:
             self.say(f"layers: {self.cfg.fix} on all {n} layers from step {start} does not prevent the spike; "
                      "nothing to narrow")
-            return {"start": start, "layers": None, "bound": 1 + ddmin_bound(n)}
+            return LayersResult(start=start, layers=None, bound=1 + ddmin_bound(n))
         found, minimal = ddmin(list(range(n)), scoped, self.exhausted)
         found = sorted(found)
         also = self._alternatives("layers", "layers", found)
         self.say(f"layers: {self.cfg.fix} on layer(s) {', '.join(map(str, found))} alone prevents the spike "
                  "(removing any one of them does not)" + (f"; so does layer set {also}" if also else ""))
-        return {"start": start, "layers": found, "also": also, "minimal": minimal, "bound": 1 + ddmin_bound(n),
-                "rerun": self.command(request(start, self.stop, self.fix.with_scope(layers=found)))}
+        return LayersResult(start=start, layers=found, also=also, minimal=minimal, bound=1 + ddmin_bound(n),
+                            rerun=self.command(request(start, self.stop, self.fix.with_scope(layers=found))))
 
-    def _alternatives(self, phase: str, key: str, found: list) -> list:
+    def _alternatives(self, phase: str, key: str, found: list[Any]) -> list[Any]:
         """Other sets no larger than the answer that the probes found preventing too (ddmin keeps the first)."""
         return [p["overrides"][key] for p in self.session.probes.values()
                 if p["phase"] == phase and p["prevented"] and key in p["overrides"]
                 and len(p["overrides"][key]) <= len(found) and sorted(p["overrides"][key]) != found]
 
-    def heads(self, start: int, layers: list[int] | None) -> dict[str, Any]:
+    def heads(self, start: int, layers: list[int] | None) -> HeadsResult:
         if not layers:
-            return {"start": start, "heads": None, "bound": 0}
+            return HeadsResult(start=start, heads=None, bound=0)
         units = [[layer, head] for layer in layers for head in range(self.run_cfg.model.n_head)]
-        scoped = lambda subsets: self.prevents(   # noqa: E731
-            [request(start, self.stop, self.fix.with_scope(units=sorted(s))) for s in subsets], "heads")
+
+        def scoped(subsets: list[list[list[int]]]) -> list[bool]:
+            return self.prevents([request(start, self.stop, self.fix.with_scope(units=sorted(s))) for s in subsets],
+                                 "heads")
+
         if not scoped([units])[0]:
             self.say(f"heads: {self.cfg.fix} on every head of layer(s) {layers} (their attention only) does not "
                      "prevent the spike: the rest of the layer matters")
-            return {"start": start, "heads": None, "bound": 1 + ddmin_bound(len(units))}
+            return HeadsResult(start=start, heads=None, bound=1 + ddmin_bound(len(units)))
         found, minimal = ddmin(units, scoped, self.exhausted)
         found = sorted(found)
         also = self._alternatives("heads", "units", found)
-        self.say(f"heads: {self.cfg.fix} on head(s) {', '.join(f'{l}.{h}' for l, h in found)} (layer.head) "
-                 "alone prevents the spike" + (f"; so do the head sets {also}" if also else ""))
-        return {"start": start, "heads": found, "also": also, "minimal": minimal,
-                "bound": 1 + ddmin_bound(len(units)),
-                "rerun": self.command(request(start, self.stop, self.fix.with_scope(units=found)))}
+        named = ", ".join(f"{layer}.{head}" for layer, head in found)
+        self.say(f"heads: {self.cfg.fix} on head(s) {named} (layer.head) alone prevents the spike"
+                 + (f"; so do the head sets {also}" if also else ""))
+        return HeadsResult(start=start, heads=found, also=also, minimal=minimal, bound=1 + ddmin_bound(len(units)),
+                           rerun=self.command(request(start, self.stop, self.fix.with_scope(units=found))))
 
     # -- 5. data -----------------------------------------------------------------------------------
 
-    def data(self, start: int) -> dict[str, Any]:
+    def data(self, start: int) -> DataResult:
         batches = list(range(start, self.spike + 1))
-        skipped = lambda subsets: self.prevents(   # noqa: E731
-            [self._without(start, Overrides(skip=sorted(s))) for s in subsets], "data")
+
+        def skipped(subsets: list[list[int]]) -> list[bool]:
+            return self.prevents([self._without(start, Overrides(skip=sorted(s))) for s in subsets], "data")
+
         everything = self.probe([self._without(start, Overrides(skip=batches))], "data")[0]
         bound = 1 + ddmin_bound(len(batches))
         if not everything["prevented"]:
             self.say(f"data: skipping every batch of steps {start}..{self.spike} does not prevent the spike "
                      f"(the detector fires at step {everything['spike_at']} instead): the data in the window is not "
                      "what makes it")
-            return {"window": [start, self.spike], "batches": None, "samples": None, "bound": bound,
-                    "spike_at_without": everything["spike_at"]}
+            return DataResult(window=[start, self.spike], batches=None, samples=None, bound=bound,
+                              spike_at_without=everything["spike_at"])
         steps, minimal = ddmin(batches, skipped, self.exhausted)
         steps = sorted(steps)
-        if self.record.manifest.launcher == "custom":   # a script of the user's own cannot leave samples out
-            self.say(f"data: skipping the batches of step(s) {', '.join(map(str, steps))} prevents the spike (a "
-                     "script of your own is narrowed down to batches, not samples)")
-            return {"window": [start, self.spike], "batches": steps, "samples": None, "minimal": minimal,
-                    "bound": bound, "rerun": self.command(self._without(start, Overrides(skip=steps)))}
+        if not self.caps.can_drop_samples:   # e.g. a script of the user's own: narrowed down to batches
+            self.say(f"data: skipping the batches of step(s) {', '.join(map(str, steps))} prevents the spike "
+                     "(single samples cannot be left out of this run's steps: it is narrowed down to batches)")
+            return DataResult(window=[start, self.spike], batches=steps, samples=None, minimal=minimal, bound=bound,
+                              rerun=self.command(self._without(start, Overrides(skip=steps))))
         ids = self.record.read_steps(["sample_ids"])["sample_ids"]
         units = sorted({(s, int(i)) for s in steps for i in np.asarray(ids[s]).ravel()})
         per_step = {s: {u for u in units if u[0] == s} for s in steps}
 
-        def without(subset) -> Overrides:
+        def without(subset: list[tuple[int, int]]) -> Overrides:
             chosen = set(subset)
             whole = [s for s in steps if per_step[s] <= chosen]
             return Overrides(skip=whole, drop=sorted([list(u) for u in chosen if u[0] not in whole]))
 
-        dropped = lambda subsets: self.prevents(   # noqa: E731
-            [self._without(start, without(s)) for s in subsets], "data")
+        def dropped(subsets: list[list[tuple[int, int]]]) -> list[bool]:
+            return self.prevents([self._without(start, without(s)) for s in subsets], "data")
+
         samples, minimal_samples = ddmin(units, dropped, self.exhausted)
         samples = sorted(samples)
         bound += ddmin_bound(len(units))
         self.say(f"data: leaving out {len(samples)} sample(s) prevents the spike: "
                  + ", ".join(f"step {s} sample {i}" for s, i in samples))
-        return {"window": [start, self.spike], "batches": steps, "samples": [list(u) for u in samples],
-                "minimal": minimal and minimal_samples, "bound": bound,
-                "rerun": self.command(self._without(start, without(samples)))}
+        return DataResult(window=[start, self.spike], batches=steps, samples=[list(u) for u in samples],
+                          minimal=minimal and minimal_samples, bound=bound,
+                          rerun=self.command(self._without(start, without(samples))))
 
     def command(self, req: ReplayRequest) -> str:
         """The `replay run` that makes this probe (it is in the store already; run it with --verify, or
@@ -458,21 +477,22 @@ class Bisect:
     # -- the answer --------------------------------------------------------------------------------
 
     def verdict(self, seconds: float) -> Verdict:
-        phases = self.session.phases
-        steps, layers, heads, data = (phases.get(k, {}) for k in ("steps", "layers", "heads", "data"))
+        steps, layers, heads, data = (self.session.phases.steps, self.session.phases.layers,
+                                      self.session.phases.heads, self.session.phases.data)
+        searches = [p for p in (layers, heads, data) if p is not None]
         used = {p: sum(1 for e in self.session.probes.values() if e["phase"] == p)
                 for p in ("baseline", "steps", "layers", "heads", "data")}
         return Verdict(
             spike=self.spike, phases=PHASES[self.cfg.by], fix=self.cfg.fix, rule=self.rule.describe(),
-            window=steps.get("window"), separation=steps.get("separation"),
-            layers=layers.get("layers"), heads=heads.get("heads"),
-            minimal=all(p.get("minimal", True) for p in (layers, heads, data)),
-            commands=[p["rerun"] for p in (layers, heads, data) if p.get("rerun")],
-            also={"layers": layers.get("also") or [], "heads": heads.get("also") or []},
-            batches=data.get("batches"), samples=data.get("samples"), data_window=data.get("window"),
-            spike_without_data=data.get("spike_at_without"),
+            window=steps.window if steps else None, separation=steps.separation if steps else None,
+            layers=layers.layers if layers else None, heads=heads.heads if heads else None,
+            minimal=all(p.minimal is not False for p in searches),
+            commands=[p.rerun for p in searches if p.rerun],
+            also={"layers": (layers.also if layers else None) or [], "heads": (heads.also if heads else None) or []},
+            batches=data.batches if data else None, samples=data.samples if data else None,
+            data_window=data.window if data else None, spike_without_data=data.spike_at_without if data else None,
             probes=len(self.session.probes), new_probes=self.new_probes, probes_by_phase=used,
-            bound=1 + sum(p.get("bound", 0) for p in (steps, layers, heads, data)),
+            bound=1 + sum(p.bound for p in (steps, *searches) if p is not None),
             seconds=seconds, workers=self.width)
 
 

@@ -48,6 +48,7 @@ class ProbeWorker:
         except RankPoolError:   # once more on fresh ranks (the interrupted probe is redone from scratch)
             result = run(store, req, pool=self.pool, under=under, command="replay bisect (probe)")
         v = result.verification
+        assert v is not None, "a replay that ran is verified"
         return {"id": result.path.name, "ran": result.created, "seconds": time.perf_counter() - t0,
                 "bitwise": v.bitwise, "divergence": None if v.divergence is None else vars(v.divergence),
                 "environment_notes": result.environment_notes, "node": socket.gethostname()}
@@ -66,14 +67,16 @@ class ProbeRunner:
 
         self.store, self.lease = str(store), lease
         actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1, **worker_options())(ProbeWorker)
-        self.actors = [actor.remote(world_size, warm) for _ in range(slots)]
+        # Ray actor handles: their methods are called as `.remote(...)`, which Ray's types do not model
+        self.actors: list[Any] = [actor.remote(world_size, warm) for _ in range(slots)]
 
     def run(self, requests: list[ReplayRequest]) -> list[dict[str, Any]]:
         """Every request's result, in order; the requests run at once, one per actor."""
         import ray
 
-        results: list[dict[str, Any] | None] = [None] * len(requests)
-        queue, idle, pending = list(enumerate(requests)), list(self.actors), {}
+        results: dict[int, dict[str, Any]] = {}
+        queue, idle = list(enumerate(requests)), list(self.actors)
+        pending: dict[Any, tuple[int, Any]] = {}   # the running probes' object refs -> (request, actor)
         while queue or pending:
             while queue and idle:
                 i, req = queue.pop(0)
@@ -93,7 +96,7 @@ class ProbeRunner:
                     raise ReplayError(f"a probe worker died twice running the replay of steps {requests[i].start}.."
                                       f"{requests[i].stop}: "
                                       f"{str(e).splitlines()[0]}") from None
-        return results   # type: ignore[return-value]
+        return [results[i] for i in range(len(requests))]
 
     def close(self, graceful: bool = True) -> None:
         """Let the actors stop their ranks, or (after an error) kill them at once: their ranks follow."""
@@ -107,5 +110,5 @@ class ProbeRunner:
     def __enter__(self) -> ProbeRunner:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close(graceful=exc[0] is None)

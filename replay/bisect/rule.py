@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,7 @@ class Judgement:
     peak: float               # largest loss in the window
     baseline: float           # the detector's median when the window starts
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in asdict(self).items()}
 
 
@@ -50,14 +51,14 @@ def judge(record: RunStore, probe: RunStore, rule: Rule, start: int, stop: int) 
     """Did the probe (a replay of `record` covering steps start..stop) prevent the spike in start..stop?"""
     recorded = record.read_steps(["loss"])["loss"]
     rows = probe.read_steps(["loss"])
-    skipped = set(probe.manifest.replay.skip)
+    skipped = set(probe.manifest.replay_spec.skip)
     detector = SpikeDetector(rule.spike)
     first = int(rows["step"][0]) if len(rows["step"]) else start
     for step in range(first):
         detector.update(step, float(recorded[step]))
     baseline = float(np.median(np.fromiter(detector.history, dtype=np.float64))) if detector.history else math.nan
     fired, peak = None, -math.inf
-    for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist()):
+    for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist(), strict=True):
         if step in skipped or step > stop:
             continue
         fires = detector.is_spike(float(loss))[0]   # any firing step counts, also one of a spike under way

@@ -1,7 +1,8 @@
 """A bisect session and its verdict, typed, and in words: what the CLI, `replay info` and the report print.
 
 A session is stored in the run store as one JSON document (`STORE/bisect/<id>`): its parameters, every
-probe (a replay, judged by the rule), the working state of each phase, and, once complete, the verdict.
+probe (a replay, judged by the rule), the result of each phase (below: one JSON object each, whose fields
+that do not apply to an outcome are left out), and, once complete, the verdict.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Self
 
 
 @dataclass
@@ -24,7 +25,7 @@ class Verdict:
     heads: list[list[int]] | None = None       # [layer, head] pairs
     minimal: bool = True                 # False: the probe budget ran out before the search finished
     commands: list[str] = field(default_factory=list)   # the `replay run` commands of the answer's probes
-    also: dict[str, list] = field(default_factory=dict)  # other sets the probes found equally sufficient
+    also: dict[str, list[Any]] = field(default_factory=dict)  # other sets the probes found equally sufficient
     batches: list[int] | None = None
     samples: list[list[int]] | None = None      # [step, sample id] pairs
     data_window: list[int] | None = None
@@ -66,8 +67,8 @@ class Verdict:
                        + (f"; it separates from the record at step {sep}" if sep is not None else ""))
         if self.layers:
             out.append(f"  layers: {', '.join(map(str, self.layers))} (the counterfactual on these alone prevents the "
-                       "spike" + "".join(f"; so it does on {', '.join(map(str, a))}" for a in self.also.get("layers", []))
-                       + ")")
+                       "spike" + "".join(f"; so it does on {', '.join(map(str, a))}"
+                                         for a in self.also.get("layers", [])) + ")")
         elif "layers" in self.phases:
             out.append("  layers: the counterfactual on all layers does not prevent the spike; nothing to narrow")
         if self.heads:
@@ -83,7 +84,8 @@ class Verdict:
             for step, sample_id in self.samples:
                 out += sample(step, sample_id)
         elif self.batches:
-            out.append(f"  data: skipping the batches of step(s) {', '.join(map(str, self.batches))} prevents the spike")
+            out.append(f"  data: skipping the batches of step(s) {', '.join(map(str, self.batches))} prevents the "
+                       "spike")
         elif self.data_window:
             out.append(f"  data: no batch is responsible: skipping every batch of steps {self.data_window[0]}.."
                        f"{self.data_window[1]} does not prevent the spike (it comes at step {self.spike_without_data} "
@@ -98,7 +100,7 @@ class Verdict:
 
     def rows(self) -> list[tuple[str, str]]:
         """The answer as a table (the report's)."""
-        def listed(values, fmt=str) -> str:
+        def listed(values: list[Any] | None, fmt: Callable[[Any], str] = str) -> str:
             return ", ".join(fmt(v) for v in values) if values else "-"
 
         return [("counterfactual", self.fix if set(self.phases) != {"data"} else "-"),
@@ -109,7 +111,104 @@ class Verdict:
                 ("heads (layer.head)", listed(self.heads, lambda h: f"{h[0]}.{h[1]}")),
                 ("batches", listed(self.batches)),
                 ("samples (step:id)", listed(self.samples, lambda s: f"{s[0]}:{s[1]}")),
-                ("probes", f"{self.probes} (worst case {self.bound}); {self.seconds:.1f} s on {self.workers} worker(s)")]
+                ("probes", f"{self.probes} (worst case {self.bound}); {self.seconds:.1f} s on {self.workers} "
+                           "worker(s)")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseResult:
+    ALWAYS: ClassVar[tuple[str, ...]] = ()   # the answer's fields, stored even when None (nothing found)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None or k in self.ALWAYS}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaselineResult(PhaseResult):
+    """The plain replay from the checkpoint before the spike, which reproduced it."""
+
+    checkpoint: int
+    bitwise: bool
+    spike_at: int | None
+    probe: str                           # its replay id
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepsResult(PhaseResult):
+    ALWAYS = ("checkpoint",)
+
+    checkpoint: int | None               # the latest checkpoint the counterfactual prevents the spike from
+    last_preventing_step: int | None = None
+    first_failing_step: int | None = None
+    window: list[int] | None = None      # [checkpoint, first failing step]
+    separation: dict[str, Any] | None = None   # {"first_bit", "measurable", "relative"}: where the trajectories part
+    candidates: list[int]                # the checkpoints tried
+    bound: int                           # the probes the searches could need at worst
+    monotone: bool                       # False: the answers were not monotone in the start step
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayersResult(PhaseResult):
+    ALWAYS = ("layers",)
+
+    start: int                           # the step the probes start from
+    layers: list[int] | None             # None: the counterfactual on every layer does not prevent the spike
+    also: list[list[int]] | None = None  # other sets no larger that prevent it too
+    minimal: bool | None = None          # False: the probe budget ran out first; None: nothing was searched
+    bound: int
+    rerun: str | None = None             # the `replay run` of the answer's probe
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsResult(PhaseResult):
+    ALWAYS = ("heads",)
+
+    start: int
+    heads: list[list[int]] | None        # [layer, head] pairs; None: the layers' heads alone do not prevent it
+    also: list[list[list[int]]] | None = None
+    minimal: bool | None = None
+    bound: int
+    rerun: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataResult(PhaseResult):
+    ALWAYS = ("batches", "samples")
+
+    window: list[int]                    # the steps whose batches were tried
+    batches: list[int] | None            # None: skipping every batch does not prevent the spike
+    samples: list[list[int]] | None      # [step, sample id] pairs; None: narrowed down to batches only
+    minimal: bool | None = None
+    bound: int
+    rerun: str | None = None
+    spike_at_without: int | None = None  # where the spike comes with every batch skipped
+
+
+@dataclass
+class Phases:
+    """Each phase's result, once it has run."""
+
+    baseline: BaselineResult | None = None
+    steps: StepsResult | None = None
+    layers: LayersResult | None = None
+    heads: HeadsResult | None = None
+    data: DataResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: r.to_dict() for f in dataclasses.fields(self) if (r := getattr(self, f.name)) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Phases:
+        return cls(baseline=BaselineResult.from_dict(d["baseline"]) if "baseline" in d else None,
+                   steps=StepsResult.from_dict(d["steps"]) if "steps" in d else None,
+                   layers=LayersResult.from_dict(d["layers"]) if "layers" in d else None,
+                   heads=HeadsResult.from_dict(d["heads"]) if "heads" in d else None,
+                   data=DataResult.from_dict(d["data"]) if "data" in d else None)
 
 
 @dataclass
@@ -119,18 +218,20 @@ class Session:
     rule: str
     created: float
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)   # replay id -> phase, window, judgement
-    phases: dict[str, dict[str, Any]] = field(default_factory=dict)   # each phase's working state and answer
+    phases: Phases = field(default_factory=Phases)                    # each phase's result
     runs: list[dict[str, Any]] = field(default_factory=list)          # every invocation: time, seconds, probes
     status: str = "running"              # running, complete or failed
     error: str | None = None
     verdict: Verdict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "verdict": self.verdict.to_dict() if self.verdict else None}
+        return {**asdict(self), "phases": self.phases.to_dict(),
+                "verdict": self.verdict.to_dict() if self.verdict else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Session:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in d.items() if k in known}
+        fields["phases"] = Phases.from_dict(d.get("phases") or {})
         fields["verdict"] = Verdict.from_dict(d["verdict"]) if d.get("verdict") else None
         return cls(**fields)

@@ -38,7 +38,7 @@ def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
         except StoreError as e:
             out.append({"id": path.name, "error": str(e)})
             continue
-        spec = m.replay
+        spec = m.replay_spec
         out.append({"id": path.name, "window": {"from": spec.start, "to": spec.stop},
                     "start_checkpoint": spec.start_checkpoint, "overrides": spec.overrides, "status": m.status,
                     "spikes": spikes, "verification": spec.verification,

@@ -16,12 +16,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from replay.config import PRECISIONS, RunConfig
 from replay.errors import UsageError
 from replay.kernels.options import SafeSoftmaxFix
 from replay.kernels.plan import AttentionPlan, BackendSpec, check_numerics
+from replay.store.capabilities import Capabilities
 
 
 @dataclass
@@ -51,12 +54,12 @@ class Overrides:
         return [(layer, head) for layer in (self.layers if self.layers is not None else range(n_layer))
                 for head in (self.heads if self.heads is not None else range(n_head))]
 
-    def lr_scope(self, n_layer: int, n_head: int) -> dict | None:
+    def lr_scope(self, n_layer: int, n_head: int) -> dict[str, Any] | None:
         """A scoped lr_scale, for the trainer (train/counterfactual.py): the scale, and whole layers or
         (layer, head) units."""
         if self.lr_scale is None or not self.scoped:
             return None
-        if self.units is None and self.heads is None:
+        if self.units is None and self.heads is None and self.layers is not None:
             return {"scale": self.lr_scale, "layers": list(self.layers)}
         return {"scale": self.lr_scale, "units": [list(u) for u in self.scope(n_layer, n_head)]}
 
@@ -88,7 +91,7 @@ class Overrides:
             args.append("--drop " + ",".join(f"{step}:{sample}" for step, sample in self.drop))
         return " ".join(args)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False, [])}
 
     def tag(self) -> str:
@@ -115,7 +118,8 @@ def parse_heads(text: str) -> tuple[list[int] | None, list[list[int]] | None]:
     for part in (p.strip() for p in text.split(",") if p.strip()):
         layer, _, head = part.partition(".")
         if not (layer.isdigit() and head.isdigit()):
-            raise UsageError(f"--heads expects heads like 7,8 (with --layers) or layer.head pairs like 1.0,0.3, got {text!r}")
+            raise UsageError("--heads expects heads like 7,8 (with --layers) or layer.head pairs like 1.0,0.3, "
+                             f"got {text!r}")
         units.append([int(layer), int(head)])
     return None, sorted(units)
 
@@ -158,8 +162,9 @@ def parse_steps(text: str, what: str = "--skip") -> list[int]:
     return sorted(steps)
 
 
-def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) -> RunConfig:
-    """The replay's config: the recorded one with the overrides folded in (validated against the model)."""
+def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], caps: Capabilities) -> RunConfig:
+    """The replay's config: the recorded one with the overrides folded in (validated against the model and
+    against what the recorded run can do)."""
     cfg = RunConfig.from_dict(cfg.to_dict())
     if o.heads is not None and o.layers is None:
         raise UsageError("--heads needs --layers: heads are numbered within a layer (or give layer.head pairs)")
@@ -168,26 +173,24 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     if o.scoped and not (o.touches_attention or o.lr_scale is not None):
         raise UsageError("--layers/--heads select where an attention override or --lr-scale applies; "
                          "add --attention, --fix, --hp-delta or --lr-scale")
-    if o.scoped and o.lr_scale is not None and launcher == "deepspeed":
-        raise UsageError("--lr-scale on --layers/--heads needs the local launcher: DeepSpeed partitions the "
-                         "optimizer's updates")
+    if o.scoped and o.lr_scale is not None and caps.scoped_lr_refusal:
+        raise UsageError(caps.scoped_lr_refusal)
     if o.touches_attention and cfg.model.n_layer == 0:
         raise UsageError("attention overrides need the model's attention modules, and none was found when this run "
                          "was recorded: record with Loop(..., attention='PATTERN') naming them")
     scope = o.scope(cfg.model.n_layer, cfg.model.n_head)
     for layer, head in scope:
         if not (0 <= layer < cfg.model.n_layer and 0 <= head < cfg.model.n_head):
-            raise UsageError(f"layer {layer} head {head} is out of range: the model has layers 0..{cfg.model.n_layer - 1} "
+            raise UsageError(f"layer {layer} head {head} is out of range: the model has layers "
+                             f"0..{cfg.model.n_layer - 1} "
                              f"with heads 0..{cfg.model.n_head - 1}")
     if o.touches_attention:
         try:
             plan = AttentionPlan.parse(cfg.model.attention)
         except UsageError:
-            if launcher != "custom":
+            if caps.attention_refusal is None:
                 raise
-            raise UsageError(f"attention overrides: the recording ran transformers' {cfg.model.attention!r} attention, "
-                             "which replay's plans do not run per head; record with attn_implementation='sdpa' or "
-                             "'eager' to override it") from None
+            raise UsageError(caps.attention_refusal) from None
         new = BackendSpec.parse(o.attention) if o.attention else None
         heads = dict(plan.heads)
         for layer, head in scope:
@@ -203,8 +206,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     if o.precision is not None:
         if o.precision not in PRECISIONS:
             raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {o.precision!r}")
-        if launcher == "deepspeed" and o.precision != cfg.precision:
-            raise UsageError("--precision cannot change under DeepSpeed: its optimizer state layout depends on it")
+        if o.precision != cfg.precision and caps.precision_refusal:
+            raise UsageError(caps.precision_refusal)
         cfg.precision = o.precision
     outside = [s for s in o.skip if not window[0] <= s <= window[1]]
     if outside:
@@ -212,14 +215,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], launcher: str) 
     outside = [s for s, _ in o.drop if not window[0] <= s <= window[1]]
     if outside:
         raise UsageError(f"--drop step {outside[0]} is outside the window {window[0]}..{window[1]}")
-    if o.drop and launcher == "deepspeed":
-        raise UsageError("--drop needs the local launcher (DeepSpeed scales the loss itself); use --skip")
-    if o.drop and launcher == "custom":
-        raise UsageError("--drop needs the built-in trainer (it reweights the loss over the kept samples, which "
-                         "replay cannot do inside your script); use --skip")
-    if o.scoped and o.lr_scale is not None and launcher == "custom":
-        raise UsageError("--lr-scale on --layers/--heads needs the built-in trainer (it knows which parameters hold "
-                         "a head); use --lr-scale on the whole model")
+    if o.drop and caps.drop_refusal:
+        raise UsageError(caps.drop_refusal)
     both = sorted({s for s, _ in o.drop} & set(o.skip))
     if both:
         raise UsageError(f"step {both[0]} is both skipped and has samples dropped; give it to one of --skip, --drop")
@@ -245,14 +242,20 @@ def _simplify(plan: AttentionPlan, n_layer: int, n_head: int) -> AttentionPlan:
     whole model the default, so a whole-model override reads as one backend."""
     layers, heads = dict(plan.layers), dict(plan.heads)
     for layer in range(n_layer):
-        specs = {heads.get((layer, h)) for h in range(n_head)}
-        if len(specs) == 1 and None not in specs:
-            layers[layer] = specs.pop()
+        whole = _one(heads.get((layer, h)) for h in range(n_head))
+        if whole is not None:
+            layers[layer] = whole
             for h in range(n_head):
                 heads.pop((layer, h))
     default = plan.default
-    specs = {layers.get(layer) for layer in range(n_layer)}
-    if len(specs) == 1 and None not in specs and not heads:
-        default, layers = specs.pop(), {}
+    everywhere = _one(layers.get(layer) for layer in range(n_layer))
+    if everywhere is not None and not heads:
+        default, layers = everywhere, {}
     layers = {k: v for k, v in layers.items() if v != default}
     return AttentionPlan(default, layers, {k: v for k, v in heads.items() if v != layers.get(k[0], default)})
+
+
+def _one(specs: Iterable[BackendSpec | None]) -> BackendSpec | None:
+    """The backend all of `specs` name, if they are one and none is missing."""
+    distinct = set(specs)
+    return distinct.pop() if len(distinct) == 1 and None not in distinct else None

@@ -26,6 +26,7 @@ from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
+from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
 from replay.store.manifest import Manifest, ReplaySpec, ResumeInfo
 
@@ -107,11 +108,13 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         raise UsageError(f"no committed checkpoint at or before step {req.start} in {store_path}")
     ckpt = before[-1]
     recorded = parent.manifest
-    cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), recorded.launcher)
-    if recorded.command is not None and recorded.command.local_world_size not in (0, recorded.world_size):
-        raise UsageError(f"{store_path} was recorded on several nodes ({recorded.command.local_world_size} of its "
-                         f"{recorded.world_size} ranks on one): `replay run` starts a script's ranks on this machine only")
-    if recorded.command is not None and not req.allow_changed:
+    caps = Capabilities.of(recorded)
+    cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), caps)
+    if caps.relaunches_script and caps.multi_node:
+        raise UsageError(f"{store_path} was recorded on several nodes ({caps.ranks_per_node} of its "
+                         f"{caps.world_size} ranks on one): `replay run` starts a script's ranks on this machine only")
+    if caps.relaunches_script and not req.allow_changed:
+        assert recorded.command is not None
         check_unchanged(recorded.command, "replaying it")
     if req.overrides.drop:
         ids = parent.read_steps(["sample_ids"])["sample_ids"]
@@ -134,12 +137,14 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         m = existing.manifest
         same = lambda r: (r.start, r.stop, r.start_checkpoint, r.overrides)   # noqa: E731 (what names a replay)
         if same(m.replay) != same(spec):
-            raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; choose another --name")
+            raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; "
+                             "choose another --name")
         if m.status == "complete":
             return path, cfg, False, False
         if req.resume and existing.checkpoints():
             existing = RunStore.open(path, mode="a")
             last = existing.rewind(verify_world_size=recorded.world_size)
+            assert last is not None, "it has a committed checkpoint"
             existing.update_manifest(resumes=[*m.resumes, ResumeInfo(from_step=last, time=time.time())])
             return path, cfg, True, True
         if not (req.resume or req.discard):
@@ -168,7 +173,8 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
         path, cfg, pending, resume = prepare(store_path, req)
         recorded = RunStore.open(store_path).manifest
         notes = environment_notes(recorded.environment)
-        if pending and recorded.command is not None:
+        if pending and Capabilities.of(recorded).relaunches_script:
+            assert recorded.command is not None
             try:
                 run_script(str(path), recorded.command, resume, lease.spec)
             except ReplayError:
@@ -183,12 +189,12 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
                                   "(a `break`, or a step limit of its own)")
         elif pending:
             run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec, pool=pool)
-        result = Replay(path, created=pending, environment_notes=notes)
-        result.verification = verify(RunStore.open(store_path), RunStore.open(path))
+        verification = verify(RunStore.open(store_path), RunStore.open(path))
+        result = Replay(path, created=pending, verification=verification, environment_notes=notes)
         lease.check()
         done = RunStore.open(path, mode="a")
-        done.update_manifest(replay=dataclasses.replace(done.manifest.replay,
-                                                        verification=result.verification.to_dict()))
+        done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec,
+                                                        verification=verification.to_dict()))
     return result
 
 
@@ -198,7 +204,7 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
     rec, rep = parent.read_steps(list(COMPARED)), replay.read_steps(list(COMPARED))
     steps = rep["step"].tolist()
     rows = np.asarray(steps)
-    skipped = set(replay.manifest.replay.skip)
+    skipped = set(replay.manifest.replay_spec.skip)
     for i, step in enumerate(steps):
         if step in skipped:
             continue

@@ -35,7 +35,7 @@ def chunking(size: int) -> tuple[int, int]:
 
 
 def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
-                 after_chunk: Callable[[int, int], None] | None = None) -> None:
+                 after_chunk: Callable[[int, int], object] | None = None) -> None:
     """Write chunks 0..n-1 of the bytes given as (offset, uint8 array) segments (gaps and the tail are zero).
     `after_chunk(i, n)` runs once the i-th chunk to finish is written."""
     chunk_dir = array_dir / "c"
@@ -49,7 +49,7 @@ def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int
         data = _chunk_bytes(segments, i * chunk, chunk, scratch)
         fd = os.open(chunk_dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(fd, [memoryview(data), crc32c(data).to_bytes(4, "little")])
+            _write_all(fd, [data.data, crc32c(data).to_bytes(4, "little")])
         finally:
             os.close(fd)
         with lock:
@@ -78,7 +78,7 @@ def _chunk_bytes(segments: list[tuple[int, np.ndarray]], lo: int, size: int, scr
     return buf
 
 
-def _write_all(fd: int, buffers: list) -> None:
+def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
         written = os.writev(fd, views)
@@ -138,8 +138,10 @@ class _Mapping:
         if self.addr in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), f"cannot reserve {size} bytes of address space")
         view = (ctypes.c_uint8 * size).from_address(self.addr)
-        view.owner = self   # the array below keeps `view` alive, and `view` keeps the mapping
-        self.array = np.frombuffer(view, dtype=np.uint8)
+        # the array below keeps `view` alive, and `view` keeps the mapping (ctypes instances take attributes;
+        # typeshed does not declare them)
+        view.owner = self   # type: ignore[attr-defined]
+        self.array = np.ctypeslib.as_array(view)
 
     def map_file(self, offset: int, fd: int, length: int) -> None:
         """Bytes [0, length) of the file over bytes [offset, offset + length) of the range."""

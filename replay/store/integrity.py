@@ -27,7 +27,7 @@ SEAL = "crc32c"
 
 def crc32c(data: bytes | np.ndarray) -> int:
     """CRC-32C of bytes, or of a contiguous array's bytes (read in place, never copied)."""
-    return google_crc32c.value(data)
+    return int(google_crc32c.value(data))
 
 
 def canonical(doc: Any) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.config import ModelConfig
+from replay.config import Launcher, ModelConfig
 from replay.errors import UsageError
 
 # Every checkpoint's tree (recorder/recorder.py writes it): each rank's shard is {"state":
@@ -64,7 +64,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.orientation not in ("out_in", "in_out"):
-            raise UsageError(f"layout orientation must be out_in (nn.Linear) or in_out (Conv1D), got {self.orientation!r}")
+            raise UsageError("layout orientation must be out_in (nn.Linear) or in_out (Conv1D), "
+                             f"got {self.orientation!r}")
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
             raise UsageError("a layout names either one fused 'qkv' key or the three keys 'q', 'k' and 'v'")
         for role in _ROLES:
@@ -106,7 +107,7 @@ class Layout:
 FAMILIES = {"gpt2": "hf-gpt2", "llama": "hf-llama", "qwen2": "hf-llama", "mistral": "hf-llama"}
 
 
-def resolve_layout(layout: str | dict | None, model: ModelConfig) -> dict[str, Any] | None:
+def resolve_layout(layout: str | dict[str, Any] | None, model: ModelConfig) -> dict[str, Any] | None:
     """A layout given by name or mapping, checked, as the manifest stores it (None: none given)."""
     if layout is None:
         return None
@@ -117,9 +118,9 @@ def resolve_layout(layout: str | dict | None, model: ModelConfig) -> dict[str, A
     return Layout.from_dict(dict(layout)).to_dict()
 
 
-def layout_of(launcher: str, stored: dict[str, Any] | None) -> Layout | None:
+def layout_of(launcher: Launcher, stored: dict[str, Any] | None) -> Layout | None:
     """The layout a run's checkpoints have: the built-in trainer's GPT-2, the one a loop of the user's own
     declared, or None (a loop that declared none)."""
-    if launcher != "custom":
+    if launcher != Launcher.CUSTOM:
         return Layout(**BUILT_IN["hf-gpt2"], name="hf-gpt2")
     return Layout.from_dict(stored) if stored else None

@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from replay.errors import StoreError
 from replay.processes import alive, start_time
@@ -64,7 +65,7 @@ class Holder:
     since: float
     token: str
     start: int | None = None          # the pid's start time (clock ticks since boot), where /proc has it
-    took_over: dict | None = None     # the dead holder this one replaced
+    took_over: dict[str, Any] | None = None     # the dead holder this one replaced
 
     def describe(self) -> str:
         return (f"`{self.command}` (pid {self.pid} on {self.host} since "
@@ -121,7 +122,8 @@ class Lease:
     def __init__(self, store: Path, scope: str, holder: Holder, fd: int, created_dir: bool):
         self.store, self.scope, self.holder = store, scope, holder
         self.path = lease_file(store, scope)
-        self._fd, self._created_dir = fd, created_dir
+        self._fd: int | None = fd
+        self._created_dir = created_dir
         self._count = 1
         self._lost: str | None = None
         self._stop = threading.Event()
@@ -253,7 +255,7 @@ class Lease:
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from replay.config import RunConfig
+from replay.config import Launcher, RunConfig
 
 SCHEMA = 2
 READABLE = (1, 2)
@@ -86,7 +86,7 @@ class Manifest:
     kind: str                      # "run" or "replay"
     config: RunConfig
     world_size: int
-    launcher: str                  # "local", "deepspeed" or "custom" (a training loop of the user's own)
+    launcher: Launcher             # what it can do: store/capabilities.py
     data: DataInfo
     created: float
     status: str = "running"        # "running" until the last step is recorded, then "complete"
@@ -100,10 +100,13 @@ class Manifest:
     model: ModelInfo | None = None       # a transformers model of the user's own: what the analysis probe needs
     schema: int = SCHEMA
 
+    def __post_init__(self) -> None:
+        self.launcher = Launcher(self.launcher)   # given as its string too ("custom")
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replay": {"schema": self.schema, "kind": self.kind}, "config": self.config.to_dict(),
-                               "world_size": self.world_size, "launcher": self.launcher, "data": asdict(self.data),
-                               "created": self.created, "status": self.status,
+                               "world_size": self.world_size, "launcher": self.launcher.value,
+                               "data": asdict(self.data), "created": self.created, "status": self.status,
                                "resumes": [asdict(r) for r in self.resumes], "environment": self.environment}
         if self.launch_id is not None:
             out["launch_id"] = self.launch_id
@@ -137,6 +140,12 @@ class Manifest:
                    steps_recorded=d.get("steps_recorded"), replay=replay,
                    command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"),
                    model=ModelInfo(**d["model"]) if d.get("model") else None)
+
+    @property
+    def replay_spec(self) -> ReplaySpec:
+        """What makes this store a replay (of kind "replay")."""
+        assert self.replay is not None, "the store is a run, not a replay"
+        return self.replay
 
     @property
     def last_environment(self) -> dict[str, Any]:

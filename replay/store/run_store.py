@@ -33,6 +33,7 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,9 +44,11 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from replay.errors import ChecksumError, StoreError, UsageError
+from replay.store.capabilities import Capabilities
 from replay.store.chunks import chunking, read_chunks, write_chunks
 from replay.store.integrity import crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal, write_file
 from replay.store.manifest import READABLE, SCHEMA, Manifest
+from replay.store.nodes import attributes, member
 
 # The tensor codec (store/tensors.py, and with it torch) is imported by the methods that move tensors, so that
 # reading a manifest or a step log (`replay info`, the launchers) does not load torch.
@@ -138,12 +141,12 @@ class RunStore:
         if meta.get("schema") not in READABLE:
             raise StoreError(f"{path} has store schema {meta.get('schema')}, written by another version of replay; "
                              f"this one reads schemas {', '.join(map(str, READABLE))}")
-        store.manifest   # its checksum, verified
+        _ = store.manifest   # its checksum, verified
         return store
 
     @property
     def schema(self) -> int:
-        return int(self.root.attrs["replay"]["schema"])
+        return int(attributes(self.root)["replay"]["schema"])
 
     def _sealed(self, attrs: dict[str, Any], what: str) -> dict[str, Any]:
         """A JSON document the store wrote, its checksum verified (schema 1 wrote none)."""
@@ -160,11 +163,15 @@ class RunStore:
 
     @property
     def manifest(self) -> Manifest:
-        return Manifest.from_dict(self._sealed(dict(self.root.attrs), "the manifest (zarr.json)"))
+        return Manifest.from_dict(self._sealed(attributes(self.root), "the manifest (zarr.json)"))
 
     @property
     def kind(self) -> str:
         return self.manifest.kind
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities.of(self.manifest)
 
     def update_manifest(self, **fields: Any) -> None:
         """Replace the given fields of the manifest (one write of the whole document)."""
@@ -173,13 +180,13 @@ class RunStore:
 
     def check_rebuildable(self, command: str) -> None:
         """Refuse, in one line, what needs the built-in trainer to rebuild the run (a resumed recording)."""
-        if self.manifest.launcher == "custom":
+        if not self.capabilities.builtin:
             raise UsageError(f"{self.path} was recorded by a training loop of your own; `{command}` continues runs "
                              "of the built-in trainer: run your script again with Loop(..., resume=True)")
 
     def check_relaunchable(self, command: str) -> None:
         """Refuse, in one line, a store whose run cannot be started again (replays, bisect)."""
-        if self.manifest.launcher == "custom" and self.manifest.command is None:
+        if not self.capabilities.relaunchable:
             raise UsageError(f"{self.path} was recorded by the Recorder API without its command, so `{command}` "
                              "cannot start it again; record with replay.recorder.Loop, which keeps the command")
 
@@ -188,7 +195,7 @@ class RunStore:
     def bisect_sessions(self) -> list[dict[str, Any]]:
         if "bisect" not in self.root:
             return []
-        docs = [dict(group.attrs) for _, group in sorted(self.root["bisect"].groups())]
+        docs = [attributes(group) for _, group in sorted(member(self.root, "bisect", zarr.Group).groups())]
         return [d for d in docs if "id" in d]   # a group whose first write was cut short holds nothing yet
 
     def write_bisect_session(self, session_id: str, doc: dict[str, Any]) -> None:
@@ -212,7 +219,7 @@ class RunStore:
     def _read_array(self, name: str, rows: slice) -> np.ndarray:
         """Rows of an array, every chunk's checksum verified by Zarr's crc32c codec."""
         try:
-            return self.root[name][rows]
+            return np.asarray(member(self.root, name, zarr.Array)[rows])
         except Exception as e:   # the codec's mismatch, a truncated or missing chunk, undecodable bytes
             raise ChecksumError(f"{self.path}: {name} is damaged ({str(e).splitlines()[0]}); the store is "
                                 "corrupted there") from None
@@ -220,7 +227,10 @@ class RunStore:
     # -- step log ----------------------------------------------------------------------------------
 
     def _steps_attrs(self) -> dict[str, Any]:
-        return self._sealed(dict(self.root["steps"].attrs), "the step log's attributes (steps/zarr.json)")
+        return self._sealed(attributes(self._steps()), "the step log's attributes (steps/zarr.json)")
+
+    def _steps(self) -> zarr.Group:
+        return member(self.root, "steps", zarr.Group)
 
     @property
     def n_steps(self) -> int:
@@ -237,7 +247,7 @@ class RunStore:
         return self.first_step + self.n_steps
 
     def _set_n_steps(self, n: int) -> None:
-        self.root["steps"].update_attributes(seal({**self._steps_attrs(), "n_steps": n}))
+        self._steps().update_attributes(seal({**self._steps_attrs(), "n_steps": n}))
 
     def append_steps(self, start: int, records: dict[str, np.ndarray]) -> None:
         """Write steps [start, start + k) of every step field, then move the done-ness counter."""
@@ -246,7 +256,7 @@ class RunStore:
             raise StoreError(f"step log ends at step {self.end_step}; cannot append at step {start}")
         row = start - self.first_step
         k = len(records["loss"])
-        steps = self.root["steps"]
+        steps = self._steps()
         for name, (dtype, dims) in STEP_FIELDS.items():
             if name not in records and name in NUMERICS_FIELDS:
                 continue
@@ -256,7 +266,7 @@ class RunStore:
                 chunks = (256, *rows.shape[1:])
                 steps.create_array(name, shape=(0, *rows.shape[1:]), dtype=dtype, chunks=chunks,
                                    dimension_names=dims, fill_value=0, compressors=_COMPRESSORS)
-            arr = steps[name]
+            arr = member(steps, name, zarr.Array)
             arr.resize((row + k, *arr.shape[1:]))
             arr[row:row + k] = rows
         self._set_n_steps(row + k)
@@ -267,8 +277,8 @@ class RunStore:
         n = self.n_steps
         lo = 0 if start is None else min(n, max(0, start - self.first_step))
         hi = n if stop is None else min(n, max(lo, stop - self.first_step))
-        steps = self.root["steps"]
-        out = {"step": np.arange(self.first_step + lo, self.first_step + hi)}
+        steps = self._steps()
+        out: dict[str, np.ndarray] = {"step": np.arange(self.first_step + lo, self.first_step + hi)}
         for name in fields or list(STEP_FIELDS):
             out[name] = self._read_array(f"steps/{name}", slice(lo, hi)) if name in steps else np.zeros((0,))
         return out
@@ -276,24 +286,28 @@ class RunStore:
     def truncate_steps(self, end_step: int) -> None:
         """Keep steps before `end_step`."""
         n = max(0, end_step - self.first_step)
-        steps = self.root["steps"]
+        steps = self._steps()
         self._set_n_steps(min(n, self.n_steps))
         for name in STEP_FIELDS:
-            if name in steps and steps[name].shape[0] > n:
-                steps[name].resize((n, *steps[name].shape[1:]))
+            arr = member(steps, name, zarr.Array) if name in steps else None
+            if arr is not None and arr.shape[0] > n:
+                arr.resize((n, *arr.shape[1:]))
 
     # -- spikes ------------------------------------------------------------------------------------
 
     @property
     def spikes(self) -> list[dict[str, Any]]:
-        return list(self._sealed(dict(self.root["spikes"].attrs), "the spikes (spikes/zarr.json)")["events"])
+        return list(self._sealed(attributes(self._spikes()), "the spikes (spikes/zarr.json)")["events"])
+
+    def _spikes(self) -> zarr.Group:
+        return member(self.root, "spikes", zarr.Group)
 
     def add_spike(self, event: dict[str, Any]) -> None:
         self.check_writable()
-        self.root["spikes"].update_attributes(seal({"events": [*self.spikes, event]}))
+        self._spikes().update_attributes(seal({"events": [*self.spikes, event]}))
 
     def truncate_spikes(self, before_step: int) -> None:
-        self.root["spikes"].update_attributes(seal({"events": [e for e in self.spikes if e["step"] < before_step]}))
+        self._spikes().update_attributes(seal({"events": [e for e in self.spikes if e["step"] < before_step]}))
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -303,7 +317,7 @@ class RunStore:
     def _scan(self) -> list[tuple[int, str, Any]]:
         """Every checkpoint directory: (step, "committed" | "uncommitted" | "damaged", its commit or why)."""
         root = self.path / "checkpoints"
-        out = []
+        out: list[tuple[int, str, Any]] = []
         for entry in sorted(root.iterdir()) if root.is_dir() else []:
             if not (entry.is_dir() and entry.name.isdigit()):
                 continue
@@ -322,7 +336,9 @@ class RunStore:
         if not path.is_file():
             return None
         if self.schema < 2:
-            return zarr.open_group(self._zstore, path=f"checkpoints/{_ckpt_name(step)}", mode="r").attrs.get("commit")
+            legacy: dict[str, Any] | None = attributes(zarr.open_group(
+                self._zstore, path=f"checkpoints/{_ckpt_name(step)}", mode="r")).get("commit")
+            return legacy
         what = f"checkpoint {step}: its commit record"
         raw, attrs = read_group_attributes(path, what)
         if not attrs:
@@ -347,7 +363,8 @@ class RunStore:
         """Checkpoints whose commit record does not match its checksum: (step, what is wrong)."""
         return [(step, why) for step, state, why in self._scan() if state == "damaged"]
 
-    def write_shard(self, step: int, rank: int, state: Packed | Any, after_chunk=None) -> None:
+    def write_shard(self, step: int, rank: int, state: Packed | Any,
+                    after_chunk: Callable[[int, int], object] | None = None) -> None:
         """Write one rank's part of checkpoint `step`: its bytes first, its done marker last.
 
         `state` is a packed tree (what the recorder captures) or a plain one (written straight from its
@@ -386,7 +403,8 @@ class RunStore:
                 raw = _done_shard(shard / "zarr.json")
                 if raw is not None:
                     files[f"rank{rank}/zarr.json"] = f"{crc32c(raw):08x}"
-                    files[f"rank{rank}/tensors/zarr.json"] = f"{crc32c((shard / 'tensors' / 'zarr.json').read_bytes()):08x}"
+                    meta = (shard / "tensors" / "zarr.json").read_bytes()
+                    files[f"rank{rank}/tensors/zarr.json"] = f"{crc32c(meta):08x}"
                     break
                 if time.monotonic() > deadline:
                     raise StoreError(f"checkpoint {step}: rank {rank} never finished its shard")
@@ -494,8 +512,9 @@ class RunStore:
                                     "out of the store to resume from the checkpoint before it")
         committed = [step for step, state, _ in scan if state == "committed"]
         last = committed[-1] if committed else None
-        for rank in range(verify_world_size if last is not None else 0):
-            self.verify_shard(last, rank)
+        if last is not None:
+            for rank in range(verify_world_size):
+                self.verify_shard(last, rank)
         for step, state, _ in scan:
             if last is None or step > last or state != "committed":
                 shutil.rmtree(self._ckpt_dir(step))

@@ -36,7 +36,8 @@ def plant_degenerate_samples(path: Path, step: int, positions: list[int]) -> lis
 
 RECORD_ARGS = ["--steps", str(STEPS), "--nproc", "2", "--checkpoint-every", "10", "--seed", str(SEED),
                "--set", f"model.block_size={BLOCK}", "--set", f"batch_size={BATCH}", "--set", "micro_batch_size=4",
-               "--set", "optim.lr=1e-2", "--set", "optim.min_lr=1e-2", "--set", "spike.window=10", "--set", "snapshot_every=0"]
+               "--set", "optim.lr=1e-2", "--set", "optim.min_lr=1e-2", "--set", "spike.window=10",
+               "--set", "snapshot_every=0"]
 
 
 DEFECT_THRESHOLD = 1.5

@@ -73,7 +73,9 @@ def test_a_spike_already_under_way_when_the_window_opens_counts(tmp_path):
 def test_min_delta_judges_a_memorised_loss_by_its_real_rises(tmp_path):
     """On a loss memorised near 0, a wobble of 1e-7 is a 'spike' by the relative rule alone; with
     min_delta (the recording's spike.min_delta, or bisect --min-delta) only a rise of that many nats is."""
-    tiny = lambda n, seed: list(1e-8 * (1 + 0.1 * np.random.default_rng(seed).standard_normal(n)))
+    def tiny(n: int, seed: int) -> list[float]:
+        return list(1e-8 * (1 + 0.1 * np.random.default_rng(seed).standard_normal(n)))
+
     record = _store(tmp_path / "run", tiny(40, 0))
     wobble = tiny(10, 1)
     wobble[3] = 1e-7

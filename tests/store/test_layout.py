@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from replay.config import ModelConfig
+from replay.config import Launcher, ModelConfig
 from replay.errors import UsageError
 from replay.store.layout import Layout, layout_of, resolve_layout
 
@@ -21,7 +21,7 @@ def _same(mats):
 
 
 def test_gpt2_conv1d_stores_in_by_out_with_qkv_side_by_side():
-    layout = layout_of("local", None)   # the built-in trainer's
+    layout = layout_of(Launcher.LOCAL, None)   # the built-in trainer's
     keys = layout.keys(3)
     assert keys["qkv"] == "transformer.h.3.attn.c_attn.weight" and keys["proj"] == "transformer.h.3.mlp.c_proj.weight"
     stored = {"qkv": np.concatenate([TRUE["q"], TRUE["k"], TRUE["v"]], axis=1), "o": TRUE["o"],
@@ -39,7 +39,7 @@ def test_nanogpt_linear_stores_out_by_in_with_qkv_stacked():
 def test_a_mapping_of_separate_projections_without_an_mlp():
     stored = resolve_layout({"q": "b.{layer}.wq", "k": "b.{layer}.wk", "v": "b.{layer}.wv", "o": "b.{layer}.wo"},
                             ModelConfig())
-    layout = layout_of("custom", stored)
+    layout = layout_of(Launcher.CUSTOM, stored)
     assert layout.keys(1) == {"q": "b.1.wq", "k": "b.1.wk", "v": "b.1.wv", "o": "b.1.wo"}
     mats = layout.matrices({name: TRUE[name].T for name in ("q", "k", "v", "o")})
     assert set(mats) == {"q", "k", "v", "o"} and np.array_equal(mats["k"], TRUE["k"])
@@ -58,4 +58,4 @@ def test_a_wrong_layout_is_named(bad, message):
 
 
 def test_a_loop_that_named_no_layout_has_none():
-    assert layout_of("custom", None) is None
+    assert layout_of(Launcher.CUSTOM, None) is None
