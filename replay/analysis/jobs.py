@@ -1,10 +1,10 @@
 """`replay analyze` and `replay compare`: plan work items, run them as Ray tasks, keep what is done.
 
-A work item is one checkpoint and one block of layers (metrics), or one checkpoint of a replay or of a
-compared run (weight distances). Items carry store paths, never tensors: each task reads the
-checkpoint from the store itself (byte ranges of the tensors it needs), computes, writes its own
-chunks and then its done marker. Planning skips items already done, so re-running computes only what
-is new, and an interrupted analysis resumes where it stopped.
+A work item (analysis/items.py) is one checkpoint and one block of layers (metrics), or one checkpoint of
+a replay or of a compared run (weight distances). Each task reads the checkpoint from the store itself
+(byte ranges of the tensors it needs), computes, writes its own chunks and then its done marker. Planning
+skips items already done, so re-running computes only what is new, and an interrupted analysis resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -20,58 +20,15 @@ import numpy as np
 
 from replay import faults
 from replay.analysis import results as R
+from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
 from replay.analysis.names import DISTANCES
 from replay.errors import StoreError, UsageError
 from replay.store import RunStore
-from replay.store.layout import MODEL_KEYS, Layout, layout_of
+from replay.store.layout import MODEL_KEYS
 from replay.store.lease import writing
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 
 LAYER_BLOCK = 4                         # layers per work item
-
-
-@dataclass
-class Source:
-    path: str                           # absolute path of the store holding the checkpoint
-    step: int
-    committed_at: float = 0.0           # identifies this checkpoint (a rewound run writes a new one)
-
-
-@dataclass
-class MetricItem:
-    store: str                          # where the results go
-    row: int
-    block_index: int
-    block: tuple[int, int]
-    n_embd: int
-    n_head: int
-    ckpt: Source
-    prev: Source | None
-    before: Source | None
-    probe: list[list[int]] | None       # token rows of the probe batch (block_size + 1 tokens each for the
-                                        # built-in GPT-2, the model's input rows for a transformers model);
-                                        # None: a model of the user's own without one (no probe)
-    transformers_config: dict | None = None   # a transformers model of the user's own (hf_probe_metrics)
-    lease: str = ""                     # the spec of the driver's lease: checked before writing
-
-    @property
-    def label(self) -> str:
-        return f"checkpoint {self.ckpt.step} layers {self.block[0]}-{self.block[1] - 1}"
-
-
-@dataclass
-class DistanceItem:
-    store: str
-    table: str
-    row: int
-    reference: Source
-    other: Source
-    tensors: list[str]
-    lease: str = ""
-
-    @property
-    def label(self) -> str:
-        return f"distances {self.table} at step {self.other.step}"
 
 
 @dataclass
@@ -88,16 +45,6 @@ def run_item(item: MetricItem | DistanceItem) -> str:
     from replay.analysis.tasks import run
 
     return run(item)
-
-
-def weight_layout(store: RunStore) -> Layout:
-    """Where the store's checkpoints keep each layer's weights (store/layout.py), or one line saying why not."""
-    m = store.manifest
-    layout = layout_of(m.launcher, m.layout)
-    if layout is None:
-        raise UsageError(f"{store.path} was recorded by a loop that named no weight layout, so its per-head "
-                         "metrics cannot be found: record with Loop(..., layout='nanogpt' | 'hf-gpt2' | 'hf-llama' | {...})")
-    return layout
 
 
 # -- planning (driver) ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 from replay import faults
 from replay.analysis import metrics as M
 from replay.analysis import results as R
-from replay.analysis.jobs import DistanceItem, MetricItem, Source, weight_layout
+from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
 from replay.analysis.names import DISTANCES
 from replay.errors import StoreError
 from replay.store import RunStore

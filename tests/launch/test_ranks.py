@@ -1,4 +1,4 @@
-"""Waiting for local ranks (launch/ranks.py) with real processes: a rank that dies ends the wait even while
+"""Waiting for local ranks (launch/local.py) with real processes: a rank that dies ends the wait even while
 a peer hangs (as one stuck in a collective with the dead rank can), and no rank outlives the wait."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from replay.launch.ranks import wait_for_ranks
+from replay.launch.local import wait_for_ranks
 
 
 def _python(code: str) -> subprocess.Popen:
