@@ -7,11 +7,27 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
-from replay.config import PRECISIONS
+from replay.analysis.jobs import analyze as run_analysis
+from replay.analysis.jobs import compare as run_compare
+from replay.analysis.localise import localise_store
+from replay.analysis.report import write_report
+from replay.bisect.narrow import BisectConfig
+from replay.bisect.narrow import bisect as run_bisect
+from replay.config import PRECISIONS, build_config
+from replay.demo import run_demo
 from replay.errors import ReplayError
+from replay.launch import ranks
+from replay.lifeline import follow_parent
+from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
+from replay.replayer.replays import ReplayRequest
+from replay.replayer.replays import run as run_replay
+from replay.store import RunStore
+from replay.store.lease import current_spec, writing
+from replay.views import info_lines, sample_lines, step_batch, summarize
 
 
 def _main_errors(fn):
@@ -87,8 +103,6 @@ def main(debug: bool) -> None:
     A run store (a Zarr directory) holds everything about one run: its config and environment, the
     exact samples of every step on every rank, metrics, spikes and committed checkpoints.
     """
-    from replay.lifeline import follow_parent
-
     follow_parent()   # started by a script of ours (lifeline.py): end with it
     if debug:
         os.environ["REPLAY_DEBUG"] = "1"   # rank processes print tracebacks too
@@ -122,9 +136,6 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
     writes its shard of a checkpoint (model, optimizer, scheduler, RNG states) off the training thread;
     it becomes visible once committed. A spike detector flushes recent in-memory snapshots on a spike.
     """
-    from replay.config import build_config
-    from replay.launch import ranks
-
     if ranks.under_outer_launcher():
         return _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision,
                                attention, checkpoint_every, seed, numerics, sets)
@@ -144,18 +155,13 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
 
 
 def _recorded_world(store: str) -> int:
-    from replay.store import RunStore
-
     return RunStore.open(store).manifest.world_size
 
 
 def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision, attention,
                     checkpoint_every, seed, numerics, sets) -> None:
     """Under torchrun / deepspeed (multi-node): rank 0 prepares the store, every rank trains."""
-    from replay.config import build_config
-    from replay.launch import ranks
-    from replay.store import RunStore
-    from replay.store.lease import current_spec, writing
+    # lazy: the CLI starts without torch and transformers (2 s)
     from replay.train.trainer import train
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -189,8 +195,6 @@ def info(store, as_json) -> None:
 
 
 def _print_info(store: str, as_json: bool) -> None:
-    from replay.views import info_lines, summarize
-
     summary = summarize(store)
     click.echo(json.dumps(summary, indent=2) if as_json else "\n".join(info_lines(summary)))
 
@@ -203,8 +207,6 @@ def _print_info(store: str, as_json: bool) -> None:
 @_main_errors
 def batch(store, step, rank, as_json) -> None:
     """The exact samples trained on at STEP: decoded text for the byte corpus, token ids otherwise."""
-    from replay.views import sample_lines, step_batch
-
     rows = step_batch(store, step, rank)
     click.echo(json.dumps(rows, indent=2) if as_json else "\n".join(line for row in rows for line in sample_lines(row)))
 
@@ -240,9 +242,6 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     with the overrides (each recorded in the replay's manifest; several may be combined). A run of your
     own script (replay.recorder.Loop) is replayed by starting its recorded command again.
     """
-    from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
-    from replay.replayer.replays import ReplayRequest, run
-
     head_list, units = parse_heads(heads) if heads else (None, None)
     overrides = Overrides(
         attention=attention, precision=precision, hp_delta=hp_delta, lr_scale=lr_scale,
@@ -253,7 +252,7 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
                         resume=resume, discard=discard, allow_changed=allow_changed)
-    result = run(store, req)
+    result = run_replay(store, req)
     v = result.verification
     if as_json:
         click.echo(json.dumps({"replay": str(result.path), "ran": result.created,
@@ -308,8 +307,7 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     The mechanism (Qiu & Yao): the signed bias of O and of delta on rows with tied maxima and a V of one
     sign, with and without the safe-softmax fix, with 95% confidence intervals.
     """
-    from pathlib import Path
-
+    # lazy: the CLI starts without torch (1 s)
     from replay.experiments import golden, mechanism
 
     out = Path(out_dir)
@@ -354,9 +352,6 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
     computed. Then, for every recorded spike, ranks the layers and heads whose metrics moved most
     against their own history before it.
     """
-    from replay.analysis.jobs import analyze as run_analysis
-    from replay.analysis.localise import localise_store
-
     summary = run_analysis(store, ray_address, workers, progress=lambda m: click.echo(m, err=True))
     found = localise_store(store)
     if as_json:
@@ -401,9 +396,6 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
     STORE/bisect/, so the same command resumes an interrupted bisect. Exit code 3: no spike recorded;
     4: the plain replay does not reproduce the record.
     """
-    from replay.bisect.narrow import BisectConfig
-    from replay.bisect.narrow import bisect as run_bisect
-
     cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, min_delta=min_delta,
                        max_probes=max_probes, workers=workers, address=ray_address, allow_changed=allow_changed)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
@@ -412,8 +404,6 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
 
 def _sample_lines(store: str):
     """How a bisect answer shows one of the samples it names: as `replay batch` prints it."""
-    from replay.views import sample_lines, step_batch
-
     def sample(step: int, sample_id: int) -> list[str]:
         return next((sample_lines(row) for row in step_batch(store, step) if row["sample_id"] == sample_id), [])
 
@@ -427,8 +417,6 @@ def _sample_lines(store: str):
 def report(store, out) -> None:
     """One self-contained HTML page: loss and grad norm with spikes and replays, the localisation
     ranking, per-head spectral-norm heatmaps and weight distances (PNGs embedded; no server needed)."""
-    from replay.analysis.report import write_report
-
     click.echo(f"wrote {write_report(store, out, warn=lambda m: click.echo(f'warning: {m}', err=True))}")
 
 
@@ -445,8 +433,6 @@ def compare(store_a, store_b, ray_address, workers, as_json) -> None:
     distributions (scipy); the table prints each step's largest over tensors, and all of it is stored in
     STORE_A/analysis/distances/.
     """
-    from replay.analysis.jobs import compare as run_compare
-
     result = run_compare(store_a, store_b, ray_address, workers, progress=lambda m: click.echo(m, err=True))
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -468,8 +454,6 @@ def demo(out) -> None:
     """The whole story on the embedded default, on a laptop: record the `spike` preset on 2 CPU ranks,
     bisect its spike, replay the steps before it densely, analyse every checkpoint on a local Ray
     cluster and write the report. Stages already done in OUT are reused."""
-    from replay.demo import run_demo
-
     result = run_demo(out, progress=lambda m: click.echo(m, err=True))
     click.echo("\n".join(result.lines(_sample_lines(str(result.store)))))
 

@@ -17,13 +17,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from replay.analysis.jobs import analyze
+from replay.analysis.localise import Localisation, localise_store
+from replay.analysis.report import write_report
+from replay.bisect.narrow import BisectConfig, bisect
+from replay.bisect.session import Session
+from replay.config import build_config
 from replay.errors import UsageError
-
-if TYPE_CHECKING:
-    from replay.analysis.localise import Localisation
-    from replay.bisect.session import Session
+from replay.launch import ranks
+from replay.launch.pool import RankPool
+from replay.launch.ray_cluster import ray_session
+from replay.replayer.replays import ReplayRequest
+from replay.replayer.replays import run as replay
+from replay.store import RunStore
 
 PRESET, NPROC = "spike", 2
 FIX = "lr-scale=0.5"
@@ -54,15 +61,6 @@ class DemoResult:
 
 
 def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
-    from replay.analysis.jobs import analyze
-    from replay.analysis.localise import localise_store
-    from replay.analysis.report import write_report
-    from replay.bisect.narrow import BisectConfig, bisect
-    from replay.launch.pool import RankPool
-    from replay.launch.ray_cluster import ray_session
-    from replay.replayer.replays import ReplayRequest
-    from replay.replayer.replays import run as replay
-
     store = Path(out)
     stages: dict[str, float] = {}
     t = time.perf_counter()
@@ -96,10 +94,6 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
 
 
 def _record(store: Path, progress: Callable[[str], None]) -> None:
-    from replay.config import build_config
-    from replay.launch import ranks
-    from replay.store import RunStore
-
     if store.exists() and any(store.iterdir()):
         existing = RunStore.open(store)
         if existing.manifest.config.preset != PRESET or existing.kind != "run":

@@ -23,10 +23,12 @@ from replay.analysis import results as R
 from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
 from replay.analysis.names import DISTANCES
 from replay.errors import StoreError, UsageError
+from replay.launch.ray_cluster import ray_session, run_tasks
 from replay.store import RunStore
 from replay.store.layout import MODEL_KEYS
 from replay.store.lease import writing
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
+from replay.train.data import load_data
 
 LAYER_BLOCK = 4                         # layers per work item
 
@@ -42,6 +44,7 @@ class Summary:
 def run_item(item: MetricItem | DistanceItem) -> str:
     """One work item, start to finish, on a Ray worker (analysis/tasks.py: torch loads there, never in the
     driver). Returns the node it ran on."""
+    # lazy: the driver never loads torch (1 s)
     from replay.analysis.tasks import run
 
     return run(item)
@@ -67,8 +70,6 @@ def _root_run(store: RunStore) -> RunStore:
 
 def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
     """The fixed probe batch: the first tokens of the first n samples the run trained on (step 0)."""
-    from replay.train.data import load_data
-
     run = _root_run(store)
     if run.n_steps == 0:
         raise StoreError(f"{run.path} has no recorded steps to take a probe batch from")
@@ -179,8 +180,6 @@ def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lamb
             summary: Summary | None = None, every: int = 1) -> Summary:
     """Run work items on the connected Ray cluster, `slots` at a time (see `ray_session`), reporting every
     `every`-th finished item (and the last)."""
-    from replay.launch.ray_cluster import run_tasks
-
     summary = summary or Summary()
     start = time.monotonic()
     progress(f"{len(items)} work items on {slots} Ray worker slot(s)")
@@ -201,6 +200,7 @@ def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lamb
 
 def _check_store_visible(store_path: str) -> None:
     """Fail with one line when the workers cannot see the store (no shared filesystem)."""
+    # lazy: ray (0.3 s) only once Ray work starts (launch/ray_cluster.py)
     import ray
 
     @ray.remote(num_cpus=0)
@@ -216,8 +216,6 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
             progress: Callable[[str], None] = lambda s: None, every: int = 1) -> Summary:
     """Metrics for every checkpoint of a run and of its replays, and each replay's weight distances
     against its parent; only what is not done yet."""
-    from replay.launch.ray_cluster import ray_session
-
     run = RunStore.open(store_path)
     if run.kind != "run":
         raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
@@ -246,8 +244,6 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
 def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, workers: int | None = None,
             progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Weight distances of B against A at their matching checkpoints, stored in A's analysis group."""
-    from replay.launch.ray_cluster import ray_session
-
     a, b = RunStore.open(a_path), RunStore.open(b_path)
     if a.path.resolve() == b.path.resolve():
         raise UsageError("compare needs two different stores")

@@ -31,7 +31,10 @@ from typing import Any
 import numpy as np
 
 from replay.analysis.names import HEAD_MATRICES, MATRICES
+from replay.analysis.results import read_metrics
 from replay.recorder import spikes
+from replay.replayer.listing import list_replays
+from replay.store import RunStore
 
 # (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
 HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],
@@ -216,10 +219,6 @@ def departure(series: np.ndarray, floor: float = 0.0) -> tuple[int | None, float
 def localise_store(store_path) -> list[Localisation]:
     """A Localisation for every recorded spike of a run, each read from the densest trajectory that
     covers it (not `found` where too few checkpoints precede it)."""
-    from replay.analysis.results import read_metrics
-    from replay.replayer.listing import list_replays
-    from replay.store import RunStore
-
     trajectories = [("run", read_metrics(store_path))]
     for r in list_replays(store_path):
         if "error" not in r and not r["overrides"] and r["status"] == "complete" and (r["verification"] or {}).get("bitwise"):

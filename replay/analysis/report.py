@@ -27,6 +27,7 @@ from replay.store import RunStore
 
 def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
     """Render `draw(fig)` to an <img> tag holding the PNG as a data URL."""
+    # lazy: matplotlib (0.3 s) only for the report's figures; every command imports this module (cli.py)
     import matplotlib
 
     matplotlib.use("Agg")

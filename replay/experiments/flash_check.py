@@ -35,14 +35,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replay.errors import UsageError
 from replay.experiments.common import Tile, check_sizes, check_tile, tile_name
 from replay.experiments.golden import TENSORS, _random_inputs, _run
+from replay.kernels import flash_emu
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix, check_precision
+from replay.kernels.triton_fa2 import triton_flash_attention
 
 TRITON_OPTIONS = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
                   "keys=decreasing": dict(key_order="decreasing")}
@@ -156,15 +159,11 @@ def run_flash_check(cfg: FlashCheckConfig, out_dir: Path, progress: Callable[[st
 
 
 def sdpa(backend_name: str, causal: bool, q, k, v) -> torch.Tensor:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with sdpa_kernel(getattr(SDPBackend, backend_name)):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _triton(opts: AttentionOptions, causal: bool, q, k, v) -> torch.Tensor:
-    from replay.kernels.triton_fa2 import triton_flash_attention
-
     return triton_flash_attention(q, k, v, opts, causal=causal)
 
 
@@ -223,8 +222,6 @@ def _where(cfg: FlashCheckConfig, opts: AttentionOptions, lp, flash_out: torch.T
     """Where the emulation's O differs from flash's: the distance of the emulation's FP32 O (before its one
     rounding; hp_delta keeps it) from the nearest rounding boundary, in units of u32 * (P|V|), the size
     of FP32 rounding errors in a sum of its terms; for the differing elements and for all."""
-    from replay.kernels import flash_emu
-
     q, k, v = (x.reshape(-1, *x.shape[-2:]) for x in lp[:3])
     scale = q.shape[-1] ** -0.5
     out, _, o_fp32 = flash_emu._fa2_forward(q, k, v, opts.with_(hp_delta=True), cfg.causal, scale, None)

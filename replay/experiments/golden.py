@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 from matplotlib.figure import Figure
 
 from replay.errors import UsageError
@@ -219,8 +220,6 @@ def _write_sweep_csv(result: SweepResult) -> None:
 
 
 def _write_sweep_zarr(result: SweepResult) -> None:
-    import zarr
-
     cfg = result.config
     seq_lens, tiles = cfg.all_seq_lens(), cfg.all_tiles()
     shape = (len(KERNELS), len(cfg.precisions), len(seq_lens), len(tiles), len(cfg.head_dims))

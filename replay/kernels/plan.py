@@ -88,6 +88,7 @@ class BackendSpec:
 
     def check_available(self) -> None:
         if self.name == "triton-fa2":
+            # lazy: the launchers check plans without torch and triton (1.5 s)
             from replay.kernels.triton_fa2 import available
 
             ok, why = available()

@@ -23,6 +23,7 @@ from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.plan import check_attention
 from replay.launch.local import free_port, rank_env, wait_for_ranks
 from replay.launch.pool import RankPool, active_pool
+from replay.recorder.host import environment_notes
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV
 from replay.store.lease import writing
@@ -136,8 +137,6 @@ def prepare_resume(store_path: str, world_size: int) -> Resume:
 
 def _environment_check(m: Manifest) -> list[str]:
     """What differs from the environment the run last ran in; a refusal where the run cannot go on here."""
-    from replay.recorder.host import environment_notes
-
     recorded = m.last_environment
     if not recorded:   # killed before its ranks had started: nothing ran anywhere yet
         return []
@@ -180,7 +179,7 @@ def _check_data_order(store: RunStore, cfg: RunConfig, data: TokenData, start: i
 def _check_deepspeed(cfg: RunConfig) -> None:
     if cfg.launcher != "deepspeed":
         return
-    try:
+    try:   # lazy: whether DeepSpeed (optional, 1.3 s) imports, under --launcher deepspeed only
         import deepspeed  # noqa: F401
     except Exception as e:
         raise UsageError(f"--launcher deepspeed needs DeepSpeed importable here: {e}") from None
@@ -192,6 +191,7 @@ def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: 
     fails the whole recording. Local ranks run on `pool`, or on the active pool of warm ranks of this
     world size (launch/pool.py), where there is one."""
     if nproc == 1 and cfg.launcher == "local":
+        # lazy: the launcher never loads torch and transformers (2 s); its one rank does, here
         from replay.train.trainer import train
 
         train(store_path, lease, resume=resume)
@@ -225,6 +225,7 @@ def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> 
 
 
 def _cuda() -> bool:
+    # lazy: torch (1 s), for a CUDA or DeepSpeed run only
     import torch
 
     return torch.cuda.is_available()

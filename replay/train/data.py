@@ -73,7 +73,8 @@ class TokenData:
 
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, [len(ids), T] each, for the given sample ids."""
-        import torch  # here, so that the launchers reading the data never load torch
+        # lazy: the launchers read the data without torch (1 s)
+        import torch
 
         T = self.block_size
         rows = np.stack([self.tokens[i * T: i * T + T + 1] for i in np.asarray(ids).reshape(-1)])

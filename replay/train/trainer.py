@@ -53,6 +53,7 @@ def init_distributed(r: Rank, cfg: RunConfig) -> None:
     if r.device.type == "cuda":
         torch.cuda.set_device(r.device)
     if cfg.launcher == "deepspeed":
+        # lazy: DeepSpeed (1.3 s) is optional, for --launcher deepspeed only
         import deepspeed
         import deepspeed.ops
 
@@ -159,6 +160,7 @@ def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loo
 
 
 def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
+    # lazy: optional, 1.3 s (see init_distributed)
     import deepspeed
 
     # ZeRO allocates a reduce bucket each step (default 5e8 elements, 2 GB in FP32): size it to the model,
