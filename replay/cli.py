@@ -86,9 +86,10 @@ class _Commands(click.Group):
 def _one_line(e: click.UsageError) -> click.ClickException:
     if isinstance(e, click.exceptions.NoArgsIsHelpError):   # `replay` alone: the help, as click prints it
         return e
-    names, ctx = [], e.ctx
+    names: list[str] = []
+    ctx = e.ctx
     while ctx is not None and ctx.parent is not None:   # the root is `replay`, however it was started
-        names.append(ctx.info_name)
+        names.append(ctx.info_name or "")
         ctx = ctx.parent
     where = " ".join(["replay", *reversed(names)])
     return _UsageLine(f"{e.format_message().rstrip('.')}; see `{where} --help`")
@@ -254,6 +255,7 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
                         resume=resume, discard=discard, allow_changed=allow_changed)
     result = run_replay(store, req)
     v = result.verification
+    assert v is not None, "run() verifies every replay"
     if as_json:
         click.echo(json.dumps({"replay": str(result.path), "ran": result.created,
                                "environment_differences": result.environment_notes, "verification": v.to_dict()},
@@ -262,10 +264,11 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     for note in result.environment_notes:
         click.echo(f"environment differs from the recording: {note} (bitwise equality is not guaranteed)", err=True)
     click.echo(f"replay {result.path} ({'ran' if result.created else 'already complete; not re-run'}): "
-               f"steps {v.steps[0]}..{v.steps[-1]}" + (f", overrides {overrides.to_dict()}" if overrides.to_dict() else ""))
+               f"steps {v.steps[0]}..{v.steps[-1]}"
+               + (f", overrides {overrides.to_dict()}" if overrides.to_dict() else ""))
     if verify:
         click.echo("verify: every replayed step equals the record bit for bit (loss per rank, global loss, "
-                   "grad norm)" if v.bitwise else f"verify: {v.divergence.describe()}")
+                   "grad norm)" if v.divergence is None else f"verify: {v.divergence.describe()}")
 
 
 def _csv(kind, parse):
@@ -316,17 +319,16 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     if mode == "flash":
         from replay.experiments import flash_check
 
-        result = flash_check.run_flash_check(flash_check.FlashCheckConfig(**given), out / "flash",
-                                             progress=lambda m: click.echo(m, err=True))
-        click.echo("\n".join(result.summary_lines()))
+        flash = flash_check.run_flash_check(flash_check.FlashCheckConfig(**given), out / "flash",
+                                            progress=lambda m: click.echo(m, err=True))
+        click.echo("\n".join(flash.summary_lines()))
     if mode in ("sweep", "all"):
-        result = golden.run_sweep(golden.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
-        click.echo("\n".join(result.summary_lines()))
+        sweep = golden.run_sweep(golden.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
+        click.echo("\n".join(sweep.summary_lines()))
     if mode in ("mechanism", "all"):
-        result = mechanism.run_mechanism(mechanism.MechanismConfig(**({"trials": trials} if trials else {})),
-                                         out / "mechanism",
-                                  progress=lambda m: click.echo(m, err=True))
-        click.echo("\n".join(result.summary_lines()))
+        bias = mechanism.run_mechanism(mechanism.MechanismConfig(**({"trials": trials} if trials else {})),
+                                       out / "mechanism", progress=lambda m: click.echo(m, err=True))
+        click.echo("\n".join(bias.summary_lines()))
     click.echo(f"wrote {out}/", err=True)
 
 
@@ -399,7 +401,11 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
     cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, min_delta=min_delta,
                        max_probes=max_probes, workers=workers, address=ray_address, allow_changed=allow_changed)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
-    click.echo(json.dumps(session.to_dict(), indent=2) if as_json else "\n".join(session.verdict.lines(_sample_lines(store))))
+    if as_json:
+        click.echo(json.dumps(session.to_dict(), indent=2))
+        return
+    assert session.verdict is not None, "a bisect ends with its verdict, or raises"
+    click.echo("\n".join(session.verdict.lines(_sample_lines(store))))
 
 
 def _sample_lines(store: str):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zarr
 
 from replay import faults
 from replay.analysis import results as R
@@ -56,16 +57,18 @@ def checkpoint_sources(store: RunStore) -> list[Source]:
     """Every checkpoint a store's trajectory passes through, by step: a replay's own checkpoints
     preceded by the parent's checkpoint it started from."""
     own = [Source(str(store.path.resolve()), c.step, c.committed_at) for c in store.checkpoints()]
-    if store.kind == "replay":
-        parent = (store.path / store.manifest.replay.parent).resolve()
-        step = store.manifest.replay.start_checkpoint
+    spec = store.manifest.replay   # a replay's (None for a run)
+    if spec is not None:
+        parent = (store.path / spec.parent).resolve()
+        step = spec.start_checkpoint
         start = Source(str(parent), step, _committed_at(Source(str(parent), step)))
         own = [start] + [s for s in own if s.step != start.step]
     return sorted(own, key=lambda s: s.step)
 
 
 def _root_run(store: RunStore) -> RunStore:
-    return RunStore.open((store.path / store.manifest.replay.parent).resolve()) if store.kind == "replay" else store
+    spec = store.manifest.replay
+    return RunStore.open((store.path / spec.parent).resolve()) if spec is not None else store
 
 
 def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
@@ -74,7 +77,9 @@ def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
     if run.n_steps == 0:
         raise StoreError(f"{run.path} has no recorded steps to take a probe batch from")
     cfg = run.manifest.config
-    ids = np.asarray(run.root["steps/sample_ids"][0]).reshape(-1)[:n]
+    sample_ids = run.root["steps/sample_ids"]
+    assert isinstance(sample_ids, zarr.Array), "the store's layout (store/run_store.py)"
+    ids = np.asarray(sample_ids[0]).reshape(-1)[:n]
     data = load_data(cfg, run)
     T, n_tokens = data.block_size, min(data.block_size, PROBE_TOKENS)
     tokens = [data.tokens[int(i) * T: int(i) * T + n_tokens + 1].astype(np.int64).tolist() for i in ids]
@@ -230,8 +235,8 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
             items += new
             skipped += done
             if store.kind == "replay":
-                new, done, _ = plan_distances(store, "parent", run, store)
-                items += new
+                distances, done, _ = plan_distances(store, "parent", run, store)
+                items += distances
                 skipped += done
         progress(f"{skipped} work items already done")
         # longest first (a block's probe runs every layer below it), so no long item is left for the end

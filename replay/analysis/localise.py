@@ -188,12 +188,14 @@ def lead_times(table: dict[str, Any], spike: int, floors: dict[str, float] | Non
     n_layer, n_head = table["spectral_qk"].shape[1:]
     out = []
     for layer in range(n_layer):
-        units = [(None, LAYER_SIGNALS, lambda v: v[:, layer])]
-        units += [(head, HEAD_SIGNALS, lambda v, h=head: v[:, layer, h]) for head in range(n_head)]
-        for head, signals, pick in units:
+        # (head or None for the layer's own signals, its signals, where a signal's series of the unit is)
+        units: list[tuple[int | None, list[tuple[str, str | None]], tuple[slice | int, ...]]] = \
+            [(None, LAYER_SIGNALS, (slice(None), layer))]
+        units += [(head, HEAD_SIGNALS, (slice(None), layer, head)) for head in range(n_head)]
+        for head, signals, at in units:
             for metric, matrix in signals:
                 name = f"{metric}[{matrix}]" if matrix else metric
-                since, z = departure(pick(_signal(table, metric, matrix)), (floors or {}).get(name, 0.0))
+                since, z = departure(_signal(table, metric, matrix)[at], (floors or {}).get(name, 0.0))
                 if since is not None:
                     out.append(Lead(layer, head, name, int(steps[since]), spike - int(steps[since]), z))
     return sorted(out, key=lambda w: (-w.lead, -abs(w.z)))

@@ -250,6 +250,7 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
         for f in found:
             if f.found and f.trajectory != "run":
                 dense = read_metrics(run.path / "replays" / f.trajectory)
+                assert dense is not None, "a localisation's trajectory is analysed"
                 figures.append(_heatmaps(dense, f"replay {f.trajectory} (bit for bit the record)", spikes))
                 parts.append(figures[-1])
 

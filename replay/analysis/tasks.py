@@ -122,7 +122,9 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     embedding (NaN for a model whose decoder has no `norm` and `layers`)."""
     lo, hi = item.block
     store = RunStore.open(item.ckpt.path)
-    config = CONFIG_MAPPING[item.transformers_config["model_type"]].from_dict(item.transformers_config)
+    recorded = item.transformers_config
+    assert recorded is not None, "compute_metrics runs this probe for a transformers model only"
+    config = CONFIG_MAPPING[recorded["model_type"]].from_dict(recorded)
     config.get_text_config().num_hidden_layers = hi   # the layers below the block's end are all it needs
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     names = set(model.state_dict())

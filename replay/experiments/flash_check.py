@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -47,7 +48,7 @@ from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix, check_precision
 from replay.kernels.triton_fa2 import triton_flash_attention
 
-TRITON_OPTIONS = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
+TRITON_OPTIONS: dict[str, dict[str, Any]] = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
                   "keys=decreasing": dict(key_order="decreasing")}
 CPU_MAX_SEQ_LEN = 512
 DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}   # FP32 mantissa bits a rounding to it drops
@@ -147,7 +148,7 @@ def run_flash_check(cfg: FlashCheckConfig, out_dir: Path, progress: Callable[[st
     result = FlashCheckResult(cfg, torch.cuda.get_device_name(device))
     for d in cfg.head_dims:
         for n in cfg.seq_lens:
-            inputs = _random_inputs(cfg, n, d)
+            inputs = _random_inputs(cfg.seed, cfg.batch, cfg.heads, n, d)
             for precision in cfg.precisions:
                 t0 = time.perf_counter()
                 _check_point(cfg, result, precision, n, d, inputs, device)
@@ -260,8 +261,8 @@ def _write_csv(result: FlashCheckResult, path: Path) -> None:
                 w.writerow(["deviation", kernel, p, n, d, t, "max", f"{mx:.6e}"])
                 w.writerow(["deviation", kernel, p, n, d, t, "mean", f"{mean:.6e}"])
         for table, rows in (("vs-flash", result.agreement), ("triton-vs-emulation", result.triton)):
-            for (variant, p, n, d), per_tensor in rows.items():
-                for t, a in per_tensor.items():
+            for (variant, p, n, d), agreements in rows.items():
+                for t, a in agreements.items():
                     w.writerow([table, variant, p, n, d, t, "equal", f"{a.equal:.6f}"])
                     w.writerow([table, variant, p, n, d, t, "within_ulp", f"{a.within_ulp:.6f}"])
                     w.writerow([table, variant, p, n, d, t, "max_ulps", a.max_ulps])

@@ -126,7 +126,8 @@ class SweepResult:
     def deviation(self, kernel: str, precision: str, seq_len: int, head_dim: int, tile: Tile | None = None,
                   tensor: str = "O", stat: str = "max") -> float:
         """One measured number; baseline ignores `tile`. KeyError when that point was not measured."""
-        key = (kernel, precision, seq_len, None if kernel == "baseline" else tuple(tile), head_dim)
+        key = (kernel, precision, seq_len, None if kernel == "baseline" or tile is None else (tile[0], tile[1]),
+               head_dim)
         return self.measurements[key].dev[tensor][STATS.index(stat)]
 
     @property
@@ -152,7 +153,7 @@ def _run_sweep(cfg: SweepConfig, out_dir: Path, progress: Callable[[str], None])
         tiles_at.setdefault(n, []).append(tile)
     for d in cfg.head_dims:
         for n, tiles in tiles_at.items():
-            inputs = _random_inputs(cfg, n, d)
+            inputs = _random_inputs(cfg.seed, cfg.batch, cfg.heads, n, d)
             for precision in cfg.precisions:
                 t0 = time.perf_counter()
                 lp = [x.to(DTYPES[precision]) for x in inputs]
@@ -177,11 +178,10 @@ def _run_sweep(cfg: SweepConfig, out_dir: Path, progress: Callable[[str], None])
     return result
 
 
-def _random_inputs(cfg: SweepConfig, n: int, d: int) -> list[torch.Tensor]:
+def _random_inputs(seed: int, batch: int, heads: int, n: int, d: int) -> list[torch.Tensor]:
     """q, k, v, dO in FP64, i.i.d. N(0, 1), from a seed derived from (seed, N, d)."""
-    seed = int(np.random.SeedSequence([cfg.seed, n, d]).generate_state(1)[0])
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(cfg.batch, cfg.heads, n, d, generator=gen, dtype=torch.float64) for _ in range(4)]
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, n, d]).generate_state(1)[0]))
+    return [torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64) for _ in range(4)]
 
 
 def _run(attention, inputs) -> list[torch.Tensor]:

@@ -155,7 +155,7 @@ def _run_mechanism(cfg: MechanismConfig, out_dir: Path, progress: Callable[[str]
                     if beta is None:
                         no_fix = out
                     else:
-                        row.same_as_no_fix = bool(torch.equal(out, no_fix))
+                        row.same_as_no_fix = bool(torch.equal(out, no_fix)) if no_fix is not None else None
                 rows.append(row)
         progress(f"mechanism: n={n} tied maxima, {cfg.trials} rows, {len(cfg.betas) + 1} fix settings x 2 "
                  f"placements + baseline: {time.perf_counter() - t0:.1f} s")

@@ -111,6 +111,7 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
         if spec.name == "baseline":
             dtype = DTYPES[spec.dtype] if spec.dtype else q.dtype
             return baseline_attention(q, k, v, dtype, causal=True, scale=scaling, mask=keep).to(q.dtype)
+        assert spec.options is not None, "the emulated and Triton backends always have options (kernels/plan.py)"
         if spec.name == "triton-fa2":
             from replay.kernels.triton_fa2 import triton_flash_attention
 

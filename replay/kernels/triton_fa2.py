@@ -123,7 +123,7 @@ def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, 
         attends = keep.any(-1).expand(mask.shape[:3]).reshape(-1, n)
         bad = ((~torch.isfinite(lse2) | ~torch.isfinite(out).all(-1)) & attends).any()
     if defer:
-        no_flag = (torch.zeros((), dtype=torch.bool, device=lse2.device), set())
+        no_flag: tuple[torch.Tensor, set[float]] = (torch.zeros((), dtype=torch.bool, device=lse2.device), set())
         flag, betas = _underflowed.setdefault(lse2.device, no_flag)
         flag.logical_or_(bad)
         betas.add(fix.beta)

@@ -68,7 +68,7 @@ class RankPool:
             os.close(write_fd)
             self._procs.append(proc)
             self._replies.append(read_fd)
-        if log is not subprocess.DEVNULL:
+        if not isinstance(log, int):   # a file, not DEVNULL
             log.close()
 
     def train(self, store_path: str | Path, lease: str, resume: bool = False) -> None:
@@ -79,6 +79,7 @@ class RankPool:
                    + "\n").encode()
         try:
             for proc in self._procs:
+                assert proc.stdin is not None, "started with stdin=PIPE"
                 proc.stdin.write(request)
                 proc.stdin.flush()
         except BrokenPipeError:
@@ -128,7 +129,8 @@ class RankPool:
             if kill and proc.poll() is None:
                 proc.kill()
             try:
-                proc.stdin.close()
+                if proc.stdin is not None:
+                    proc.stdin.close()
             except OSError:
                 pass
         for proc in self._procs:

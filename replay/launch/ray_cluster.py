@@ -125,7 +125,8 @@ def run_tasks(fn: Callable, items: Iterable[Any], max_in_flight: int, on_result:
     # lazy (see ray_session)
     import ray
 
-    remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=[OSError], **worker_options())(fn)
+    options = {"num_cpus": 1, "max_retries": retries, "retry_exceptions": [OSError], **worker_options()}
+    remote = ray.remote(**options)(fn)
     pending: dict[Any, Any] = {}
     queue = list(items)
     queue.reverse()

@@ -77,8 +77,8 @@ class TokenData:
         import torch
 
         T = self.block_size
-        rows = np.stack([self.tokens[i * T: i * T + T + 1] for i in np.asarray(ids).reshape(-1)])
-        rows = torch.from_numpy(rows.astype(np.int64))
+        rows = torch.from_numpy(np.stack([self.tokens[i * T: i * T + T + 1] for i in np.asarray(ids).reshape(-1)])
+                                .astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
     def describe(self, sample_id: int) -> str:
