@@ -167,7 +167,7 @@ def weights(ctx: Context) -> Section:
     # three run at once; max |difference| and Wasserstein-1 are symmetric.
     results = cli_parallel(ctx, [["compare", stores[p], stores["ref"], "--workers", 1, "--json"] for p in PAIRS],
                            len(PAIRS), as_json=True, commands=commands)
-    distances = dict(zip(PAIRS, results))
+    distances = dict(zip(PAIRS, results, strict=True))
     for p, d in distances.items():
         (out / f"compare-{p}.json").write_text(json.dumps(d, indent=1))
     steps_common = distances["a"]["steps"]
@@ -197,9 +197,9 @@ def weights(ctx: Context) -> Section:
 
 def _weights_plot(ctx: Context, steps: list[int], largest) -> str:
     fig = Figure(figsize=(10, 3.6), layout="constrained")
-    for ax, (m, label) in zip(fig.subplots(1, 2), METRICS.items()):
+    for ax, (m, label) in zip(fig.subplots(1, 2), METRICS.items(), strict=True):
         for p, name in PAIRS.items():
-            xs = [s for s, v in zip(steps, largest[p][m]) if v > 0]
+            xs = [s for s, v in zip(steps, largest[p][m], strict=True) if v > 0]
             ax.plot(xs, [v for v in largest[p][m] if v > 0], marker="o", label=name)
         ax.set_yscale("log")
         ax.set_xlabel("step")

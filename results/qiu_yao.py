@@ -35,7 +35,7 @@ def mechanism(ctx: Context) -> Section:
         paths[name] = store / "replays" / name
     found = cli_parallel(ctx, [["info", path, "--json"] for path in paths.values()], len(paths), as_json=True,
                          commands=commands)
-    infos = dict(zip(paths, found))
+    infos = dict(zip(paths, found, strict=True))
     for name, info in infos.items():
         (ctx.work / f"mechanism-info-{name}.json").write_text(json.dumps(info, indent=1))
     body.append(_training_table(infos, steps))
@@ -124,7 +124,7 @@ def _plot_training(ctx: Context, paths: dict, steps: int) -> str:
             axes[2].plot(smooth(s["wq_tied_err_cos"][:, layer]), **style)
     titles = ["tied-maxima rate (running mean)", "running sum of delta_lp - delta_hp",
               "cos of successive W_Q gradient errors\n(tied rows' part, running mean)"]
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend(fontsize=7)

@@ -113,7 +113,7 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
                          "committed_at": src.committed_at} for src, prev, before in chain])
     done = table.done()
     items, skipped = [], 0
-    for row, (src, prev, before) in zip(index, chain):
+    for row, (src, prev, before) in zip(index, chain, strict=True):
         for b, block in enumerate(table.blocks()):
             if done[row, b]:
                 skipped += 1

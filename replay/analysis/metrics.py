@@ -124,7 +124,7 @@ def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | Non
         out["update_srank_head"][i] = np.where(top > 0, fro ** 2 / np.maximum(top, 1e-30) ** 2, np.nan)
         if before_h is not None:
             d_prev = prev_h[name].astype(np.float64) - before_h[name]
-            out["update_cos_head"][i] = [_cos(a.ravel(), b.ravel()) for a, b in zip(d_t, d_prev)]
+            out["update_cos_head"][i] = [_cos(a.ravel(), b.ravel()) for a, b in zip(d_t, d_prev, strict=True)]
     return out
 
 

@@ -187,7 +187,7 @@ def _check_point(cfg: FlashCheckConfig, result: FlashCheckResult, precision: str
         outputs[name] = _run(kernel, lp)
         result.deviation[(name, precision, n, d)] = {
             t: (float((x.double() - g).abs().max()), float((x.double() - g).abs().mean()))
-            for t, x, g in zip(TENSORS, outputs[name], golden)}
+            for t, x, g in zip(TENSORS, outputs[name], golden, strict=True)}
     flash = outputs["sdpa-flash"]
     variants = {"triton-fa2": outputs["triton-fa2"]}
     for tile in cfg.tiles:
@@ -216,7 +216,7 @@ def _variant(opts: AttentionOptions) -> str:
 
 
 def _agreement(outputs, reference) -> dict[str, Agreement]:
-    return {t: Agreement.of(x, r) for t, x, r in zip(TENSORS, outputs, reference)}
+    return {t: Agreement.of(x, r) for t, x, r in zip(TENSORS, outputs, reference, strict=True)}
 
 
 def _where(cfg: FlashCheckConfig, opts: AttentionOptions, lp, flash_out: torch.Tensor, lp_dtype: torch.dtype):
@@ -246,7 +246,7 @@ def _flash_backward_determinism(device: torch.device) -> dict[str, bool]:
             torch.use_deterministic_algorithms(deterministic)
             runs = [_run(partial(sdpa, "FLASH_ATTENTION", True), [q, k, v, do]) for _ in range(3)]
             answers[f"deterministic algorithms {'on' if deterministic else 'off'}"] = all(
-                torch.equal(a.view(torch.int16), b.view(torch.int16)) for run in runs[1:] for a, b in zip(runs[0], run))
+                torch.equal(a.view(torch.int16), b.view(torch.int16)) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
     finally:
         torch.use_deterministic_algorithms(was)
     return answers

@@ -160,7 +160,7 @@ def _run_sweep(cfg: SweepConfig, out_dir: Path, progress: Callable[[str], None])
                 golden = _run(partial(baseline_attention, dtype=torch.float64, causal=cfg.causal),
                               [x.double() for x in lp])
                 result.golden_scale[(precision, n, d)] = {t: (g.abs().max().item(), g.abs().mean().item())
-                                                          for t, g in zip(TENSORS, golden)}
+                                                          for t, g in zip(TENSORS, golden, strict=True)}
                 result.measurements[("baseline", precision, n, None, d)] = _measure(
                     partial(baseline_attention, dtype=DTYPES[precision], causal=cfg.causal), lp, golden)
                 for tile in tiles:
@@ -198,7 +198,7 @@ def _measure(attention, inputs, golden) -> Measurement:
     outputs = _run(attention, inputs)
     seconds = time.perf_counter() - t0
     dev = {}
-    for name, x, g in zip(TENSORS, outputs, golden):
+    for name, x, g in zip(TENSORS, outputs, golden, strict=True):
         diff = (x.double() - g).abs()
         dev[name] = (diff.max().item(), diff.mean().item(), diff.std(correction=0).item())
     return Measurement(dev, seconds)
@@ -214,7 +214,7 @@ def _write_sweep_csv(result: SweepResult) -> None:
             b_r, b_c = tile if tile else ("", "")
             for tensor in TENSORS:
                 golden_max, golden_mean = result.golden_scale[(precision, n, d)][tensor]
-                for stat, value in zip(STATS, m.dev[tensor]):
+                for stat, value in zip(STATS, m.dev[tensor], strict=True):
                     w.writerow([kernel, precision, n, b_r, b_c, d, cfg.batch, cfg.heads, int(cfg.causal), tensor, stat,
                                 f"{value:.9e}", f"{golden_max:.9e}", f"{golden_mean:.9e}", f"{m.seconds:.4f}"])
 
@@ -400,7 +400,7 @@ def _sweep_summary(result: SweepResult) -> list[str]:
             for d in cfg.head_dims:
                 maxes = [dev(k, n, d) for n in lens]
                 means = [dev(k, n, d, stat="mean") for n in lens]
-                rel = [mean / result.golden_scale[(lp, n, d)]["O"][1] for mean, n in zip(means, lens)]
+                rel = [mean / result.golden_scale[(lp, n, d)]["O"][1] for mean, n in zip(means, lens, strict=True)]
                 parts.append(f"d={d}: max {_trend(maxes)}, mean {_trend(means)}, mean/mean|golden O| {_trend(rel)}")
             lines.append(f"Verdict, sequence length N={lens[0]}..{lens[-1]} ({LP}, O, tile {tile_name(tile)}), {k}: "
                          + "; ".join(parts))

@@ -248,7 +248,7 @@ def _plot_mechanism(result: MechanismResult) -> None:
     plotted = [r for r in result.rows if r.status == "ok" and not (r.zero_rows > 0 or r.nan_rows > 0)]
     fixes = [None, *cfg.betas]
     colors = dict(zip(fixes, ["tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:brown",
-                              "tab:pink", "tab:olive", "tab:cyan"] * 3))
+                              "tab:pink", "tab:olive", "tab:cyan"] * 3, strict=False))
     for col, kernel in enumerate(PLACEMENT_OF):
         for row_i, (attr, label) in enumerate([("o_rel", "O"), ("delta_rel", "delta = rowsum(dO * O)")]):
             ax = axes[row_i][col]

@@ -55,5 +55,5 @@ class ScopedUpdate:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         before = [p[index].clone() for p, index in self.slices]
         optimizer.step()
-        for (p, index), old in zip(self.slices, before):
+        for (p, index), old in zip(self.slices, before, strict=True):
             p[index] = old + self.scale * (p[index] - old)

@@ -45,7 +45,7 @@ def test_emulation_matches_the_fp64_golden_within_the_precision(dtype, placement
     got = _run(lambda a, b, c: flash_attention(a, b, c, opts, causal), q, k, v, do, dtype)
     u = UNIT[dtype]
     assert (got[0] - gold[0]).abs().max() <= 8 * u * v.abs().max()
-    for g, ref in zip(got[1:], gold[1:]):
+    for g, ref in zip(got[1:], gold[1:], strict=True):
         assert (g - ref).abs().max() <= 32 * u * ref.abs().max()
 
 
@@ -57,7 +57,7 @@ def test_baseline_matches_the_fp64_golden_within_the_precision(dtype):
     got = _run(lambda a, b, c: baseline_attention(a, b, c, dtype), q, k, v, do, dtype)
     u = UNIT[dtype]
     assert (got[0] - gold[0]).abs().max() <= 8 * u * v.abs().max()
-    for g, ref in zip(got[1:], gold[1:]):
+    for g, ref in zip(got[1:], gold[1:], strict=True):
         assert (g - ref).abs().max() <= 32 * u * ref.abs().max()
 
 

@@ -128,7 +128,7 @@ def test_probe_leaves_the_computation_bitwise_unchanged():
     x, y = _batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lm_loss(bare, x, y).backward()
-    for p, q in zip(watched.parameters(), bare.parameters()):
+    for p, q in zip(watched.parameters(), bare.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
 
 

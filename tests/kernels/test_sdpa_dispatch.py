@@ -106,7 +106,7 @@ SDPA = F.scaled_dot_product_attention
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_finds_the_attention_modules_by_name_or_by_pattern():
