@@ -106,7 +106,8 @@ def forward(ctx: Context) -> Section:
 
 def _forward_comparison(ratios, lens, tiles, tile_n, o) -> str:
     median = {k: statistics.median(r) for k, r in ratios.items()}
-    span = lambda k: f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}x"
+    def span(k):
+        return f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}x"
     text = (f"**Against the paper.** Golden et al. find Flash Attention deviating about {PAPER_RATIO}x more than "
             f"Baseline attention at BF16. Here (max |O − golden|, median over the {len(ratios['fa2-emu'])} points "
             f"the command measured, as in its verdict above) the emulation with CUDA FA2's rounding points "
@@ -117,7 +118,8 @@ def _forward_comparison(ratios, lens, tiles, tile_n, o) -> str:
     text += (f"The paper's order of magnitude is reproduced by {' and '.join(near)}. " if near else
              f"The paper's {PAPER_RATIO}x is **not** reproduced: at most {max(median.values()):.2f}x. ")
     first, last = lens[0], lens[-1]
-    rel = lambda k, n: o(k, "bf16", n, stat="mean") / o("baseline", "bf16", n, stat="mean")
+    def rel(k, n):
+        return o(k, "bf16", n, stat="mean") / o("baseline", "bf16", n, stat="mean")
     text += (f"From N = {first} to {last}, `reference-emu`'s mean-deviation ratio to Baseline goes "
              f"{rel('reference-emu', first):.2f}x -> {rel('reference-emu', last):.2f}x and `fa2-emu`'s "
              f"{rel('fa2-emu', first):.2f}x -> {rel('fa2-emu', last):.2f}x (the paper: Flash's deviation grows "

@@ -66,8 +66,10 @@ def _bias_tables(ctx: Context, trials: int, commands: list[str]) -> str:
 
 
 def _bias_sentence(rows: dict) -> str:
-    mean = lambda kernel, n, beta: float(rows[(kernel, n, beta)]["o_rel_mean"])
-    ci = lambda kernel, n, beta: float(rows[(kernel, n, beta)]["o_rel_ci95"])
+    def mean(kernel, n, beta):
+        return float(rows[(kernel, n, beta)]["o_rel_mean"])
+    def ci(kernel, n, beta):
+        return float(rows[(kernel, n, beta)]["o_rel_ci95"])
     ref, fixed, fa2 = mean("reference-emu", 2, ""), mean("reference-emu", 2, "7"), mean("fa2-emu", 2, "")
     flips = [n for n in sorted({n for _, n, _ in rows}) if n > 1
              and mean("reference-emu", n, "7") * mean("reference-emu", n, "") < 0
@@ -114,7 +116,8 @@ def _plot_training(ctx: Context, paths: dict, steps: int) -> str:
     axes = fig.subplots(1, 3)
     colors = {"recorded": "tab:red", "hp-delta": "tab:blue", "fix": "tab:green"}
     window = max(1, steps // 40)
-    smooth = lambda a: np.convolve(np.nan_to_num(a), np.ones(window) / window, mode="valid")
+    def smooth(a):
+        return np.convolve(np.nan_to_num(a), np.ones(window) / window, mode="valid")
     for name, _, label in VARIANTS:
         s = RunStore.open(paths[name]).read_steps(["tied_rate", "delta_err", "wq_tied_err_cos"])
         for layer in range(s["tied_rate"].shape[1]):

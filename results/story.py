@@ -60,7 +60,8 @@ def _run_table(info: dict) -> str:
             ["steps", f"{info['steps_recorded']}; loss {info['first_loss']:.4f} -> {info['last_loss']:.4f}"],
             ["checkpoints", ", ".join(f"{c['step']}" + ("" if c["kind"] == "regular" else f" ({c['kind']})")
                                       for c in info["checkpoints"])]]
-    num = lambda x, f: format(x, f) if isinstance(x, (int, float)) else str(x)   # non-finite ones are strings
+    def num(x, f):   # non-finite ones are strings
+        return format(x, f) if isinstance(x, (int, float)) else str(x)
     rows += [[f"spike at step {e['step']}", f"loss {num(e['loss'], '.4f')} against a median of "
                                             f"{num(e['baseline'], '.4f')} (robust z {num(e['score'], '.1f')})"]
              for e in info["spikes"]]

@@ -66,7 +66,8 @@ class FlashCheckConfig:
     causal: bool = True
 
     def __post_init__(self):
-        set_ = lambda name, value: object.__setattr__(self, name, value)   # frozen dataclass
+        def set_(name, value):   # frozen dataclass
+            object.__setattr__(self, name, value)
         set_("precisions", tuple(dict.fromkeys(check_precision(p) for p in self.precisions)))
         bad = [p for p in self.precisions if DTYPES[p] not in DROPPED_BITS]
         if bad:

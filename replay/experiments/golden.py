@@ -76,7 +76,8 @@ class SweepConfig:
     def __post_init__(self):
         if not self.precisions:
             raise UsageError("no precisions given")
-        set_ = lambda name, value: object.__setattr__(self, name, value)   # frozen dataclass
+        def set_(name, value):   # frozen dataclass
+            object.__setattr__(self, name, value)
         set_("precisions", tuple(dict.fromkeys(check_precision(p) for p in self.precisions)))
         set_("seq_lens", check_sizes("sequence lengths", self.seq_lens))
         set_("head_dims", check_sizes("head dims", self.head_dims))
@@ -250,7 +251,8 @@ def _write_sweep_zarr(result: SweepResult) -> None:
                               fill_value=np.nan if data.dtype.kind == "f" else None, attributes=attrs or {})
         a[...] = data
 
-    strings = lambda values: np.array(values, dtype=np.dtypes.StringDType())
+    def strings(values):
+        return np.array(values, dtype=np.dtypes.StringDType())
     array("kernel", strings(KERNELS), ("kernel",))
     array("precision", strings(cfg.precisions), ("precision",))
     array("seq_len", np.array(seq_lens, dtype=np.int64), ("seq_len",))

@@ -61,7 +61,8 @@ class MechanismConfig:
     threads: int = 1                         # torch intra-op threads while running (restored after)
 
     def __post_init__(self):
-        set_ = lambda name, value: object.__setattr__(self, name, value)   # frozen dataclass
+        def set_(name, value):   # frozen dataclass
+            object.__setattr__(self, name, value)
         check_precision(self.precision)
         check_sizes("trials", [self.trials], minimum=2)
         check_sizes("n_keys, head_dim, block and threads", [self.n_keys, self.head_dim, self.block, self.threads])
@@ -293,7 +294,8 @@ def _mechanism_summary(result: MechanismResult) -> list[str]:
               "numbers: mean signed relative error (error/|golden|) +- 95% CI")
     lines = [header, "wrote " + ", ".join(str(p) for p in result.paths)]
     regular = [b for b in cfg.betas if 2 <= b <= 8]
-    fmt = lambda s: f"{s[0]:+.2e}+-{s[1]:.0e}"
+    def fmt(s):
+        return f"{s[0]:+.2e}+-{s[1]:.0e}"
 
     def cell(r: MechanismRow, attr: str) -> str:
         if r.status != "ok":

@@ -123,10 +123,10 @@ def _row_blocks(n, m, block_r, c0, causal):
     return range(first - first % block_r, n, block_r)
 
 
-def _check_underflow(l: torch.Tensor, attended: torch.Tensor, fix: SafeSoftmaxFix | None) -> None:
+def _check_underflow(row_sum: torch.Tensor, attended: torch.Tensor, fix: SafeSoftmaxFix | None) -> None:
     """A row that attends to something but whose probabilities all underflowed (to 0, or to subnormals
     whose reciprocal overflows to inf and makes the output NaN): a beta too large."""
-    if fix is not None and bool(((l.float() < torch.finfo(torch.float32).tiny) & attended).any()):
+    if fix is not None and bool(((row_sum.float() < torch.finfo(torch.float32).tiny) & attended).any()):
         raise UsageError(f"safe-softmax beta={fix.beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some "
                          "rows, which would silently zero their output; use a smaller beta (the paper uses 2-8)")
 
@@ -159,7 +159,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         r1 = min(N, r0 + opts.block_r)
         qi = q[:, r0:r1].float()
         m = torch.full((G, r1 - r0), float("-inf"), device=q.device)
-        l = torch.zeros(G, r1 - r0, device=q.device)
+        row_sum = torch.zeros(G, r1 - r0, device=q.device)
         acc = torch.zeros(G, r1 - r0, d, device=q.device)
         attended = torch.zeros(G, r1 - r0, dtype=torch.bool, device=q.device)
         last_col = M if not causal else min(M, r1 + (M - N))
@@ -171,14 +171,14 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             m_use = _running_offset(s, m, opts.fix, scale)
             p = torch.exp2(s * c - (m_use * c)[..., None])
             alpha = torch.exp2(m * c - m_use * c)
-            l = alpha * l + p.sum(-1)
+            row_sum = alpha * row_sum + p.sum(-1)
             pv = p if opts.hp_pv else p.to(lp).float()
             acc = alpha[..., None] * acc + pv @ vf[:, c0:c1]
             m = torch.where(attended, m_use, m)   # as CUDA FA2: -inf until the row sees a key
-        _check_underflow(l, attended, opts.fix)
-        o = torch.where(l[..., None] > 0, acc * (1.0 / l)[..., None], torch.zeros_like(acc))   # as CUDA FA2
+        _check_underflow(row_sum, attended, opts.fix)
+        o = torch.where(row_sum[..., None] > 0, acc * (1.0 / row_sum)[..., None], torch.zeros_like(acc))   # as CUDA FA2
         out[:, r0:r1] = o.to(lp)
-        lse2[:, r0:r1] = torch.where(l > 0, m * c + torch.log2(l), torch.full_like(l, float("inf")))
+        lse2[:, r0:r1] = torch.where(row_sum > 0, m * c + torch.log2(row_sum), torch.full_like(row_sum, float("inf")))
         if o_hp is not None:
             o_hp[:, r0:r1] = o
     return out, lse2, o_hp
@@ -232,7 +232,7 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         r1 = min(N, r0 + opts.block_r)
         qi = q[:, r0:r1]
         m = torch.full((G, r1 - r0), float("-inf"), dtype=lp, device=q.device)
-        l = torch.zeros(G, r1 - r0, dtype=lp, device=q.device)
+        row_sum = torch.zeros(G, r1 - r0, dtype=lp, device=q.device)
         acc = torch.zeros(G, r1 - r0, d, dtype=acc_dtype, device=q.device)
         attended = torch.zeros(G, r1 - r0, dtype=torch.bool, device=q.device)
         last_col = M if not causal else min(M, r1 + (M - N))
@@ -244,14 +244,14 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             m_use = _running_offset(s, m, opts.fix, scale=1.0)   # s is already scaled
             p = torch.exp(s - m_use[..., None])
             alpha = torch.exp(m - m_use)
-            l = alpha * l + p.sum(-1)
+            row_sum = alpha * row_sum + p.sum(-1)
             pv = p.float() @ v[:, c0:c1].float() if opts.hp_pv else p @ v[:, c0:c1]
             acc = alpha[..., None].to(acc_dtype) * acc + pv
             m = m_use
-        _check_underflow(l, attended, opts.fix)
-        o = torch.where(l[..., None] > 0, acc / l[..., None].to(acc_dtype), torch.zeros_like(acc))
+        _check_underflow(row_sum, attended, opts.fix)
+        o = torch.where(row_sum[..., None] > 0, acc / row_sum[..., None].to(acc_dtype), torch.zeros_like(acc))
         out[:, r0:r1] = o.to(lp)
-        lse[:, r0:r1] = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("inf")))
+        lse[:, r0:r1] = torch.where(row_sum > 0, m + torch.log(row_sum), torch.full_like(row_sum, float("inf")))
     return out, lse, None
 
 

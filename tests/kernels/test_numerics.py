@@ -96,7 +96,8 @@ def test_wq_error_is_the_w_q_gradient_of_the_delta_error(heads):
     probe = NumericsProbe(_model("reference-emu"))
     probe._inputs[0] = x.float()
     G = B * len(heads)
-    flat = lambda t: t.detach().reshape(G, *t.shape[2:]).float()
+    def flat(t):
+        return t.detach().reshape(G, *t.shape[2:]).float()
     probe.delta_error(0, heads, torch.Size([B, len(heads)]), flat(q), flat(k), keep, scale,
                       flat(e), torch.zeros(G, N), tied.reshape(G, N))
     got = probe.wq_err[0]
