@@ -143,7 +143,8 @@ def tune_section() -> None:
         for d in (64, 128):
             q, k, v, do = (torch.randn(4, 16, 2048, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             base_f, base = ms(sdpa, q, k, v, do, False), ms(sdpa, q, k, v, do)
-            print(f"tune, d {d} seq 2048: sdpa-flash forward {base_f:.3f} ms, forward + backward {base:.3f} ms", flush=True)
+            print(f"tune, d {d} seq 2048: sdpa-flash forward {base_f:.3f} ms, forward + backward {base:.3f} ms",
+                  flush=True)
             for tile in ((128, 128), (128, 64), (64, 64)):
                 opts = AttentionOptions(block_r=tile[0], block_c=tile[1])
                 for fw in ((4, 2), (8, 2), (8, 3)):

@@ -126,7 +126,8 @@ def main(debug: bool) -> None:
               help="Also record per-step attention numerics (tied maxima, delta error, W_Q gradient error) of "
                    "the emulated flash backends; needs --attention reference-emu or fa2-emu.")
 @click.option("--resume", is_flag=True, help="Continue a stopped or crashed run from its last committed checkpoint.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config field, e.g. optim.lr=3e-3.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any config field, e.g. optim.lr=3e-3.")
 @_main_errors
 def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage, precision, attention,
            checkpoint_every, seed, numerics, resume, sets) -> None:
@@ -418,7 +419,8 @@ def _sample_lines(store: str):
 
 @main.command()
 @click.argument("store", type=click.Path(file_okay=False))
-@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), help="HTML file to write (default STORE/report.html).")
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False),
+              help="HTML file to write (default STORE/report.html).")
 @_main_errors
 def report(store, out) -> None:
     """One self-contained HTML page: loss and grad norm with spikes and replays, the localisation

@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     outcomes = done_outcomes(args.work, recipes) if args.done_only else search(args.work, recipes, args.jobs)
     table = render(outcomes, recipes) + "\n" + render_signatures(args.work, recipes)
     if CANDIDATE in {r.name for r in recipes}:
-        table += f"\n{CANDIDATE}, seed {SEEDS[0]}, at every checkpoint:\n\n" + render_growth(args.work, CANDIDATE, SEEDS[0])
+        table += (f"\n{CANDIDATE}, seed {SEEDS[0]}, at every checkpoint:\n\n"
+                  + render_growth(args.work, CANDIDATE, SEEDS[0]))
     if args.table:
         args.table.write_text(table)
     print(table)

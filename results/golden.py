@@ -177,7 +177,8 @@ def weights(ctx: Context) -> Section:
     cfg = cli(ctx, "info", stores["ref"], "--json", as_json=True)["config"]
     model, tokens = cfg["model"], steps * cfg["batch_size"] * cfg["model"]["block_size"]
     body = [f"Four GPT-2s of the `tiny` preset ({model['n_layer']} layers x {model['n_head']} heads x "
-            f"{model['n_embd']}, seq {model['block_size']}, batch {cfg['batch_size']}, AdamW lr {cfg['optim']['lr']:g}, "
+            f"{model['n_embd']}, seq {model['block_size']}, batch {cfg['batch_size']}, "
+            f"AdamW lr {cfg['optim']['lr']:g}, "
             f"the built-in byte corpus), {steps} steps ({tokens:,} tokens), a checkpoint every {every}. Every pair "
             f"against the reference run `{stores['ref'].name}`: " + "; ".join(PAIRS.values()) + ". Per checkpoint, "
             f"the **largest value over the model's {len(distances['a']['tensors'])} weight tensors** (what `replay "
@@ -234,5 +235,6 @@ def _weights_comparison(steps: list[int], largest, model: dict, tokens: int) -> 
             + ("above both other pairs at every checkpoint" if b_top else "not above both other pairs everywhere")
             + f": {' and '.join(b_spans)}. Read with care: (a) compares two BF16 attentions, of which baseline (S and "
             "P rounded to BF16) is the less accurate one (item 1); the model is "
-            f"{model['n_layer']} layers x {model['n_embd']} trained on {tokens:,} tokens, not the paper's; and the seed "
+            f"{model['n_layer']} layers x {model['n_embd']} trained on {tokens:,} tokens, not the paper's; and the "
+            "seed "
             "pair starts apart (different initialisations) while the same-seed pairs start identical.")

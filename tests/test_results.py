@@ -61,8 +61,8 @@ def quick(reported_spike, ray_local, tmp_path_factory):
     shutil.copytree(reported_spike, tmp / "spike")
     out, work = tmp / "docs", tmp / "work"
     proc = subprocess.run([sys.executable, "-m", "results.make_results", "--quick", "--out", str(out), "--work",
-                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "4"], cwd=REPO, capture_output=True, text=True,
-                          timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
+                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "4"], cwd=REPO,
+                          capture_output=True, text=True, timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, work, (out / "results.md").read_text()
 
@@ -72,7 +72,8 @@ def test_sections_commands_and_figures(quick):
     found = sections(doc)
     titles = [golden.FORWARD_TITLE, golden.WEIGHTS_TITLE, qiu_yao.TITLE, story.TITLE]
     assert [n for n, _, _ in found] == list(range(1, len(titles) + 1))
-    assert all(title.startswith(want) for (_, title, _), want in zip(found, titles, strict=True)), [t for _, t, _ in found]
+    assert all(title.startswith(want) for (_, title, _), want in zip(found, titles, strict=True)), \
+        [t for _, t, _ in found]
     assert "Wall time:" in doc and "hardware:" in doc
     for _, title, text in found:
         block = re.search(r"```bash\n(.*?)\n```", text, re.S)
@@ -161,7 +162,8 @@ def test_mechanism_numbers_are_the_microbench_and_the_numerics(quick):
     with open(work / "microbench" / "mechanism" / "mechanism.csv", newline="") as f:
         bias = {(r["kernel"], int(r["n_tied"]), r["fix_beta"]): r for r in csv.DictReader(f)}
     cases = [("baseline", "")] + [(k, b) for k in ("reference-emu", "fa2-emu") for b in ("", "2", "7")]
-    for label, key in (("Mean signed relative error of O", "o_rel"), ("Mean signed relative error of delta", "delta_rel")):
+    for label, key in (("Mean signed relative error of O", "o_rel"),
+                       ("Mean signed relative error of delta", "delta_rel")):
         rows = table_after(text, label)
         assert [int(r[0]) for r in rows] == sorted({n for _, n, _ in bias})
         for row in rows:

@@ -101,7 +101,8 @@ class Localisation:
         return self.checkpoint is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"spike": self.spike, "trajectory": self.trajectory, "checkpoint": self.checkpoint, "history": self.history,
+        return {"spike": self.spike, "trajectory": self.trajectory, "checkpoint": self.checkpoint,
+                "history": self.history,
                 "heads": [a.to_dict() for a in self.heads], "layers": [a.to_dict() for a in self.layers],
                 "leads": [w.to_dict() for w in self.leads]}
 
@@ -163,10 +164,12 @@ def localise(table: dict[str, Any], spike: int, trajectory: str = "run") -> Loca
     floors = {"tie_rate": 1.0 / max(1, probe.get("rows", 1))}
     heads, layers = [], []
     for layer in range(n_layer):
-        layer_best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer]) for m, x in LAYER_SIGNALS], last, floors)
+        layer_best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer]) for m, x in LAYER_SIGNALS],
+                           last, floors)
         candidates = [layer_best] if layer_best else []
         for head in range(n_head):
-            best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer, head]) for m, x in HEAD_SIGNALS], last, floors)
+            best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer, head]) for m, x in HEAD_SIGNALS],
+                         last, floors)
             if best:
                 heads.append(Anomaly(layer, head, abs(best[0]), best[1], best[2], best[3]))
                 candidates.append((best[0], f"head {head} {best[1]}", best[2], best[3]))
@@ -223,7 +226,8 @@ def localise_store(store_path) -> list[Localisation]:
     covers it (not `found` where too few checkpoints precede it)."""
     trajectories = [("run", read_metrics(store_path))]
     for r in list_replays(store_path):
-        if "error" not in r and not r["overrides"] and r["status"] == "complete" and (r["verification"] or {}).get("bitwise"):
+        bitwise = (r.get("verification") or {}).get("bitwise")
+        if "error" not in r and not r["overrides"] and r["status"] == "complete" and bitwise:
             trajectories.append((r["id"], read_metrics(Path(store_path) / "replays" / r["id"])))
     out: list[Localisation] = []
     for event in RunStore.open(store_path).spikes:

@@ -153,8 +153,9 @@ def _bisect_html(session: Session) -> str:
     table = "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(x))}</td></tr>" for k, x in rows)
     probe_rows = "".join(
         f"<tr><td>{e(q['phase'])}</td><td>{e(key)}</td><td>{q['window'][0]}..{q['window'][1]}</td>"
-        f"<td>{e(str(q['overrides'] or '-'))}</td><td>{'prevents' if q['prevented'] else 'spike at ' + str(q['spike_at'])}"
-        f"</td></tr>" for key, q in session.probes.items())
+        f"<td>{e(str(q['overrides'] or '-'))}</td>"
+        f"<td>{'prevents' if q['prevented'] else 'spike at ' + str(q['spike_at'])}</td></tr>"
+        for key, q in session.probes.items())
     return (f"<h3>Session {e(session.id)}</h3><table>{table}</table>"
             "<details><summary>every probe</summary><table><tr><th>phase</th><th>replay</th><th>window</th>"
             f"<th>overrides</th><th>verdict</th></tr>{probe_rows}</table></details>")

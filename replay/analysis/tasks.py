@@ -128,7 +128,8 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     config.get_text_config().num_hidden_layers = hi   # the layers below the block's end are all it needs
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     names = set(model.state_dict())
-    keys = [k for k in store.shard_index(item.ckpt.step, 0) if k.startswith(MODEL_KEYS) and k[len(MODEL_KEYS):] in names]
+    keys = [k for k in store.shard_index(item.ckpt.step, 0)
+            if k.startswith(MODEL_KEYS) and k[len(MODEL_KEYS):] in names]
     state = {k[len(MODEL_KEYS):]: t.float() for k, t in store.read_shard(item.ckpt.step, 0, keys=keys).items()}
     missing = names - set(state) - {"lm_head.weight"}   # a tied output embedding may be stored once
     if missing:

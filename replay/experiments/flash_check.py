@@ -48,8 +48,9 @@ from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix, check_precision
 from replay.kernels.triton_fa2 import triton_flash_attention
 
-TRITON_OPTIONS: dict[str, dict[str, Any]] = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
-                  "keys=decreasing": dict(key_order="decreasing")}
+TRITON_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
+    "keys=decreasing": dict(key_order="decreasing")}
 CPU_MAX_SEQ_LEN = 512
 DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}   # FP32 mantissa bits a rounding to it drops
 
@@ -208,7 +209,8 @@ def _check_point(cfg: FlashCheckConfig, result: FlashCheckResult, precision: str
     for label, change in TRITON_OPTIONS.items():   # the Triton kernels against the emulation, same options
         opts = first.with_(**change)
         ours = outputs["triton-fa2"] if not change else _run(partial(_triton, opts, cfg.causal), lp)
-        emulated = outputs["fa2-emu"] if not change else _run(partial(flash_attention, opts=opts, causal=cfg.causal), lp)
+        emulated = (outputs["fa2-emu"] if not change
+                    else _run(partial(flash_attention, opts=opts, causal=cfg.causal), lp))
         result.triton[(label, precision, n, d)] = _agreement(ours, emulated)
 
 
@@ -247,7 +249,8 @@ def _flash_backward_determinism(device: torch.device) -> dict[str, bool]:
             torch.use_deterministic_algorithms(deterministic)
             runs = [_run(partial(sdpa, "FLASH_ATTENTION", True), [q, k, v, do]) for _ in range(3)]
             answers[f"deterministic algorithms {'on' if deterministic else 'off'}"] = all(
-                torch.equal(a.view(torch.int16), b.view(torch.int16)) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
+                torch.equal(a.view(torch.int16), b.view(torch.int16))
+                for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
     finally:
         torch.use_deterministic_algorithms(was)
     return answers
@@ -275,7 +278,8 @@ def _near(distances: torch.Tensor, limit: float) -> float:
 
 def _agreement_table(rows: dict, points, title: str) -> list[str]:
     variants = list(dict.fromkeys(v for v, *_ in rows))
-    lines = ["", title, "", "| precision | N | d | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
+    lines = ["", title, "", "| precision | N | d | " + " | ".join(variants) + " |",
+             "|---|---|---|" + "---|" * len(variants)]
     for p, n, d in points:
         cells = []
         for v in variants:
@@ -304,7 +308,8 @@ def _summary(result: FlashCheckResult) -> list[str]:
                               "O / dQ / dK / dV (the smallest fraction within one ulp):")
     lines += ["", "Where O differs from flash (the closest emulation): distance of the emulation's FP32 O from the "
               "nearest rounding boundary, in FP32 rounding errors of a sum of its terms (2^-24 P|V|):", "",
-              "| precision | N | d | closest emulation | differing | within 1 | within 16 | all: within 1 | within 16 |",
+              "| precision | N | d | closest emulation | differing | within 1 | within 16 | all: within 1 "
+              "| within 16 |",
               "|---|---|---|---|---|---|---|---|---|"]
     for (p, n, d), (variant, differing, every) in result.where.items():
         lines.append(f"| {p} | {n} | {d} | {variant} | {differing.numel()} | {_near(differing, 1):.3f} | "

@@ -17,10 +17,11 @@ BF16/FP16 inputs:
   exactly 1), the GPU's accumulation order inside a matmul, and the LSE's units (log2 here, natural log
   in CUDA FA2, converted back in its backward: the same P up to an FP32 ulp).
 
-`reference`: Qiu & Yao's released code, a tiled FA2 written with PyTorch ops under BF16 autocast: every intermediate is a low-precision tensor. S = Q K^T rounded, scaled and
-  rounded; Pbar = exp(S - m) rounded; the per-tile unnormalised Pbar @ V rounded; the O accumulator, l
-  and m low precision, each update rounded; O = acc / l rounded; the backward in low-precision tensors
-  (D, P, dP, dS and the running dQ, dK, dV, each rounded as produced).
+`reference`: Qiu & Yao's released code, a tiled FA2 written with PyTorch ops under BF16 autocast: every
+  intermediate is a low-precision tensor. S = Q K^T rounded, scaled and rounded; Pbar = exp(S - m)
+  rounded; the per-tile unnormalised Pbar @ V rounded; the O accumulator, l and m low precision, each
+  update rounded; O = acc / l rounded; the backward in low-precision tensors (D, P, dP, dS and the
+  running dQ, dK, dV, each rounded as produced).
 
 Options: the safe-softmax fix (per tile, forward only), `hp_delta` (D from an FP32 O: the FA2
 accumulator before rounding, or for `reference` an FP32 recomputation), `hp_pv` (Pbar @ V and the O
@@ -57,7 +58,8 @@ class _FlashEmulation(torch.autograd.Function):
         in_dtype, lead = q.dtype, q.shape[:-2]
         lp = DTYPES[opts.dtype] if opts.dtype else in_dtype
         q3, k3, v3 = (t.to(lp).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
-        mask3 = None if mask is None else mask.expand(*lead, q.shape[-2], k.shape[-2]).reshape(-1, q.shape[-2], k.shape[-2])
+        n, m = q.shape[-2], k.shape[-2]
+        mask3 = None if mask is None else mask.expand(*lead, n, m).reshape(-1, n, m)
         forward = _fa2_forward if opts.placement == "fa2" else _reference_forward
         out, lse, o_hp = forward(q3, k3, v3, opts, causal, scale, mask3)
         probe = numerics.active() if site is not None else None
@@ -70,7 +72,8 @@ class _FlashEmulation(torch.autograd.Function):
         ctx.probe = None
         if probe:
             keep = attended(q3.shape[1], k3.shape[1], causal, mask3, q.device)
-            s = q3.float() @ k3.float().transpose(1, 2) if opts.placement == "fa2" else (q3 @ k3.transpose(1, 2)) * scale
+            s = (q3.float() @ k3.float().transpose(1, 2) if opts.placement == "fa2"
+                 else (q3 @ k3.transpose(1, 2)) * scale)
             ctx.probe, ctx.site, ctx.lead, ctx.keep = probe, site, lead, keep
             ctx.tied, ctx.o_fp32 = probe.tied_rows(site[0], s, keep), o_fp32
         return out.reshape(q.shape).to(in_dtype)

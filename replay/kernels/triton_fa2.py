@@ -396,7 +396,8 @@ def _causal_row_start(c0, N, M, BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr):
 @triton.jit
 def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, OUT, O_HP, LSE2, N, M, HEAD_DIM, c,
                 scale, beta, tie_tol, CAUSAL: tl.constexpr, MASKED: tl.constexpr, FIX: tl.constexpr,
-                TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr, HP_DELTA: tl.constexpr, DECREASING: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
+                TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr, HP_DELTA: tl.constexpr, DECREASING: tl.constexpr,
+                IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK_R
     head = tl.program_id(1).to(tl.int64)

@@ -84,7 +84,8 @@ class RankPool:
                 proc.stdin.flush()
         except BrokenPipeError:
             self.close(kill=True)
-            raise RankPoolError(f"a warm rank died before it took the replay of {store_path}{self._see_log()}") from None
+            raise RankPoolError(f"a warm rank died before it took the replay of {store_path}"
+                                f"{self._see_log()}") from None
         failures = self._collect()
         if failures:
             self.close(kill=True)

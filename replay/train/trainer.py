@@ -134,7 +134,8 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
                 rate = (step + 1 - start) / (time.perf_counter() - t0)
                 note = f"  SPIKE (robust z {event.score:.1f})" if event else ""
                 print(f"step {step:>6}  loss {loop.last_loss:8.4f}  "
-                      f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}", file=sys.stderr, flush=True)
+                      f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}",
+                      file=sys.stderr, flush=True)
 
 
 def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray,

@@ -8,7 +8,8 @@ by bits (see the module docstring of replay.kernels.triton_fa2).
 Against the emulation (`flash_emu`, placement "fa2", run here on real BF16/FP16 tensors):
   - bit for bit where every FP32 operation is exact or rounded identically: the "integer" case has
     integer scores and c = scale * log2(e) = 1, so every exp2 is a power of two, every sum and product
-    exact, and the one inexact step (acc * (1 / l)) is an IEEE division and a multiply in both. O must be equal bit for bit.
+    exact, and the one inexact step (acc * (1 / l)) is an IEEE division and a multiply in both. O must be equal
+    bit for bit.
   - elsewhere the operation order differs in the row sums (NumPy's pairwise np.sum in the interpreter,
     PyTorch's vectorised sum in the emulation), in exp2/log2 (NumPy's and PyTorch's FP32 results are one
     ulp apart on about 20% / 2% of inputs) and possibly in matmul accumulation. An FP32 value one ulp off
@@ -400,7 +401,8 @@ def test_real_low_precision_path_compiles_for_the_gpu(monkeypatch, target, dtype
 
     def compile_instead(kernel, grid, args, constexprs, num_warps, num_stages):
         signature = {name: pointer[a.dtype] if isinstance(a, torch.Tensor) else "i32" if isinstance(a, int) else "fp32"
-                     for name, a in zip(kernel.arg_names, args, strict=False)} | {name: "constexpr" for name in constexprs}
+                     for name, a in zip(kernel.arg_names, args, strict=False)}
+        signature |= {name: "constexpr" for name in constexprs}
         source = ASTSource(kernel, signature, constexprs=constexprs)
         compiled[kernel.__name__] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True))
