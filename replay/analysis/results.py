@@ -151,13 +151,12 @@ def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]
             existing[i] = row
             stale.append(i)
         index.append(i)
-    checkpoint = _array(group, "checkpoint")
-    old = checkpoint.shape[0]
+    old = _array(group, "checkpoint").shape[0]
     if len(existing) != old:
         for name in (*arrays, "checkpoint"):
             arr = _array(group, name)
             arr.resize((len(existing), *arr.shape[1:]))
-        checkpoint[old:] = np.array([r["step"] for r in existing[old:]], dtype=np.int64)
+        _array(group, "checkpoint")[old:] = np.array([r["step"] for r in existing[old:]], dtype=np.int64)
     planned = set(index)
     stale += [i for i in range(old) if i not in planned]   # its checkpoint is gone (a rewound run)
     done = _array(group, "done")

@@ -39,7 +39,7 @@ def wait_for_outcomes(procs: Sequence[subprocess.Popen], outcomes: Outcomes, gra
     """Wait until every rank has its outcome. When one fails, the others get `grace` seconds to end on their
     own (a peer stuck in a collective with the failed rank usually errors out at once); then the ranks still
     without an outcome are killed, as they are when the wait ends by an exception. Returns the failures in
-    the order they came, and the ranks killed."""
+    the order they came, and the ranks left without an outcome (killed, unless they ended meanwhile)."""
     pending = set(range(len(procs)))
     failures: list[str] = []
     deadline: float | None = None
