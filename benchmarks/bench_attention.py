@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 
 import torch
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
@@ -100,14 +101,14 @@ def gpu_section(quick: bool) -> None:
         tile = AttentionOptions(block_r=128, block_c=128 if d <= 64 else 64)
         for n in ([1024, 4096] if quick else [1024, 2048, 4096, 8192]):
             q, k, v, do = (torch.randn(4, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            fixed = tile.with_(fix=SafeSoftmaxFix(7.0))
             runs = {"sdpa-flash": sdpa,
-                    "triton-fa2": lambda a, b, c: triton_flash_attention(a, b, c, tile),
-                    "triton-fa2+fix": lambda a, b, c: triton_flash_attention(   # as in training: checked per step
-                        a, b, c, tile.with_(fix=SafeSoftmaxFix(7.0)), defer_checks=True),
-                    "+fix checked at once": lambda a, b, c: triton_flash_attention(
-                        a, b, c, tile.with_(fix=SafeSoftmaxFix(7.0)))}
+                    "triton-fa2": partial(triton_flash_attention, opts=tile),
+                    # as in training: checked once per step
+                    "triton-fa2+fix": partial(triton_flash_attention, opts=fixed, defer_checks=True),
+                    "+fix checked at once": partial(triton_flash_attention, opts=fixed)}
             if n <= 2048:
-                runs["fa2-emu"] = lambda a, b, c: flash_attention(a, b, c, tile)
+                runs["fa2-emu"] = partial(flash_attention, opts=tile)
             t = {name: ms(fn, q, k, v, do) for name, fn in runs.items()}
             flops = 4 * 16 * n * n * d * 2 * 7 / 2   # 2 matmuls forward, 5 backward, causal half
             print(f"  d {d:3d} seq {n:5d}: " + ", ".join(
@@ -142,13 +143,14 @@ def tune_section() -> None:
         for d in (64, 128):
             q, k, v, do = (torch.randn(4, 16, 2048, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             base_f, base = ms(sdpa, q, k, v, do, False), ms(sdpa, q, k, v, do)
-            print(f"tune, d {d} seq 2048: sdpa-flash forward {base_f:.3f} ms, forward + backward {base:.3f} ms", flush=True)
+            print(f"tune, d {d} seq 2048: sdpa-flash forward {base_f:.3f} ms, forward + backward {base:.3f} ms",
+                  flush=True)
             for tile in ((128, 128), (128, 64), (64, 64)):
                 opts = AttentionOptions(block_r=tile[0], block_c=tile[1])
                 for fw in ((4, 2), (8, 2), (8, 3)):
                     for bw in ((4, 2), (8, 2), (8, 1)):
                         triton_fa2._warps_and_stages = lambda _opts, forward, fw=fw, bw=bw: fw if forward else bw
-                        fn = lambda a, b, c: triton_fa2.triton_flash_attention(a, b, c, opts)
+                        fn = partial(triton_fa2.triton_flash_attention, opts=opts)
                         f, t = ms(fn, q, k, v, do, False), ms(fn, q, k, v, do)
                         print(f"  tiles {tile[0]}x{tile[1]} forward {fw} backward {bw} (warps, stages): forward "
                               f"{f:.3f} ms ({base_f / f:.2f}x sdpa), forward + backward {t:.3f} ms "

@@ -83,7 +83,8 @@ def warm_vs_fresh(record: list[str], root: Path, windows: list[tuple[int, int]])
         for a, b in windows:
             run(warm_store, ReplayRequest(a, b, overrides=Overrides(lr_scale=0.5)), pool=pool)
         warm = time.perf_counter() - t
-    print(f"{len(windows)} replay(s) of 10 steps: fresh ranks {cold:.1f} s, warm ranks {warm:.1f} s: {cold / warm:.1f}x")
+    print(f"{len(windows)} replay(s) of 10 steps: fresh ranks {cold:.1f} s, warm ranks {warm:.1f} s: "
+          f"{cold / warm:.1f}x")
 
 
 def main() -> None:

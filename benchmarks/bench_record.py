@@ -340,7 +340,7 @@ def bench_choices(workdir: Path, sets: list[str], repeats: int = 3) -> None:
     tree, params = trained_state(sets)
     buffer = pack(tree).buffer
     for name, fn in (("zlib CRC-32", zlib.crc32), ("CRC-32C (google-crc32c)", crc32c)):
-        t = min(_seconds(lambda: fn(buffer)) for _ in range(repeats))
+        t = min(_seconds(functools.partial(fn, buffer)) for _ in range(repeats))
         print(f"  checksum {name}: {len(buffer) / MB / t:.0f} MB/s", flush=True)
     lay = layout(tree)
     segments = lay.segments()
@@ -352,7 +352,7 @@ def bench_choices(workdir: Path, sets: list[str], repeats: int = 3) -> None:
             times = []
             for _ in range(repeats):
                 os.sync()
-                times.append(_seconds(lambda: chunks.write_chunks(out, segments, n, chunk)))
+                times.append(_seconds(functools.partial(chunks.write_chunks, out, segments, n, chunk)))
                 shutil.rmtree(out)
             print(f"  chunks of {chunk_mb} MiB, {threads} writer thread(s): {statistics.median(times):.3f} s "
                   f"({lay.size / MB / statistics.median(times):.0f} MB/s)", flush=True)

@@ -7,11 +7,27 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
-from replay.config import PRECISIONS
+from replay.analysis.jobs import analyze as run_analysis
+from replay.analysis.jobs import compare as run_compare
+from replay.analysis.localise import localise_store
+from replay.analysis.report import write_report
+from replay.bisect.narrow import BisectConfig
+from replay.bisect.narrow import bisect as run_bisect
+from replay.config import PRECISIONS, build_config
+from replay.demo import run_demo
 from replay.errors import ReplayError
+from replay.launch import ranks
+from replay.lifeline import follow_parent
+from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
+from replay.replayer.replays import ReplayRequest
+from replay.replayer.replays import run as run_replay
+from replay.store import RunStore
+from replay.store.lease import current_spec, writing
+from replay.views import info_lines, sample_lines, step_batch, summarize
 
 
 def _main_errors(fn):
@@ -70,9 +86,10 @@ class _Commands(click.Group):
 def _one_line(e: click.UsageError) -> click.ClickException:
     if isinstance(e, click.exceptions.NoArgsIsHelpError):   # `replay` alone: the help, as click prints it
         return e
-    names, ctx = [], e.ctx
+    names: list[str] = []
+    ctx = e.ctx
     while ctx is not None and ctx.parent is not None:   # the root is `replay`, however it was started
-        names.append(ctx.info_name)
+        names.append(ctx.info_name or "")
         ctx = ctx.parent
     where = " ".join(["replay", *reversed(names)])
     return _UsageLine(f"{e.format_message().rstrip('.')}; see `{where} --help`")
@@ -87,8 +104,6 @@ def main(debug: bool) -> None:
     A run store (a Zarr directory) holds everything about one run: its config and environment, the
     exact samples of every step on every rank, metrics, spikes and committed checkpoints.
     """
-    from replay.lifeline import follow_parent
-
     follow_parent()   # started by a script of ours (lifeline.py): end with it
     if debug:
         os.environ["REPLAY_DEBUG"] = "1"   # rank processes print tracebacks too
@@ -111,7 +126,8 @@ def main(debug: bool) -> None:
               help="Also record per-step attention numerics (tied maxima, delta error, W_Q gradient error) of "
                    "the emulated flash backends; needs --attention reference-emu or fa2-emu.")
 @click.option("--resume", is_flag=True, help="Continue a stopped or crashed run from its last committed checkpoint.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config field, e.g. optim.lr=3e-3.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any config field, e.g. optim.lr=3e-3.")
 @_main_errors
 def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage, precision, attention,
            checkpoint_every, seed, numerics, resume, sets) -> None:
@@ -122,9 +138,6 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
     writes its shard of a checkpoint (model, optimizer, scheduler, RNG states) off the training thread;
     it becomes visible once committed. A spike detector flushes recent in-memory snapshots on a spike.
     """
-    from replay.config import build_config
-    from replay.launch import ranks
-
     if ranks.under_outer_launcher():
         return _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision,
                                attention, checkpoint_every, seed, numerics, sets)
@@ -144,18 +157,13 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
 
 
 def _recorded_world(store: str) -> int:
-    from replay.store import RunStore
-
     return RunStore.open(store).manifest.world_size
 
 
 def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision, attention,
                     checkpoint_every, seed, numerics, sets) -> None:
     """Under torchrun / deepspeed (multi-node): rank 0 prepares the store, every rank trains."""
-    from replay.config import build_config
-    from replay.launch import ranks
-    from replay.store import RunStore
-    from replay.store.lease import current_spec, writing
+    # lazy: the CLI starts without torch and transformers (2 s)
     from replay.train.trainer import train
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -189,8 +197,6 @@ def info(store, as_json) -> None:
 
 
 def _print_info(store: str, as_json: bool) -> None:
-    from replay.views import info_lines, summarize
-
     summary = summarize(store)
     click.echo(json.dumps(summary, indent=2) if as_json else "\n".join(info_lines(summary)))
 
@@ -203,8 +209,6 @@ def _print_info(store: str, as_json: bool) -> None:
 @_main_errors
 def batch(store, step, rank, as_json) -> None:
     """The exact samples trained on at STEP: decoded text for the byte corpus, token ids otherwise."""
-    from replay.views import sample_lines, step_batch
-
     rows = step_batch(store, step, rank)
     click.echo(json.dumps(rows, indent=2) if as_json else "\n".join(line for row in rows for line in sample_lines(row)))
 
@@ -240,9 +244,6 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     with the overrides (each recorded in the replay's manifest; several may be combined). A run of your
     own script (replay.recorder.Loop) is replayed by starting its recorded command again.
     """
-    from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
-    from replay.replayer.replays import ReplayRequest, run
-
     head_list, units = parse_heads(heads) if heads else (None, None)
     overrides = Overrides(
         attention=attention, precision=precision, hp_delta=hp_delta, lr_scale=lr_scale,
@@ -253,8 +254,9 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
                         resume=resume, discard=discard, allow_changed=allow_changed)
-    result = run(store, req)
+    result = run_replay(store, req)
     v = result.verification
+    assert v is not None, "run() verifies every replay"
     if as_json:
         click.echo(json.dumps({"replay": str(result.path), "ran": result.created,
                                "environment_differences": result.environment_notes, "verification": v.to_dict()},
@@ -263,10 +265,11 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     for note in result.environment_notes:
         click.echo(f"environment differs from the recording: {note} (bitwise equality is not guaranteed)", err=True)
     click.echo(f"replay {result.path} ({'ran' if result.created else 'already complete; not re-run'}): "
-               f"steps {v.steps[0]}..{v.steps[-1]}" + (f", overrides {overrides.to_dict()}" if overrides.to_dict() else ""))
+               f"steps {v.steps[0]}..{v.steps[-1]}"
+               + (f", overrides {overrides.to_dict()}" if overrides.to_dict() else ""))
     if verify:
         click.echo("verify: every replayed step equals the record bit for bit (loss per rank, global loss, "
-                   "grad norm)" if v.bitwise else f"verify: {v.divergence.describe()}")
+                   "grad norm)" if v.divergence is None else f"verify: {v.divergence.describe()}")
 
 
 def _csv(kind, parse):
@@ -308,8 +311,7 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     The mechanism (Qiu & Yao): the signed bias of O and of delta on rows with tied maxima and a V of one
     sign, with and without the safe-softmax fix, with 95% confidence intervals.
     """
-    from pathlib import Path
-
+    # lazy: the CLI starts without torch (1 s)
     from replay.experiments import golden, mechanism
 
     out = Path(out_dir)
@@ -318,17 +320,16 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     if mode == "flash":
         from replay.experiments import flash_check
 
-        result = flash_check.run_flash_check(flash_check.FlashCheckConfig(**given), out / "flash",
-                                             progress=lambda m: click.echo(m, err=True))
-        click.echo("\n".join(result.summary_lines()))
+        flash = flash_check.run_flash_check(flash_check.FlashCheckConfig(**given), out / "flash",
+                                            progress=lambda m: click.echo(m, err=True))
+        click.echo("\n".join(flash.summary_lines()))
     if mode in ("sweep", "all"):
-        result = golden.run_sweep(golden.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
-        click.echo("\n".join(result.summary_lines()))
+        sweep = golden.run_sweep(golden.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
+        click.echo("\n".join(sweep.summary_lines()))
     if mode in ("mechanism", "all"):
-        result = mechanism.run_mechanism(mechanism.MechanismConfig(**({"trials": trials} if trials else {})),
-                                         out / "mechanism",
-                                  progress=lambda m: click.echo(m, err=True))
-        click.echo("\n".join(result.summary_lines()))
+        bias = mechanism.run_mechanism(mechanism.MechanismConfig(**({"trials": trials} if trials else {})),
+                                       out / "mechanism", progress=lambda m: click.echo(m, err=True))
+        click.echo("\n".join(bias.summary_lines()))
     click.echo(f"wrote {out}/", err=True)
 
 
@@ -354,9 +355,6 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
     computed. Then, for every recorded spike, ranks the layers and heads whose metrics moved most
     against their own history before it.
     """
-    from replay.analysis.jobs import analyze as run_analysis
-    from replay.analysis.localise import localise_store
-
     summary = run_analysis(store, ray_address, workers, progress=lambda m: click.echo(m, err=True))
     found = localise_store(store)
     if as_json:
@@ -401,19 +399,18 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
     STORE/bisect/, so the same command resumes an interrupted bisect. Exit code 3: no spike recorded;
     4: the plain replay does not reproduce the record.
     """
-    from replay.bisect.narrow import BisectConfig
-    from replay.bisect.narrow import bisect as run_bisect
-
     cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, min_delta=min_delta,
                        max_probes=max_probes, workers=workers, address=ray_address, allow_changed=allow_changed)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
-    click.echo(json.dumps(session.to_dict(), indent=2) if as_json else "\n".join(session.verdict.lines(_sample_lines(store))))
+    if as_json:
+        click.echo(json.dumps(session.to_dict(), indent=2))
+        return
+    assert session.verdict is not None, "a bisect ends with its verdict, or raises"
+    click.echo("\n".join(session.verdict.lines(_sample_lines(store))))
 
 
 def _sample_lines(store: str):
     """How a bisect answer shows one of the samples it names: as `replay batch` prints it."""
-    from replay.views import sample_lines, step_batch
-
     def sample(step: int, sample_id: int) -> list[str]:
         return next((sample_lines(row) for row in step_batch(store, step) if row["sample_id"] == sample_id), [])
 
@@ -422,13 +419,12 @@ def _sample_lines(store: str):
 
 @main.command()
 @click.argument("store", type=click.Path(file_okay=False))
-@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), help="HTML file to write (default STORE/report.html).")
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False),
+              help="HTML file to write (default STORE/report.html).")
 @_main_errors
 def report(store, out) -> None:
     """One self-contained HTML page: loss and grad norm with spikes and replays, the localisation
     ranking, per-head spectral-norm heatmaps and weight distances (PNGs embedded; no server needed)."""
-    from replay.analysis.report import write_report
-
     click.echo(f"wrote {write_report(store, out, warn=lambda m: click.echo(f'warning: {m}', err=True))}")
 
 
@@ -445,8 +441,6 @@ def compare(store_a, store_b, ray_address, workers, as_json) -> None:
     distributions (scipy); the table prints each step's largest over tensors, and all of it is stored in
     STORE_A/analysis/distances/.
     """
-    from replay.analysis.jobs import compare as run_compare
-
     result = run_compare(store_a, store_b, ray_address, workers, progress=lambda m: click.echo(m, err=True))
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -468,8 +462,6 @@ def demo(out) -> None:
     """The whole story on the embedded default, on a laptop: record the `spike` preset on 2 CPU ranks,
     bisect its spike, replay the steps before it densely, analyse every checkpoint on a local Ray
     cluster and write the report. Stages already done in OUT are reused."""
-    from replay.demo import run_demo
-
     result = run_demo(out, progress=lambda m: click.echo(m, err=True))
     click.echo("\n".join(result.lines(_sample_lines(str(result.store)))))
 

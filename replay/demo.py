@@ -17,13 +17,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from replay.analysis.jobs import analyze
+from replay.analysis.localise import Localisation, localise_store
+from replay.analysis.report import write_report
+from replay.bisect.narrow import BisectConfig, bisect
+from replay.bisect.session import Session
+from replay.config import build_config
 from replay.errors import UsageError
-
-if TYPE_CHECKING:
-    from replay.analysis.localise import Localisation
-    from replay.bisect.session import Session
+from replay.launch import ranks
+from replay.launch.pool import RankPool
+from replay.launch.ray_cluster import ray_session
+from replay.replayer.replays import ReplayRequest
+from replay.replayer.replays import run as replay
+from replay.store import RunStore
 
 PRESET, NPROC = "spike", 2
 FIX = "lr-scale=0.5"
@@ -41,6 +48,7 @@ class DemoResult:
     def lines(self, sample: Callable[[int, int], list[str]]) -> list[str]:
         """The story's answer in words; `sample(step, id)` shows one sample."""
         v = self.bisect.verdict
+        assert v is not None, "run_demo's bisect ends with its verdict"
         out = ["", f"The recorded spike, bisected ({v.probes} probe replays in {v.seconds:.0f} s):", *v.lines(sample)]
         for f in [f for f in self.localisation if f.found][:1]:
             top = f.heads[0]
@@ -54,15 +62,6 @@ class DemoResult:
 
 
 def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
-    from replay.analysis.jobs import analyze
-    from replay.analysis.localise import localise_store
-    from replay.analysis.report import write_report
-    from replay.bisect.narrow import BisectConfig, bisect
-    from replay.launch.pool import RankPool
-    from replay.launch.ray_cluster import ray_session
-    from replay.replayer.replays import ReplayRequest
-    from replay.replayer.replays import run as replay
-
     store = Path(out)
     stages: dict[str, float] = {}
     t = time.perf_counter()
@@ -77,12 +76,15 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
             session = bisect(str(store), BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
             stages["bisect"], t = time.perf_counter() - t, time.perf_counter()
 
+            assert session.verdict is not None, "a bisect ends with its verdict, or raises"
             spike = session.verdict.spike
             start, stop = max(0, spike - DENSE_BEFORE), spike + DENSE_AFTER
-            progress(f"[3/5] replay steps {start}..{stop} with a checkpoint every {DENSE_EVERY} steps, verified bit for bit")
+            progress(f"[3/5] replay steps {start}..{stop} with a checkpoint every {DENSE_EVERY} steps, "
+                     "verified bit for bit")
             dense = replay(str(store), ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True))
-            if not dense.verification.bitwise:
-                progress(f"      warning: {dense.verification.divergence.describe()}")
+            divergence = dense.verification.divergence if dense.verification else None
+            if divergence is not None:
+                progress(f"      warning: {divergence.describe()}")
             stages["replay"], t = time.perf_counter() - t, time.perf_counter()
 
             progress("[4/5] analyse every checkpoint of the run and its replays")
@@ -96,10 +98,6 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
 
 
 def _record(store: Path, progress: Callable[[str], None]) -> None:
-    from replay.config import build_config
-    from replay.launch import ranks
-    from replay.store import RunStore
-
     if store.exists() and any(store.iterdir()):
         existing = RunStore.open(store)
         if existing.manifest.config.preset != PRESET or existing.kind != "run":

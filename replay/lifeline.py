@@ -94,7 +94,7 @@ class Guardian:
 
     def stop(self) -> None:
         """The driver lives on: the guardian leaves without killing anything."""
-        if self._proc is None:
+        if self._proc is None or self._write_fd is None:
             return
         os.write(self._write_fd, b"x")   # "stand down", as opposed to EOF: "I died"
         os.close(self._write_fd)

@@ -307,7 +307,8 @@ def render_signatures(work: Path, recipes: list[Recipe]) -> str:
     """The signature table of every recipe whose BF16 and FP32 arms both ran (seed 1)."""
     lines = ["| recipe | arm | step | max spectral norm of W_Q,h per layer | of W_Q,h W_K,h^T | median cos of "
              "successive W_Q grad errors | tie rate |", "|---|---|---|---|---|---|---|"]
-    fmt = lambda xs: ", ".join(f"{x:.3g}" for x in xs) if xs else "–"
+    def fmt(xs):
+        return ", ".join(f"{x:.3g}" for x in xs) if xs else "–"
     for r in recipes:
         for arm in ARMS:
             store, done = _paths(work, r.name, arm, SEEDS[0])
@@ -325,7 +326,8 @@ def render_growth(work: Path, recipe: str, seed: int) -> str:
     from replay.store import RunStore
 
     lines = ["| arm | step | max spectral norm of W_Q,h per layer | of W_Q,h W_K,h^T |", "|---|---|---|---|"]
-    fmt = lambda xs: ", ".join(f"{x:.3g}" for x in xs)
+    def fmt(xs):
+        return ", ".join(f"{x:.3g}" for x in xs)
     for arm in ARMS:
         store, done = _paths(work, recipe, arm, seed)
         if not done.is_file() or not store.exists():
@@ -381,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     outcomes = done_outcomes(args.work, recipes) if args.done_only else search(args.work, recipes, args.jobs)
     table = render(outcomes, recipes) + "\n" + render_signatures(args.work, recipes)
     if CANDIDATE in {r.name for r in recipes}:
-        table += f"\n{CANDIDATE}, seed {SEEDS[0]}, at every checkpoint:\n\n" + render_growth(args.work, CANDIDATE, SEEDS[0])
+        table += (f"\n{CANDIDATE}, seed {SEEDS[0]}, at every checkpoint:\n\n"
+                  + render_growth(args.work, CANDIDATE, SEEDS[0]))
     if args.table:
         args.table.write_text(table)
     print(table)

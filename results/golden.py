@@ -106,7 +106,8 @@ def forward(ctx: Context) -> Section:
 
 def _forward_comparison(ratios, lens, tiles, tile_n, o) -> str:
     median = {k: statistics.median(r) for k, r in ratios.items()}
-    span = lambda k: f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}x"
+    def span(k):
+        return f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}x"
     text = (f"**Against the paper.** Golden et al. find Flash Attention deviating about {PAPER_RATIO}x more than "
             f"Baseline attention at BF16. Here (max |O − golden|, median over the {len(ratios['fa2-emu'])} points "
             f"the command measured, as in its verdict above) the emulation with CUDA FA2's rounding points "
@@ -117,7 +118,8 @@ def _forward_comparison(ratios, lens, tiles, tile_n, o) -> str:
     text += (f"The paper's order of magnitude is reproduced by {' and '.join(near)}. " if near else
              f"The paper's {PAPER_RATIO}x is **not** reproduced: at most {max(median.values()):.2f}x. ")
     first, last = lens[0], lens[-1]
-    rel = lambda k, n: o(k, "bf16", n, stat="mean") / o("baseline", "bf16", n, stat="mean")
+    def rel(k, n):
+        return o(k, "bf16", n, stat="mean") / o("baseline", "bf16", n, stat="mean")
     text += (f"From N = {first} to {last}, `reference-emu`'s mean-deviation ratio to Baseline goes "
              f"{rel('reference-emu', first):.2f}x -> {rel('reference-emu', last):.2f}x and `fa2-emu`'s "
              f"{rel('fa2-emu', first):.2f}x -> {rel('fa2-emu', last):.2f}x (the paper: Flash's deviation grows "
@@ -167,7 +169,7 @@ def weights(ctx: Context) -> Section:
     # three run at once; max |difference| and Wasserstein-1 are symmetric.
     results = cli_parallel(ctx, [["compare", stores[p], stores["ref"], "--workers", 1, "--json"] for p in PAIRS],
                            len(PAIRS), as_json=True, commands=commands)
-    distances = dict(zip(PAIRS, results))
+    distances = dict(zip(PAIRS, results, strict=True))
     for p, d in distances.items():
         (out / f"compare-{p}.json").write_text(json.dumps(d, indent=1))
     steps_common = distances["a"]["steps"]
@@ -175,7 +177,8 @@ def weights(ctx: Context) -> Section:
     cfg = cli(ctx, "info", stores["ref"], "--json", as_json=True)["config"]
     model, tokens = cfg["model"], steps * cfg["batch_size"] * cfg["model"]["block_size"]
     body = [f"Four GPT-2s of the `tiny` preset ({model['n_layer']} layers x {model['n_head']} heads x "
-            f"{model['n_embd']}, seq {model['block_size']}, batch {cfg['batch_size']}, AdamW lr {cfg['optim']['lr']:g}, "
+            f"{model['n_embd']}, seq {model['block_size']}, batch {cfg['batch_size']}, "
+            f"AdamW lr {cfg['optim']['lr']:g}, "
             f"the built-in byte corpus), {steps} steps ({tokens:,} tokens), a checkpoint every {every}. Every pair "
             f"against the reference run `{stores['ref'].name}`: " + "; ".join(PAIRS.values()) + ". Per checkpoint, "
             f"the **largest value over the model's {len(distances['a']['tensors'])} weight tensors** (what `replay "
@@ -197,9 +200,9 @@ def weights(ctx: Context) -> Section:
 
 def _weights_plot(ctx: Context, steps: list[int], largest) -> str:
     fig = Figure(figsize=(10, 3.6), layout="constrained")
-    for ax, (m, label) in zip(fig.subplots(1, 2), METRICS.items()):
+    for ax, (m, label) in zip(fig.subplots(1, 2), METRICS.items(), strict=True):
         for p, name in PAIRS.items():
-            xs = [s for s, v in zip(steps, largest[p][m]) if v > 0]
+            xs = [s for s, v in zip(steps, largest[p][m], strict=True) if v > 0]
             ax.plot(xs, [v for v in largest[p][m] if v > 0], marker="o", label=name)
         ax.set_yscale("log")
         ax.set_xlabel("step")
@@ -232,5 +235,6 @@ def _weights_comparison(steps: list[int], largest, model: dict, tokens: int) -> 
             + ("above both other pairs at every checkpoint" if b_top else "not above both other pairs everywhere")
             + f": {' and '.join(b_spans)}. Read with care: (a) compares two BF16 attentions, of which baseline (S and "
             "P rounded to BF16) is the less accurate one (item 1); the model is "
-            f"{model['n_layer']} layers x {model['n_embd']} trained on {tokens:,} tokens, not the paper's; and the seed "
+            f"{model['n_layer']} layers x {model['n_embd']} trained on {tokens:,} tokens, not the paper's; and the "
+            "seed "
             "pair starts apart (different initialisations) while the same-seed pairs start identical.")

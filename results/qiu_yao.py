@@ -35,7 +35,7 @@ def mechanism(ctx: Context) -> Section:
         paths[name] = store / "replays" / name
     found = cli_parallel(ctx, [["info", path, "--json"] for path in paths.values()], len(paths), as_json=True,
                          commands=commands)
-    infos = dict(zip(paths, found))
+    infos = dict(zip(paths, found, strict=True))
     for name, info in infos.items():
         (ctx.work / f"mechanism-info-{name}.json").write_text(json.dumps(info, indent=1))
     body.append(_training_table(infos, steps))
@@ -66,8 +66,10 @@ def _bias_tables(ctx: Context, trials: int, commands: list[str]) -> str:
 
 
 def _bias_sentence(rows: dict) -> str:
-    mean = lambda kernel, n, beta: float(rows[(kernel, n, beta)]["o_rel_mean"])
-    ci = lambda kernel, n, beta: float(rows[(kernel, n, beta)]["o_rel_ci95"])
+    def mean(kernel, n, beta):
+        return float(rows[(kernel, n, beta)]["o_rel_mean"])
+    def ci(kernel, n, beta):
+        return float(rows[(kernel, n, beta)]["o_rel_ci95"])
     ref, fixed, fa2 = mean("reference-emu", 2, ""), mean("reference-emu", 2, "7"), mean("fa2-emu", 2, "")
     flips = [n for n in sorted({n for _, n, _ in rows}) if n > 1
              and mean("reference-emu", n, "7") * mean("reference-emu", n, "") < 0
@@ -114,7 +116,8 @@ def _plot_training(ctx: Context, paths: dict, steps: int) -> str:
     axes = fig.subplots(1, 3)
     colors = {"recorded": "tab:red", "hp-delta": "tab:blue", "fix": "tab:green"}
     window = max(1, steps // 40)
-    smooth = lambda a: np.convolve(np.nan_to_num(a), np.ones(window) / window, mode="valid")
+    def smooth(a):
+        return np.convolve(np.nan_to_num(a), np.ones(window) / window, mode="valid")
     for name, _, label in VARIANTS:
         s = RunStore.open(paths[name]).read_steps(["tied_rate", "delta_err", "wq_tied_err_cos"])
         for layer in range(s["tied_rate"].shape[1]):
@@ -124,7 +127,7 @@ def _plot_training(ctx: Context, paths: dict, steps: int) -> str:
             axes[2].plot(smooth(s["wq_tied_err_cos"][:, layer]), **style)
     titles = ["tied-maxima rate (running mean)", "running sum of delta_lp - delta_hp",
               "cos of successive W_Q gradient errors\n(tied rows' part, running mean)"]
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend(fontsize=7)

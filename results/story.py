@@ -55,12 +55,14 @@ def story(ctx: Context) -> Section:
 def _run_table(info: dict) -> str:
     cfg, m = info["config"], info["config"]["model"]
     rows = [["preset", f"`{cfg['preset']}`: {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, seq "
-                       f"{m['block_size']}, {cfg['precision']}, attention `{m['attention']}`, lr {cfg['optim']['lr']:g}"],
+                       f"{m['block_size']}, {cfg['precision']}, attention `{m['attention']}`, "
+                       f"lr {cfg['optim']['lr']:g}"],
             ["ranks", f"{info['world_size']} ({info['launcher']})"],
             ["steps", f"{info['steps_recorded']}; loss {info['first_loss']:.4f} -> {info['last_loss']:.4f}"],
             ["checkpoints", ", ".join(f"{c['step']}" + ("" if c["kind"] == "regular" else f" ({c['kind']})")
                                       for c in info["checkpoints"])]]
-    num = lambda x, f: format(x, f) if isinstance(x, (int, float)) else str(x)   # non-finite ones are strings
+    def num(x, f):   # non-finite ones are strings
+        return format(x, f) if isinstance(x, (int, float)) else str(x)
     rows += [[f"spike at step {e['step']}", f"loss {num(e['loss'], '.4f')} against a median of "
                                             f"{num(e['baseline'], '.4f')} (robust z {num(e['score'], '.1f')})"]
              for e in info["spikes"]]
@@ -85,7 +87,8 @@ def _verdict_table(v: dict) -> str:
         rows.append(["data", f"samples {v['samples']}" if v["samples"] else
                      f"no batch: skipping every batch of steps {v['data_window'][0]}..{v['data_window'][1]} moves the "
                      f"spike to step {v['spike_without_data']}"])
-    rows.append(["probes", f"{v['probes']} (worst case {v['bound']}), {v['seconds']:.1f} s on {v['workers']} worker(s)"])
+    rows.append(["probes", f"{v['probes']} (worst case {v['bound']}), {v['seconds']:.1f} s on "
+                           f"{v['workers']} worker(s)"])
     return "**The bisect's verdict** (`replay bisect --json`):\n\n" + table(["", ""], rows)
 
 
@@ -95,7 +98,8 @@ def _ranking(found: dict | None) -> str:
     where = "the run" if found["trajectory"] == "run" else f"replay `{found['trajectory']}` (bit for bit the record)"
     rows = [[a["unit"], f"{a['score']:.1f}", f"`{a['signal']}`", f"{a['value']:.4g}", f"{a['baseline']:.4g}"]
             for a in found["heads"][:5] + found["layers"]]
-    return (f"**The analysis ranking** (`replay analyze --json`): checkpoint {found['checkpoint']}, the last before the "
+    return (f"**The analysis ranking** (`replay analyze --json`): checkpoint {found['checkpoint']}, the last "
+            "before the "
             f"spike, against {len(found['history'])} earlier ones ({found['history'][0]}..{found['history'][-1]}) of "
             f"{where}; robust z of each metric against the unit's own history, a unit's score its largest |z|:\n\n"
             + table(["unit", "robust z", "signal", "value", "median before"], rows))
@@ -134,4 +138,5 @@ def _comparison(v: dict, found: dict | None) -> str:
         text += (f"The weight analysis ranks {top['unit']} first ({second}), {how} (robust z {top['score']:.1f}); the "
                  "bisect (interventions) and the analysis (weights) answer different questions about the same "
                  "event. ")
-    return text + "The workflow, record then replay bit for bit then localise, is the paper's; its finding is not shown."
+    return text + ("The workflow, record then replay bit for bit then localise, is the paper's; its finding is "
+                   "not shown.")

@@ -9,7 +9,8 @@ from tests.conftest import error_line, replay_cli
 
 
 @pytest.mark.parametrize("args, names, command", [
-    (["run", "S", "--from", "1", "--to", "2", "--precision", "fp8"], ["'--precision'", "'fp8'", "'bf16'"], "replay run"),
+    (["run", "S", "--from", "1", "--to", "2", "--precision", "fp8"], ["'--precision'", "'fp8'", "'bf16'"],
+     "replay run"),
     (["record", "--stpes", "3"], ["--stpes"], "replay record"),
     (["analyze", "S", "--workers", "many"], ["'--workers'", "'many'"], "replay analyze"),
     (["bisect"], ["STORE"], "replay bisect"),

@@ -61,8 +61,8 @@ def quick(reported_spike, ray_local, tmp_path_factory):
     shutil.copytree(reported_spike, tmp / "spike")
     out, work = tmp / "docs", tmp / "work"
     proc = subprocess.run([sys.executable, "-m", "results.make_results", "--quick", "--out", str(out), "--work",
-                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "4"], cwd=REPO, capture_output=True, text=True,
-                          timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
+                           str(work), "--story-store", str(tmp / "spike"), "--jobs", "4"], cwd=REPO,
+                          capture_output=True, text=True, timeout=1200, env=os.environ | {"RAY_ADDRESS": ray_local})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, work, (out / "results.md").read_text()
 
@@ -72,7 +72,8 @@ def test_sections_commands_and_figures(quick):
     found = sections(doc)
     titles = [golden.FORWARD_TITLE, golden.WEIGHTS_TITLE, qiu_yao.TITLE, story.TITLE]
     assert [n for n, _, _ in found] == list(range(1, len(titles) + 1))
-    assert all(title.startswith(want) for (_, title, _), want in zip(found, titles)), [t for _, t, _ in found]
+    assert all(title.startswith(want) for (_, title, _), want in zip(found, titles, strict=True)), \
+        [t for _, t, _ in found]
     assert "Wall time:" in doc and "hardware:" in doc
     for _, title, text in found:
         block = re.search(r"```bash\n(.*?)\n```", text, re.S)
@@ -104,12 +105,12 @@ def test_forward_numbers_are_the_sweeps(quick):
     for row in table:
         p = row[0].lower()
         values = [dev(k, p, n, d, tile) for k in golden.KERNELS]
-        assert all(close(s, v) for s, v in zip(row[1:4], values)), row
+        assert all(close(s, v) for s, v in zip(row[1:4], values, strict=True)), row
         assert close(row[4], values[1] / values[0]) and close(row[5], values[2] / values[0]), row
     by_length = table_after(text, "**By sequence length**")
     assert len(by_length) == len(golden.SWEEP_QUICK["seq-lens"].split(","))
     for row in by_length:
-        for cell, kernel in zip(row[1:4], golden.KERNELS):
+        for cell, kernel in zip(row[1:4], golden.KERNELS, strict=True):
             shown_max, shown_mean = pair(cell)
             assert close(shown_max, dev(kernel, "bf16", row[0], d, tile))
             assert close(shown_mean, dev(kernel, "bf16", row[0], d, tile, "mean"))
@@ -161,11 +162,12 @@ def test_mechanism_numbers_are_the_microbench_and_the_numerics(quick):
     with open(work / "microbench" / "mechanism" / "mechanism.csv", newline="") as f:
         bias = {(r["kernel"], int(r["n_tied"]), r["fix_beta"]): r for r in csv.DictReader(f)}
     cases = [("baseline", "")] + [(k, b) for k in ("reference-emu", "fa2-emu") for b in ("", "2", "7")]
-    for label, key in (("Mean signed relative error of O", "o_rel"), ("Mean signed relative error of delta", "delta_rel")):
+    for label, key in (("Mean signed relative error of O", "o_rel"),
+                       ("Mean signed relative error of delta", "delta_rel")):
         rows = table_after(text, label)
         assert [int(r[0]) for r in rows] == sorted({n for _, n, _ in bias})
         for row in rows:
-            for cell, case in zip(row[1:], cases):
+            for cell, case in zip(row[1:], cases, strict=True):
                 mean, ci = cell.split(" ± ")
                 assert close(mean, float(bias[(*case[:1], int(row[0]), case[1])][key + "_mean"])), (cell, case)
 
@@ -177,7 +179,7 @@ def test_mechanism_numbers_are_the_microbench_and_the_numerics(quick):
         name, layer = qiu_yao.VARIANTS[i // n_layer][0], i % n_layer
         assert int(row[1]) == layer
         numerics = infos[name]["numerics"]
-        for cell, (key, spec) in zip(row[2:7], qiu_yao.COLUMNS):
+        for cell, (key, spec) in zip(row[2:7], qiu_yao.COLUMNS, strict=True):
             value = numerics[key][layer]
             assert cell == ("n/a" if value != value else format(value, spec)), (name, key, cell, value)
     # an FP32 delta has no error at all; the reference placement's does

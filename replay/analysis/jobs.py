@@ -1,10 +1,10 @@
 """`replay analyze` and `replay compare`: plan work items, run them as Ray tasks, keep what is done.
 
-A work item is one checkpoint and one block of layers (metrics), or one checkpoint of a replay or of a
-compared run (weight distances). Items carry store paths, never tensors: each task reads the
-checkpoint from the store itself (byte ranges of the tensors it needs), computes, writes its own
-chunks and then its done marker. Planning skips items already done, so re-running computes only what
-is new, and an interrupted analysis resumes where it stopped.
+A work item (analysis/items.py) is one checkpoint and one block of layers (metrics), or one checkpoint of
+a replay or of a compared run (weight distances). Each task reads the checkpoint from the store itself
+(byte ranges of the tensors it needs), computes, writes its own chunks and then its done marker. Planning
+skips items already done, so re-running computes only what is new, and an interrupted analysis resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -17,61 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zarr
 
 from replay import faults
 from replay.analysis import results as R
+from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
 from replay.analysis.names import DISTANCES
 from replay.errors import StoreError, UsageError
+from replay.launch.ray_cluster import ray_session, run_tasks
 from replay.store import RunStore
-from replay.store.layout import MODEL_KEYS, Layout, layout_of
+from replay.store.layout import MODEL_KEYS
 from replay.store.lease import writing
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
+from replay.train.data import load_data
 
 LAYER_BLOCK = 4                         # layers per work item
-
-
-@dataclass
-class Source:
-    path: str                           # absolute path of the store holding the checkpoint
-    step: int
-    committed_at: float = 0.0           # identifies this checkpoint (a rewound run writes a new one)
-
-
-@dataclass
-class MetricItem:
-    store: str                          # where the results go
-    row: int
-    block_index: int
-    block: tuple[int, int]
-    n_embd: int
-    n_head: int
-    ckpt: Source
-    prev: Source | None
-    before: Source | None
-    probe: list[list[int]] | None       # token rows of the probe batch (block_size + 1 tokens each for the
-                                        # built-in GPT-2, the model's input rows for a transformers model);
-                                        # None: a model of the user's own without one (no probe)
-    transformers_config: dict | None = None   # a transformers model of the user's own (hf_probe_metrics)
-    lease: str = ""                     # the spec of the driver's lease: checked before writing
-
-    @property
-    def label(self) -> str:
-        return f"checkpoint {self.ckpt.step} layers {self.block[0]}-{self.block[1] - 1}"
-
-
-@dataclass
-class DistanceItem:
-    store: str
-    table: str
-    row: int
-    reference: Source
-    other: Source
-    tensors: list[str]
-    lease: str = ""
-
-    @property
-    def label(self) -> str:
-        return f"distances {self.table} at step {self.other.step}"
 
 
 @dataclass
@@ -85,19 +45,10 @@ class Summary:
 def run_item(item: MetricItem | DistanceItem) -> str:
     """One work item, start to finish, on a Ray worker (analysis/tasks.py: torch loads there, never in the
     driver). Returns the node it ran on."""
+    # lazy: the driver never loads torch (1 s)
     from replay.analysis.tasks import run
 
     return run(item)
-
-
-def weight_layout(store: RunStore) -> Layout:
-    """Where the store's checkpoints keep each layer's weights (store/layout.py), or one line saying why not."""
-    m = store.manifest
-    layout = layout_of(m.launcher, m.layout)
-    if layout is None:
-        raise UsageError(f"{store.path} was recorded by a loop that named no weight layout, so its per-head "
-                         "metrics cannot be found: record with Loop(..., layout='nanogpt' | 'hf-gpt2' | 'hf-llama' | {...})")
-    return layout
 
 
 # -- planning (driver) ----------------------------------------------------------------------------
@@ -106,27 +57,29 @@ def checkpoint_sources(store: RunStore) -> list[Source]:
     """Every checkpoint a store's trajectory passes through, by step: a replay's own checkpoints
     preceded by the parent's checkpoint it started from."""
     own = [Source(str(store.path.resolve()), c.step, c.committed_at) for c in store.checkpoints()]
-    if store.kind == "replay":
-        parent = (store.path / store.manifest.replay.parent).resolve()
-        step = store.manifest.replay.start_checkpoint
+    spec = store.manifest.replay   # a replay's (None for a run)
+    if spec is not None:
+        parent = (store.path / spec.parent).resolve()
+        step = spec.start_checkpoint
         start = Source(str(parent), step, _committed_at(Source(str(parent), step)))
         own = [start] + [s for s in own if s.step != start.step]
     return sorted(own, key=lambda s: s.step)
 
 
 def _root_run(store: RunStore) -> RunStore:
-    return RunStore.open((store.path / store.manifest.replay.parent).resolve()) if store.kind == "replay" else store
+    spec = store.manifest.replay
+    return RunStore.open((store.path / spec.parent).resolve()) if spec is not None else store
 
 
 def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
     """The fixed probe batch: the first tokens of the first n samples the run trained on (step 0)."""
-    from replay.train.data import load_data
-
     run = _root_run(store)
     if run.n_steps == 0:
         raise StoreError(f"{run.path} has no recorded steps to take a probe batch from")
     cfg = run.manifest.config
-    ids = np.asarray(run.root["steps/sample_ids"][0]).reshape(-1)[:n]
+    sample_ids = run.root["steps/sample_ids"]
+    assert isinstance(sample_ids, zarr.Array), "the store's layout (store/run_store.py)"
+    ids = np.asarray(sample_ids[0]).reshape(-1)[:n]
     data = load_data(cfg, run)
     T, n_tokens = data.block_size, min(data.block_size, PROBE_TOKENS)
     tokens = [data.tokens[int(i) * T: int(i) * T + n_tokens + 1].astype(np.int64).tolist() for i in ids]
@@ -160,7 +113,7 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
                          "committed_at": src.committed_at} for src, prev, before in chain])
     done = table.done()
     items, skipped = [], 0
-    for row, (src, prev, before) in zip(index, chain):
+    for row, (src, prev, before) in zip(index, chain, strict=True):
         for b, block in enumerate(table.blocks()):
             if done[row, b]:
                 skipped += 1
@@ -232,8 +185,6 @@ def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lamb
             summary: Summary | None = None, every: int = 1) -> Summary:
     """Run work items on the connected Ray cluster, `slots` at a time (see `ray_session`), reporting every
     `every`-th finished item (and the last)."""
-    from replay.launch.ray_cluster import run_tasks
-
     summary = summary or Summary()
     start = time.monotonic()
     progress(f"{len(items)} work items on {slots} Ray worker slot(s)")
@@ -254,6 +205,7 @@ def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lamb
 
 def _check_store_visible(store_path: str) -> None:
     """Fail with one line when the workers cannot see the store (no shared filesystem)."""
+    # lazy: ray (0.3 s) only once Ray work starts (launch/ray_cluster.py)
     import ray
 
     @ray.remote(num_cpus=0)
@@ -269,8 +221,6 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
             progress: Callable[[str], None] = lambda s: None, every: int = 1) -> Summary:
     """Metrics for every checkpoint of a run and of its replays, and each replay's weight distances
     against its parent; only what is not done yet."""
-    from replay.launch.ray_cluster import ray_session
-
     run = RunStore.open(store_path)
     if run.kind != "run":
         raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
@@ -285,8 +235,8 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
             items += new
             skipped += done
             if store.kind == "replay":
-                new, done, _ = plan_distances(store, "parent", run, store)
-                items += new
+                distances, done, _ = plan_distances(store, "parent", run, store)
+                items += distances
                 skipped += done
         progress(f"{skipped} work items already done")
         # longest first (a block's probe runs every layer below it), so no long item is left for the end
@@ -299,8 +249,6 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
 def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, workers: int | None = None,
             progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Weight distances of B against A at their matching checkpoints, stored in A's analysis group."""
-    from replay.launch.ray_cluster import ray_session
-
     a, b = RunStore.open(a_path), RunStore.open(b_path)
     if a.path.resolve() == b.path.resolve():
         raise UsageError("compare needs two different stores")

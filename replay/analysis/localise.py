@@ -31,7 +31,10 @@ from typing import Any
 import numpy as np
 
 from replay.analysis.names import HEAD_MATRICES, MATRICES
+from replay.analysis.results import read_metrics
 from replay.recorder import spikes
+from replay.replayer.listing import list_replays
+from replay.store import RunStore
 
 # (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
 HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],
@@ -98,7 +101,8 @@ class Localisation:
         return self.checkpoint is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"spike": self.spike, "trajectory": self.trajectory, "checkpoint": self.checkpoint, "history": self.history,
+        return {"spike": self.spike, "trajectory": self.trajectory, "checkpoint": self.checkpoint,
+                "history": self.history,
                 "heads": [a.to_dict() for a in self.heads], "layers": [a.to_dict() for a in self.layers],
                 "leads": [w.to_dict() for w in self.leads]}
 
@@ -160,10 +164,12 @@ def localise(table: dict[str, Any], spike: int, trajectory: str = "run") -> Loca
     floors = {"tie_rate": 1.0 / max(1, probe.get("rows", 1))}
     heads, layers = [], []
     for layer in range(n_layer):
-        layer_best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer]) for m, x in LAYER_SIGNALS], last, floors)
+        layer_best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer]) for m, x in LAYER_SIGNALS],
+                           last, floors)
         candidates = [layer_best] if layer_best else []
         for head in range(n_head):
-            best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer, head]) for m, x in HEAD_SIGNALS], last, floors)
+            best = _best([(f"{m}[{x}]" if x else m, _signal(sub, m, x)[:, layer, head]) for m, x in HEAD_SIGNALS],
+                         last, floors)
             if best:
                 heads.append(Anomaly(layer, head, abs(best[0]), best[1], best[2], best[3]))
                 candidates.append((best[0], f"head {head} {best[1]}", best[2], best[3]))
@@ -185,12 +191,14 @@ def lead_times(table: dict[str, Any], spike: int, floors: dict[str, float] | Non
     n_layer, n_head = table["spectral_qk"].shape[1:]
     out = []
     for layer in range(n_layer):
-        units = [(None, LAYER_SIGNALS, lambda v: v[:, layer])]
-        units += [(head, HEAD_SIGNALS, lambda v, h=head: v[:, layer, h]) for head in range(n_head)]
-        for head, signals, pick in units:
+        # (head or None for the layer's own signals, its signals, where a signal's series of the unit is)
+        units: list[tuple[int | None, list[tuple[str, str | None]], tuple[slice | int, ...]]] = \
+            [(None, LAYER_SIGNALS, (slice(None), layer))]
+        units += [(head, HEAD_SIGNALS, (slice(None), layer, head)) for head in range(n_head)]
+        for head, signals, at in units:
             for metric, matrix in signals:
                 name = f"{metric}[{matrix}]" if matrix else metric
-                since, z = departure(pick(_signal(table, metric, matrix)), (floors or {}).get(name, 0.0))
+                since, z = departure(_signal(table, metric, matrix)[at], (floors or {}).get(name, 0.0))
                 if since is not None:
                     out.append(Lead(layer, head, name, int(steps[since]), spike - int(steps[since]), z))
     return sorted(out, key=lambda w: (-w.lead, -abs(w.z)))
@@ -216,13 +224,10 @@ def departure(series: np.ndarray, floor: float = 0.0) -> tuple[int | None, float
 def localise_store(store_path) -> list[Localisation]:
     """A Localisation for every recorded spike of a run, each read from the densest trajectory that
     covers it (not `found` where too few checkpoints precede it)."""
-    from replay.analysis.results import read_metrics
-    from replay.replayer.listing import list_replays
-    from replay.store import RunStore
-
     trajectories = [("run", read_metrics(store_path))]
     for r in list_replays(store_path):
-        if "error" not in r and not r["overrides"] and r["status"] == "complete" and (r["verification"] or {}).get("bitwise"):
+        bitwise = (r.get("verification") or {}).get("bitwise")
+        if "error" not in r and not r["overrides"] and r["status"] == "complete" and bitwise:
             trajectories.append((r["id"], read_metrics(Path(store_path) / "replays" / r["id"])))
     out: list[Localisation] = []
     for event in RunStore.open(store_path).spikes:

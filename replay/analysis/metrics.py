@@ -109,7 +109,7 @@ def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | Non
             continue
         d_t = cur[name].astype(np.float64) - prev[name]
         fro = np.linalg.norm(d_t)
-        out["update_rel"][i] = fro / max(np.linalg.norm(prev[name]), 1e-30)
+        out["update_rel"][i] = fro / max(float(np.linalg.norm(prev[name])), 1e-30)
         out["update_srank"][i] = fro ** 2 / max(spectral_norm(d_t), 1e-30) ** 2 if fro > 0 else np.nan
         if before is not None:
             d_prev = prev[name].astype(np.float64) - before[name]
@@ -124,7 +124,7 @@ def update_metrics(cur: dict[str, np.ndarray], prev: dict[str, np.ndarray] | Non
         out["update_srank_head"][i] = np.where(top > 0, fro ** 2 / np.maximum(top, 1e-30) ** 2, np.nan)
         if before_h is not None:
             d_prev = prev_h[name].astype(np.float64) - before_h[name]
-            out["update_cos_head"][i] = [_cos(a.ravel(), b.ravel()) for a, b in zip(d_t, d_prev)]
+            out["update_cos_head"][i] = [_cos(a.ravel(), b.ravel()) for a, b in zip(d_t, d_prev, strict=True)]
     return out
 
 

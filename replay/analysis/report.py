@@ -27,6 +27,7 @@ from replay.store import RunStore
 
 def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
     """Render `draw(fig)` to an <img> tag holding the PNG as a data URL."""
+    # lazy: matplotlib (0.3 s) only for the report's figures; every command imports this module (cli.py)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,8 +153,9 @@ def _bisect_html(session: Session) -> str:
     table = "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(x))}</td></tr>" for k, x in rows)
     probe_rows = "".join(
         f"<tr><td>{e(q['phase'])}</td><td>{e(key)}</td><td>{q['window'][0]}..{q['window'][1]}</td>"
-        f"<td>{e(str(q['overrides'] or '-'))}</td><td>{'prevents' if q['prevented'] else 'spike at ' + str(q['spike_at'])}"
-        f"</td></tr>" for key, q in session.probes.items())
+        f"<td>{e(str(q['overrides'] or '-'))}</td>"
+        f"<td>{'prevents' if q['prevented'] else 'spike at ' + str(q['spike_at'])}</td></tr>"
+        for key, q in session.probes.items())
     return (f"<h3>Session {e(session.id)}</h3><table>{table}</table>"
             "<details><summary>every probe</summary><table><tr><th>phase</th><th>replay</th><th>window</th>"
             f"<th>overrides</th><th>verdict</th></tr>{probe_rows}</table></details>")
@@ -249,6 +251,7 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
         for f in found:
             if f.found and f.trajectory != "run":
                 dense = read_metrics(run.path / "replays" / f.trajectory)
+                assert dense is not None, "a localisation's trajectory is analysed"
                 figures.append(_heatmaps(dense, f"replay {f.trajectory} (bit for bit the record)", spikes))
                 parts.append(figures[-1])
 

@@ -17,7 +17,7 @@ chunk last. `xarray.open_zarr(store, group="analysis")` gives the labelled datas
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
@@ -46,8 +46,24 @@ METRICS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _open_group(store_path: str | Path, path: str, mode: str = "r") -> zarr.Group:
+def _open_group(store_path: str | Path, path: str, mode: Literal["r", "r+"] = "r") -> zarr.Group:
     return zarr.open_group(LocalStore(Path(store_path), read_only=(mode == "r")), path=path, mode=mode)
+
+
+def _array(group: zarr.Group, name: str) -> zarr.Array[Any]:
+    """The array `name` of `group` (zarr types a member as an array or a group; the layout above says which)."""
+    arr = group[name]
+    assert isinstance(arr, zarr.Array), f"{name} is a group, not an array"
+    return arr
+
+
+def _read(group: zarr.Group, name: str) -> np.ndarray:
+    return np.asarray(_array(group, name)[...])
+
+
+def _attrs(group: zarr.Group) -> dict[str, Any]:
+    """A group's attributes, as the JSON object they are."""
+    return dict(group.attrs)
 
 
 def _sizes(n_layer: int, n_head: int) -> dict[str, int]:
@@ -73,12 +89,12 @@ class MetricsTable:
             group = root.create_group(GROUP)
             group.create_array("checkpoint", shape=(0,), dtype="int64", chunks=(1024,), dimension_names=("checkpoint",),
                                fill_value=-1)
-            for name, values in (("layer", np.arange(n_layer)), ("head", np.arange(n_head))):
-                arr = group.create_array(name, shape=values.shape, dtype="int64", dimension_names=(name,))
-                arr[...] = values
-            for name, values in (("matrix", MATRICES), ("head_matrix", HEAD_MATRICES)):
-                arr = group.create_array(name, shape=(len(values),), dtype=str, dimension_names=(name,))
-                arr[...] = np.array(values)
+            for name, size in (("layer", n_layer), ("head", n_head)):
+                arr = group.create_array(name, shape=(size,), dtype="int64", dimension_names=(name,))
+                arr[...] = np.arange(size)
+            for name, labels in (("matrix", MATRICES), ("head_matrix", HEAD_MATRICES)):
+                arr = group.create_array(name, shape=(len(labels),), dtype=str, dimension_names=(name,))
+                arr[...] = np.array(labels)
             _create_metrics(group, list(METRICS), n_layer, n_head, layer_block, 0)
             n_blocks = -(-n_layer // layer_block)
             group.create_array("done", shape=(0, n_blocks), dtype="uint8", chunks=(1, 1), fill_value=0,
@@ -91,13 +107,13 @@ class MetricsTable:
         if missing:   # analysed before these metrics existed: every row is computed again, once
             attrs = table.attrs
             _create_metrics(table.group, missing, attrs["n_layer"], attrs["n_head"], attrs["layer_block"],
-                            table.group["checkpoint"].shape[0])
-            table.group["done"][...] = 0
+                            _array(table.group, "checkpoint").shape[0])
+            _array(table.group, "done")[...] = 0
         return table
 
     @property
     def attrs(self) -> dict[str, Any]:
-        return dict(self.group.attrs)
+        return _attrs(self.group)
 
     def blocks(self) -> list[tuple[int, int]]:
         n, b = self.attrs["n_layer"], self.attrs["layer_block"]
@@ -107,7 +123,7 @@ class MetricsTable:
         return _plan(self.group, rows, (*METRICS, "done"))
 
     def done(self) -> np.ndarray:
-        return self.group["done"][...].astype(bool)
+        return _read(self.group, "done").astype(bool)
 
 
 def _create_metrics(group: zarr.Group, names: list[str], n_layer: int, n_head: int, layer_block: int,
@@ -123,7 +139,7 @@ def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]
     """Make a table hold these rows ({"step", ...inputs}, one per checkpoint), appending new ones; a row
     whose inputs changed (a rewound run, a checkpoint added in between) or whose checkpoint is gone is
     marked not done. Returns the row index of each. Driver only: it resizes arrays and writes attributes."""
-    existing = list(group.attrs["rows"])
+    existing: list[dict[str, Any]] = list(_attrs(group)["rows"])
     by_step = {r["step"]: i for i, r in enumerate(existing)}
     index, stale = [], []
     for row in rows:
@@ -135,16 +151,17 @@ def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]
             existing[i] = row
             stale.append(i)
         index.append(i)
-    old = group["checkpoint"].shape[0]
+    old = _array(group, "checkpoint").shape[0]
     if len(existing) != old:
         for name in (*arrays, "checkpoint"):
-            arr = group[name]
+            arr = _array(group, name)
             arr.resize((len(existing), *arr.shape[1:]))
-        group["checkpoint"][old:] = [r["step"] for r in existing[old:]]
+        _array(group, "checkpoint")[old:] = np.array([r["step"] for r in existing[old:]], dtype=np.int64)
     planned = set(index)
     stale += [i for i in range(old) if i not in planned]   # its checkpoint is gone (a rewound run)
+    done = _array(group, "done")
     for i in stale:
-        group["done"][i] = 0
+        done[i] = 0
     group.attrs["rows"] = existing
     return index
 
@@ -155,8 +172,8 @@ def write_metrics(store_path: str | Path, row: int, block: tuple[int, int], bloc
     group = _open_group(store_path, GROUP, mode="r+")
     lo, hi = block
     for name in METRICS:
-        group[name][row, lo:hi] = values[name]
-    group["done"][row, block_index] = 1
+        _array(group, name)[row, lo:hi] = values[name]
+    _array(group, "done")[row, block_index] = 1
 
 
 def read_metrics(store_path: str | Path) -> dict[str, Any] | None:
@@ -166,14 +183,14 @@ def read_metrics(store_path: str | Path) -> dict[str, Any] | None:
     group = _open_group(store_path, GROUP)
     if "rows" not in group.attrs:
         return None
-    steps = group["checkpoint"][...]
-    complete = group["done"][...].astype(bool).all(axis=1) if steps.size else np.zeros(0, bool)
+    steps = _read(group, "checkpoint")
+    complete = np.all(_read(group, "done").astype(bool), axis=1) if steps.size else np.zeros(0, bool)
     order = [i for i in np.argsort(steps, kind="stable") if complete[i]]
-    out: dict[str, Any] = {"step": steps[order], "attrs": dict(group.attrs)}
+    out: dict[str, Any] = {"step": steps[order], "attrs": _attrs(group)}
     n_layer, n_head = out["attrs"]["n_layer"], out["attrs"]["n_head"]
     for name, dims in METRICS.items():
         if name in group:
-            out[name] = group[name][...][order] if order else np.zeros((0, *group[name].shape[1:]))
+            out[name] = _read(group, name)[order] if order else np.zeros((0, *_array(group, name).shape[1:]))
         else:   # analysed before this metric existed (the next `replay analyze` computes it)
             out[name] = np.full((len(order), n_layer, *(_sizes(n_layer, n_head)[d] for d in dims)), np.nan)
     return out
@@ -214,14 +231,14 @@ class DistanceTable:
         return _plan(self.group, rows, (*DISTANCES, "done"))
 
     def done(self) -> np.ndarray:
-        return self.group["done"][...].astype(bool)
+        return _read(self.group, "done").astype(bool)
 
 
 def write_distances(store_path: str | Path, name: str, row: int, values: dict[str, np.ndarray]) -> None:
     group = _open_group(store_path, f"{GROUP}/distances/{name}", mode="r+")
     for metric in DISTANCES:
-        group[metric][row] = values[metric]
-    group["done"][row] = 1
+        _array(group, metric)[row] = values[metric]
+    _array(group, "done")[row] = 1
 
 
 def read_distances(store_path: str | Path) -> dict[str, dict[str, Any]]:
@@ -234,13 +251,13 @@ def read_distances(store_path: str | Path) -> dict[str, dict[str, Any]]:
         group = _open_group(store_path, f"{GROUP}/distances/{sub.name}")
         if "rows" not in group.attrs:
             continue
-        steps = group["checkpoint"][...]
-        done = group["done"][...].astype(bool)
+        steps = _read(group, "checkpoint")
+        done = _read(group, "done").astype(bool)
         order = [i for i in np.argsort(steps, kind="stable") if done[i]]
-        entry: dict[str, Any] = {"step": steps[order], "tensor": [str(t) for t in group["tensor"][...]],
-                                 "attrs": dict(group.attrs)}
+        entry: dict[str, Any] = {"step": steps[order], "tensor": [str(t) for t in _read(group, "tensor")],
+                                 "attrs": _attrs(group)}
         for metric in DISTANCES:
-            entry[metric] = group[metric][...][order] if order else np.zeros((0, len(entry["tensor"])))
+            entry[metric] = _read(group, metric)[order] if order else np.zeros((0, len(entry["tensor"])))
         out[sub.name] = entry
     return out
 

@@ -7,23 +7,25 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import ray
 import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GPT2Model
 
 from replay import faults
 from replay.analysis import metrics as M
 from replay.analysis import results as R
-from replay.analysis.jobs import DistanceItem, MetricItem, Source, weight_layout
+from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
 from replay.analysis.names import DISTANCES
 from replay.errors import StoreError
+from replay.kernels.registry import hf_attention_modules, per_query_head, register
 from replay.store import RunStore
 from replay.store.layout import MODEL_KEYS, model_key
 from replay.store.lease import require
+from replay.train.model import BODY, gpt2_config
 
 
 def run(item: MetricItem | DistanceItem) -> str:
     """One work item, start to finish. Returns the node it ran on."""
-    import ray
-
     torch.set_num_threads(1)
     step = item.ckpt.step if isinstance(item, MetricItem) else item.other.step
     faults.hit("analysis-io", step)
@@ -81,10 +83,6 @@ def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     """Run the model's first blocks (FP32, eager attention) on the probe batch and measure each layer
     of the item's block: per head the max attention logit, the BF16 tied-maxima rate and the attention
     entropy; per layer log Z (metrics.py says what each is)."""
-    from transformers import GPT2Model
-
-    from replay.train.model import BODY, gpt2_config
-
     lo, hi = item.block
     store = RunStore.open(item.ckpt.path)
     index = store.shard_index(item.ckpt.step, 0)
@@ -122,17 +120,16 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     rate and the entropy, of q and k as the model's attention function receives them (after RoPE, each
     query head with its group's key head); per layer log Z through the decoder's final norm and the output
     embedding (NaN for a model whose decoder has no `norm` and `layers`)."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    from replay.kernels.registry import hf_attention_modules, per_query_head, register
-
     lo, hi = item.block
     store = RunStore.open(item.ckpt.path)
-    config = CONFIG_MAPPING[item.transformers_config["model_type"]].from_dict(item.transformers_config)
+    recorded = item.transformers_config
+    assert recorded is not None, "compute_metrics runs this probe for a transformers model only"
+    config = CONFIG_MAPPING[recorded["model_type"]].from_dict(recorded)
     config.get_text_config().num_hidden_layers = hi   # the layers below the block's end are all it needs
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     names = set(model.state_dict())
-    keys = [k for k in store.shard_index(item.ckpt.step, 0) if k.startswith(MODEL_KEYS) and k[len(MODEL_KEYS):] in names]
+    keys = [k for k in store.shard_index(item.ckpt.step, 0)
+            if k.startswith(MODEL_KEYS) and k[len(MODEL_KEYS):] in names]
     state = {k[len(MODEL_KEYS):]: t.float() for k, t in store.read_shard(item.ckpt.step, 0, keys=keys).items()}
     missing = names - set(state) - {"lm_head.weight"}   # a tied output embedding may be stored once
     if missing:

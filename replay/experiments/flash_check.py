@@ -33,19 +33,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replay.errors import UsageError
 from replay.experiments.common import Tile, check_sizes, check_tile, tile_name
 from replay.experiments.golden import TENSORS, _random_inputs, _run
+from replay.kernels import flash_emu
 from replay.kernels.baseline import baseline_attention
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.options import KEY_ORDERS, AttentionOptions, SafeSoftmaxFix, check_precision
+from replay.kernels.triton_fa2 import triton_flash_attention
 
-TRITON_OPTIONS = {"default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
-                  "keys=decreasing": dict(key_order="decreasing")}
+TRITON_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {}, "fix=safe-softmax": dict(fix=SafeSoftmaxFix(7.0)), "hp-delta": dict(hp_delta=True),
+    "keys=decreasing": dict(key_order="decreasing")}
 CPU_MAX_SEQ_LEN = 512
 DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}   # FP32 mantissa bits a rounding to it drops
 
@@ -62,7 +67,8 @@ class FlashCheckConfig:
     causal: bool = True
 
     def __post_init__(self):
-        set_ = lambda name, value: object.__setattr__(self, name, value)   # frozen dataclass
+        def set_(name, value):   # frozen dataclass
+            object.__setattr__(self, name, value)
         set_("precisions", tuple(dict.fromkeys(check_precision(p) for p in self.precisions)))
         bad = [p for p in self.precisions if DTYPES[p] not in DROPPED_BITS]
         if bad:
@@ -144,7 +150,7 @@ def run_flash_check(cfg: FlashCheckConfig, out_dir: Path, progress: Callable[[st
     result = FlashCheckResult(cfg, torch.cuda.get_device_name(device))
     for d in cfg.head_dims:
         for n in cfg.seq_lens:
-            inputs = _random_inputs(cfg, n, d)
+            inputs = _random_inputs(cfg.seed, cfg.batch, cfg.heads, n, d)
             for precision in cfg.precisions:
                 t0 = time.perf_counter()
                 _check_point(cfg, result, precision, n, d, inputs, device)
@@ -156,15 +162,11 @@ def run_flash_check(cfg: FlashCheckConfig, out_dir: Path, progress: Callable[[st
 
 
 def sdpa(backend_name: str, causal: bool, q, k, v) -> torch.Tensor:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with sdpa_kernel(getattr(SDPBackend, backend_name)):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _triton(opts: AttentionOptions, causal: bool, q, k, v) -> torch.Tensor:
-    from replay.kernels.triton_fa2 import triton_flash_attention
-
     return triton_flash_attention(q, k, v, opts, causal=causal)
 
 
@@ -187,7 +189,7 @@ def _check_point(cfg: FlashCheckConfig, result: FlashCheckResult, precision: str
         outputs[name] = _run(kernel, lp)
         result.deviation[(name, precision, n, d)] = {
             t: (float((x.double() - g).abs().max()), float((x.double() - g).abs().mean()))
-            for t, x, g in zip(TENSORS, outputs[name], golden)}
+            for t, x, g in zip(TENSORS, outputs[name], golden, strict=True)}
     flash = outputs["sdpa-flash"]
     variants = {"triton-fa2": outputs["triton-fa2"]}
     for tile in cfg.tiles:
@@ -207,7 +209,8 @@ def _check_point(cfg: FlashCheckConfig, result: FlashCheckResult, precision: str
     for label, change in TRITON_OPTIONS.items():   # the Triton kernels against the emulation, same options
         opts = first.with_(**change)
         ours = outputs["triton-fa2"] if not change else _run(partial(_triton, opts, cfg.causal), lp)
-        emulated = outputs["fa2-emu"] if not change else _run(partial(flash_attention, opts=opts, causal=cfg.causal), lp)
+        emulated = (outputs["fa2-emu"] if not change
+                    else _run(partial(flash_attention, opts=opts, causal=cfg.causal), lp))
         result.triton[(label, precision, n, d)] = _agreement(ours, emulated)
 
 
@@ -216,15 +219,13 @@ def _variant(opts: AttentionOptions) -> str:
 
 
 def _agreement(outputs, reference) -> dict[str, Agreement]:
-    return {t: Agreement.of(x, r) for t, x, r in zip(TENSORS, outputs, reference)}
+    return {t: Agreement.of(x, r) for t, x, r in zip(TENSORS, outputs, reference, strict=True)}
 
 
 def _where(cfg: FlashCheckConfig, opts: AttentionOptions, lp, flash_out: torch.Tensor, lp_dtype: torch.dtype):
     """Where the emulation's O differs from flash's: the distance of the emulation's FP32 O (before its one
     rounding; hp_delta keeps it) from the nearest rounding boundary, in units of u32 * (P|V|), the size
     of FP32 rounding errors in a sum of its terms; for the differing elements and for all."""
-    from replay.kernels import flash_emu
-
     q, k, v = (x.reshape(-1, *x.shape[-2:]) for x in lp[:3])
     scale = q.shape[-1] ** -0.5
     out, _, o_fp32 = flash_emu._fa2_forward(q, k, v, opts.with_(hp_delta=True), cfg.causal, scale, None)
@@ -248,7 +249,8 @@ def _flash_backward_determinism(device: torch.device) -> dict[str, bool]:
             torch.use_deterministic_algorithms(deterministic)
             runs = [_run(partial(sdpa, "FLASH_ATTENTION", True), [q, k, v, do]) for _ in range(3)]
             answers[f"deterministic algorithms {'on' if deterministic else 'off'}"] = all(
-                torch.equal(a.view(torch.int16), b.view(torch.int16)) for run in runs[1:] for a, b in zip(runs[0], run))
+                torch.equal(a.view(torch.int16), b.view(torch.int16))
+                for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
     finally:
         torch.use_deterministic_algorithms(was)
     return answers
@@ -263,8 +265,8 @@ def _write_csv(result: FlashCheckResult, path: Path) -> None:
                 w.writerow(["deviation", kernel, p, n, d, t, "max", f"{mx:.6e}"])
                 w.writerow(["deviation", kernel, p, n, d, t, "mean", f"{mean:.6e}"])
         for table, rows in (("vs-flash", result.agreement), ("triton-vs-emulation", result.triton)):
-            for (variant, p, n, d), per_tensor in rows.items():
-                for t, a in per_tensor.items():
+            for (variant, p, n, d), agreements in rows.items():
+                for t, a in agreements.items():
                     w.writerow([table, variant, p, n, d, t, "equal", f"{a.equal:.6f}"])
                     w.writerow([table, variant, p, n, d, t, "within_ulp", f"{a.within_ulp:.6f}"])
                     w.writerow([table, variant, p, n, d, t, "max_ulps", a.max_ulps])
@@ -276,7 +278,8 @@ def _near(distances: torch.Tensor, limit: float) -> float:
 
 def _agreement_table(rows: dict, points, title: str) -> list[str]:
     variants = list(dict.fromkeys(v for v, *_ in rows))
-    lines = ["", title, "", "| precision | N | d | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
+    lines = ["", title, "", "| precision | N | d | " + " | ".join(variants) + " |",
+             "|---|---|---|" + "---|" * len(variants)]
     for p, n, d in points:
         cells = []
         for v in variants:
@@ -305,7 +308,8 @@ def _summary(result: FlashCheckResult) -> list[str]:
                               "O / dQ / dK / dV (the smallest fraction within one ulp):")
     lines += ["", "Where O differs from flash (the closest emulation): distance of the emulation's FP32 O from the "
               "nearest rounding boundary, in FP32 rounding errors of a sum of its terms (2^-24 P|V|):", "",
-              "| precision | N | d | closest emulation | differing | within 1 | within 16 | all: within 1 | within 16 |",
+              "| precision | N | d | closest emulation | differing | within 1 | within 16 | all: within 1 "
+              "| within 16 |",
               "|---|---|---|---|---|---|---|---|---|"]
     for (p, n, d), (variant, differing, every) in result.where.items():
         lines.append(f"| {p} | {n} | {d} | {variant} | {differing.numel()} | {_near(differing, 1):.3f} | "

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 from matplotlib.figure import Figure
 
 from replay.errors import UsageError
@@ -75,7 +76,8 @@ class SweepConfig:
     def __post_init__(self):
         if not self.precisions:
             raise UsageError("no precisions given")
-        set_ = lambda name, value: object.__setattr__(self, name, value)   # frozen dataclass
+        def set_(name, value):   # frozen dataclass
+            object.__setattr__(self, name, value)
         set_("precisions", tuple(dict.fromkeys(check_precision(p) for p in self.precisions)))
         set_("seq_lens", check_sizes("sequence lengths", self.seq_lens))
         set_("head_dims", check_sizes("head dims", self.head_dims))
@@ -125,7 +127,8 @@ class SweepResult:
     def deviation(self, kernel: str, precision: str, seq_len: int, head_dim: int, tile: Tile | None = None,
                   tensor: str = "O", stat: str = "max") -> float:
         """One measured number; baseline ignores `tile`. KeyError when that point was not measured."""
-        key = (kernel, precision, seq_len, None if kernel == "baseline" else tuple(tile), head_dim)
+        key = (kernel, precision, seq_len, None if kernel == "baseline" or tile is None else (tile[0], tile[1]),
+               head_dim)
         return self.measurements[key].dev[tensor][STATS.index(stat)]
 
     @property
@@ -151,14 +154,14 @@ def _run_sweep(cfg: SweepConfig, out_dir: Path, progress: Callable[[str], None])
         tiles_at.setdefault(n, []).append(tile)
     for d in cfg.head_dims:
         for n, tiles in tiles_at.items():
-            inputs = _random_inputs(cfg, n, d)
+            inputs = _random_inputs(cfg.seed, cfg.batch, cfg.heads, n, d)
             for precision in cfg.precisions:
                 t0 = time.perf_counter()
                 lp = [x.to(DTYPES[precision]) for x in inputs]
                 golden = _run(partial(baseline_attention, dtype=torch.float64, causal=cfg.causal),
                               [x.double() for x in lp])
                 result.golden_scale[(precision, n, d)] = {t: (g.abs().max().item(), g.abs().mean().item())
-                                                          for t, g in zip(TENSORS, golden)}
+                                                          for t, g in zip(TENSORS, golden, strict=True)}
                 result.measurements[("baseline", precision, n, None, d)] = _measure(
                     partial(baseline_attention, dtype=DTYPES[precision], causal=cfg.causal), lp, golden)
                 for tile in tiles:
@@ -176,11 +179,10 @@ def _run_sweep(cfg: SweepConfig, out_dir: Path, progress: Callable[[str], None])
     return result
 
 
-def _random_inputs(cfg: SweepConfig, n: int, d: int) -> list[torch.Tensor]:
+def _random_inputs(seed: int, batch: int, heads: int, n: int, d: int) -> list[torch.Tensor]:
     """q, k, v, dO in FP64, i.i.d. N(0, 1), from a seed derived from (seed, N, d)."""
-    seed = int(np.random.SeedSequence([cfg.seed, n, d]).generate_state(1)[0])
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(cfg.batch, cfg.heads, n, d, generator=gen, dtype=torch.float64) for _ in range(4)]
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, n, d]).generate_state(1)[0]))
+    return [torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64) for _ in range(4)]
 
 
 def _run(attention, inputs) -> list[torch.Tensor]:
@@ -197,7 +199,7 @@ def _measure(attention, inputs, golden) -> Measurement:
     outputs = _run(attention, inputs)
     seconds = time.perf_counter() - t0
     dev = {}
-    for name, x, g in zip(TENSORS, outputs, golden):
+    for name, x, g in zip(TENSORS, outputs, golden, strict=True):
         diff = (x.double() - g).abs()
         dev[name] = (diff.max().item(), diff.mean().item(), diff.std(correction=0).item())
     return Measurement(dev, seconds)
@@ -213,14 +215,12 @@ def _write_sweep_csv(result: SweepResult) -> None:
             b_r, b_c = tile if tile else ("", "")
             for tensor in TENSORS:
                 golden_max, golden_mean = result.golden_scale[(precision, n, d)][tensor]
-                for stat, value in zip(STATS, m.dev[tensor]):
+                for stat, value in zip(STATS, m.dev[tensor], strict=True):
                     w.writerow([kernel, precision, n, b_r, b_c, d, cfg.batch, cfg.heads, int(cfg.causal), tensor, stat,
                                 f"{value:.9e}", f"{golden_max:.9e}", f"{golden_mean:.9e}", f"{m.seconds:.4f}"])
 
 
 def _write_sweep_zarr(result: SweepResult) -> None:
-    import zarr
-
     cfg = result.config
     seq_lens, tiles = cfg.all_seq_lens(), cfg.all_tiles()
     shape = (len(KERNELS), len(cfg.precisions), len(seq_lens), len(tiles), len(cfg.head_dims))
@@ -251,7 +251,8 @@ def _write_sweep_zarr(result: SweepResult) -> None:
                               fill_value=np.nan if data.dtype.kind == "f" else None, attributes=attrs or {})
         a[...] = data
 
-    strings = lambda values: np.array(values, dtype=np.dtypes.StringDType())
+    def strings(values):
+        return np.array(values, dtype=np.dtypes.StringDType())
     array("kernel", strings(KERNELS), ("kernel",))
     array("precision", strings(cfg.precisions), ("precision",))
     array("seq_len", np.array(seq_lens, dtype=np.int64), ("seq_len",))
@@ -401,7 +402,7 @@ def _sweep_summary(result: SweepResult) -> list[str]:
             for d in cfg.head_dims:
                 maxes = [dev(k, n, d) for n in lens]
                 means = [dev(k, n, d, stat="mean") for n in lens]
-                rel = [mean / result.golden_scale[(lp, n, d)]["O"][1] for mean, n in zip(means, lens)]
+                rel = [mean / result.golden_scale[(lp, n, d)]["O"][1] for mean, n in zip(means, lens, strict=True)]
                 parts.append(f"d={d}: max {_trend(maxes)}, mean {_trend(means)}, mean/mean|golden O| {_trend(rel)}")
             lines.append(f"Verdict, sequence length N={lens[0]}..{lens[-1]} ({LP}, O, tile {tile_name(tile)}), {k}: "
                          + "; ".join(parts))

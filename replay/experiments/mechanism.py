@@ -61,7 +61,8 @@ class MechanismConfig:
     threads: int = 1                         # torch intra-op threads while running (restored after)
 
     def __post_init__(self):
-        set_ = lambda name, value: object.__setattr__(self, name, value)   # frozen dataclass
+        def set_(name, value):   # frozen dataclass
+            object.__setattr__(self, name, value)
         check_precision(self.precision)
         check_sizes("trials", [self.trials], minimum=2)
         check_sizes("n_keys, head_dim, block and threads", [self.n_keys, self.head_dim, self.block, self.threads])
@@ -155,7 +156,7 @@ def _run_mechanism(cfg: MechanismConfig, out_dir: Path, progress: Callable[[str]
                     if beta is None:
                         no_fix = out
                     else:
-                        row.same_as_no_fix = bool(torch.equal(out, no_fix))
+                        row.same_as_no_fix = bool(torch.equal(out, no_fix)) if no_fix is not None else None
                 rows.append(row)
         progress(f"mechanism: n={n} tied maxima, {cfg.trials} rows, {len(cfg.betas) + 1} fix settings x 2 "
                  f"placements + baseline: {time.perf_counter() - t0:.1f} s")
@@ -248,7 +249,7 @@ def _plot_mechanism(result: MechanismResult) -> None:
     plotted = [r for r in result.rows if r.status == "ok" and not (r.zero_rows > 0 or r.nan_rows > 0)]
     fixes = [None, *cfg.betas]
     colors = dict(zip(fixes, ["tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:brown",
-                              "tab:pink", "tab:olive", "tab:cyan"] * 3))
+                              "tab:pink", "tab:olive", "tab:cyan"] * 3, strict=False))
     for col, kernel in enumerate(PLACEMENT_OF):
         for row_i, (attr, label) in enumerate([("o_rel", "O"), ("delta_rel", "delta = rowsum(dO * O)")]):
             ax = axes[row_i][col]
@@ -293,7 +294,8 @@ def _mechanism_summary(result: MechanismResult) -> list[str]:
               "numbers: mean signed relative error (error/|golden|) +- 95% CI")
     lines = [header, "wrote " + ", ".join(str(p) for p in result.paths)]
     regular = [b for b in cfg.betas if 2 <= b <= 8]
-    fmt = lambda s: f"{s[0]:+.2e}+-{s[1]:.0e}"
+    def fmt(s):
+        return f"{s[0]:+.2e}+-{s[1]:.0e}"
 
     def cell(r: MechanismRow, attr: str) -> str:
         if r.status != "ok":

@@ -17,10 +17,11 @@ BF16/FP16 inputs:
   exactly 1), the GPU's accumulation order inside a matmul, and the LSE's units (log2 here, natural log
   in CUDA FA2, converted back in its backward: the same P up to an FP32 ulp).
 
-`reference`: Qiu & Yao's released code, a tiled FA2 written with PyTorch ops under BF16 autocast: every intermediate is a low-precision tensor. S = Q K^T rounded, scaled and
-  rounded; Pbar = exp(S - m) rounded; the per-tile unnormalised Pbar @ V rounded; the O accumulator, l
-  and m low precision, each update rounded; O = acc / l rounded; the backward in low-precision tensors
-  (D, P, dP, dS and the running dQ, dK, dV, each rounded as produced).
+`reference`: Qiu & Yao's released code, a tiled FA2 written with PyTorch ops under BF16 autocast: every
+  intermediate is a low-precision tensor. S = Q K^T rounded, scaled and rounded; Pbar = exp(S - m)
+  rounded; the per-tile unnormalised Pbar @ V rounded; the O accumulator, l and m low precision, each
+  update rounded; O = acc / l rounded; the backward in low-precision tensors (D, P, dP, dS and the
+  running dQ, dK, dV, each rounded as produced).
 
 Options: the safe-softmax fix (per tile, forward only), `hp_delta` (D from an FP32 O: the FA2
 accumulator before rounding, or for `reference` an FP32 recomputation), `hp_pv` (Pbar @ V and the O
@@ -57,7 +58,8 @@ class _FlashEmulation(torch.autograd.Function):
         in_dtype, lead = q.dtype, q.shape[:-2]
         lp = DTYPES[opts.dtype] if opts.dtype else in_dtype
         q3, k3, v3 = (t.to(lp).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
-        mask3 = None if mask is None else mask.expand(*lead, q.shape[-2], k.shape[-2]).reshape(-1, q.shape[-2], k.shape[-2])
+        n, m = q.shape[-2], k.shape[-2]
+        mask3 = None if mask is None else mask.expand(*lead, n, m).reshape(-1, n, m)
         forward = _fa2_forward if opts.placement == "fa2" else _reference_forward
         out, lse, o_hp = forward(q3, k3, v3, opts, causal, scale, mask3)
         probe = numerics.active() if site is not None else None
@@ -70,7 +72,8 @@ class _FlashEmulation(torch.autograd.Function):
         ctx.probe = None
         if probe:
             keep = attended(q3.shape[1], k3.shape[1], causal, mask3, q.device)
-            s = q3.float() @ k3.float().transpose(1, 2) if opts.placement == "fa2" else (q3 @ k3.transpose(1, 2)) * scale
+            s = (q3.float() @ k3.float().transpose(1, 2) if opts.placement == "fa2"
+                 else (q3 @ k3.transpose(1, 2)) * scale)
             ctx.probe, ctx.site, ctx.lead, ctx.keep = probe, site, lead, keep
             ctx.tied, ctx.o_fp32 = probe.tied_rows(site[0], s, keep), o_fp32
         return out.reshape(q.shape).to(in_dtype)
@@ -123,10 +126,10 @@ def _row_blocks(n, m, block_r, c0, causal):
     return range(first - first % block_r, n, block_r)
 
 
-def _check_underflow(l: torch.Tensor, attended: torch.Tensor, fix: SafeSoftmaxFix | None) -> None:
+def _check_underflow(row_sum: torch.Tensor, attended: torch.Tensor, fix: SafeSoftmaxFix | None) -> None:
     """A row that attends to something but whose probabilities all underflowed (to 0, or to subnormals
     whose reciprocal overflows to inf and makes the output NaN): a beta too large."""
-    if fix is not None and bool(((l.float() < torch.finfo(torch.float32).tiny) & attended).any()):
+    if fix is not None and bool(((row_sum.float() < torch.finfo(torch.float32).tiny) & attended).any()):
         raise UsageError(f"safe-softmax beta={fix.beta:g} underflows: exp(-(beta - 1) * max score) is 0 for some "
                          "rows, which would silently zero their output; use a smaller beta (the paper uses 2-8)")
 
@@ -159,7 +162,7 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         r1 = min(N, r0 + opts.block_r)
         qi = q[:, r0:r1].float()
         m = torch.full((G, r1 - r0), float("-inf"), device=q.device)
-        l = torch.zeros(G, r1 - r0, device=q.device)
+        row_sum = torch.zeros(G, r1 - r0, device=q.device)
         acc = torch.zeros(G, r1 - r0, d, device=q.device)
         attended = torch.zeros(G, r1 - r0, dtype=torch.bool, device=q.device)
         last_col = M if not causal else min(M, r1 + (M - N))
@@ -171,14 +174,14 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             m_use = _running_offset(s, m, opts.fix, scale)
             p = torch.exp2(s * c - (m_use * c)[..., None])
             alpha = torch.exp2(m * c - m_use * c)
-            l = alpha * l + p.sum(-1)
+            row_sum = alpha * row_sum + p.sum(-1)
             pv = p if opts.hp_pv else p.to(lp).float()
             acc = alpha[..., None] * acc + pv @ vf[:, c0:c1]
             m = torch.where(attended, m_use, m)   # as CUDA FA2: -inf until the row sees a key
-        _check_underflow(l, attended, opts.fix)
-        o = torch.where(l[..., None] > 0, acc * (1.0 / l)[..., None], torch.zeros_like(acc))   # as CUDA FA2
+        _check_underflow(row_sum, attended, opts.fix)
+        o = torch.where(row_sum[..., None] > 0, acc * (1.0 / row_sum)[..., None], torch.zeros_like(acc))   # as CUDA FA2
         out[:, r0:r1] = o.to(lp)
-        lse2[:, r0:r1] = torch.where(l > 0, m * c + torch.log2(l), torch.full_like(l, float("inf")))
+        lse2[:, r0:r1] = torch.where(row_sum > 0, m * c + torch.log2(row_sum), torch.full_like(row_sum, float("inf")))
         if o_hp is not None:
             o_hp[:, r0:r1] = o
     return out, lse2, o_hp
@@ -232,7 +235,7 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
         r1 = min(N, r0 + opts.block_r)
         qi = q[:, r0:r1]
         m = torch.full((G, r1 - r0), float("-inf"), dtype=lp, device=q.device)
-        l = torch.zeros(G, r1 - r0, dtype=lp, device=q.device)
+        row_sum = torch.zeros(G, r1 - r0, dtype=lp, device=q.device)
         acc = torch.zeros(G, r1 - r0, d, dtype=acc_dtype, device=q.device)
         attended = torch.zeros(G, r1 - r0, dtype=torch.bool, device=q.device)
         last_col = M if not causal else min(M, r1 + (M - N))
@@ -244,14 +247,14 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             m_use = _running_offset(s, m, opts.fix, scale=1.0)   # s is already scaled
             p = torch.exp(s - m_use[..., None])
             alpha = torch.exp(m - m_use)
-            l = alpha * l + p.sum(-1)
+            row_sum = alpha * row_sum + p.sum(-1)
             pv = p.float() @ v[:, c0:c1].float() if opts.hp_pv else p @ v[:, c0:c1]
             acc = alpha[..., None].to(acc_dtype) * acc + pv
             m = m_use
-        _check_underflow(l, attended, opts.fix)
-        o = torch.where(l[..., None] > 0, acc / l[..., None].to(acc_dtype), torch.zeros_like(acc))
+        _check_underflow(row_sum, attended, opts.fix)
+        o = torch.where(row_sum[..., None] > 0, acc / row_sum[..., None].to(acc_dtype), torch.zeros_like(acc))
         out[:, r0:r1] = o.to(lp)
-        lse[:, r0:r1] = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("inf")))
+        lse[:, r0:r1] = torch.where(row_sum > 0, m + torch.log(row_sum), torch.full_like(row_sum, float("inf")))
     return out, lse, None
 
 

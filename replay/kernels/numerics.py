@@ -23,9 +23,13 @@ and without it. It costs one FP32 attention per layer in the forward and the bac
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
 
 # What the probe measures per step and layer (the run store keeps them as optional steps/ arrays).
 FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
@@ -40,12 +44,12 @@ def active() -> NumericsProbe | None:
 class NumericsProbe:
     """Collects the per-layer numbers of one optimizer step; `end_step` returns them and starts the next."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: GPT2LMHeadModel):
         blocks = model.transformer.h
         self.n_layer, self.n_embd = len(blocks), model.config.n_embd
         self._inputs: dict[int, torch.Tensor] = {}
         for i, block in enumerate(blocks):   # for as long as the model lives
-            block.attn.c_attn.register_forward_pre_hook(self._keep_input(i))
+            block.get_submodule("attn.c_attn").register_forward_pre_hook(self._keep_input(i))
         self.last_wq_err: list[torch.Tensor | None] = [None] * self.n_layer   # the last step's, per layer
         self.last_wq_tied_err: list[torch.Tensor | None] = [None] * self.n_layer
         self._reset()

@@ -77,7 +77,8 @@ class BackendSpec:
         o, default = self.options, AttentionOptions()
         parts = []
         if o.fix:
-            parts += ["fix=safe-softmax", f"beta={o.fix.beta:g}"] + ([f"tie={o.fix.tie_tol:g}"] if o.fix.tie_tol else [])
+            parts += ["fix=safe-softmax", f"beta={o.fix.beta:g}"]
+            parts += [f"tie={o.fix.tie_tol:g}"] if o.fix.tie_tol else []
         parts += [f"br={o.block_r}"] if o.block_r != default.block_r else []
         parts += [f"bc={o.block_c}"] if o.block_c != default.block_c else []
         parts += ["hp-delta"] if o.hp_delta else []
@@ -88,6 +89,7 @@ class BackendSpec:
 
     def check_available(self) -> None:
         if self.name == "triton-fa2":
+            # lazy: the launchers check plans without torch and triton (1.5 s)
             from replay.kernels.triton_fa2 import available
 
             ok, why = available()
@@ -116,7 +118,8 @@ def _emulation_options(name: str, opts: dict[str, str | None], text: str) -> Att
             fix = SafeSoftmaxFix(beta=float(opts.get("beta") or 7.0), tie_tol=0.0 if tie == "exact" else float(tie))
         return AttentionOptions(
             placement=EMULATED[name], fix=fix,
-            block_r=int(opts.get("br") or AttentionOptions.block_r), block_c=int(opts.get("bc") or AttentionOptions.block_c),
+            block_r=int(opts.get("br") or AttentionOptions.block_r),
+            block_c=int(opts.get("bc") or AttentionOptions.block_c),
             hp_delta="hp-delta" in opts, hp_pv="hp-pv" in opts, dtype=opts.get("dtype"),
             key_order=opts.get("keys") or AttentionOptions.key_order)
     except ValueError as e:

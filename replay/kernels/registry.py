@@ -84,6 +84,7 @@ def eager_function(module) -> Callable:
         fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
         if fn is not None:
             return fn
+    # lazy, as every transformers import here: a model of one's own never loads transformers (1.2 s after torch)
     from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
     return eager_attention_forward
@@ -96,6 +97,7 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
         additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)   # transformers' eager_mask
         return eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=0.0)[0].transpose(1, 2)
     if spec.name == "sdpa":
+        # lazy: transformers (see eager_function), and triton (0.3 s) for the triton-fa2 backend only
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         out = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=scaling, is_causal=keep is None)[0]
@@ -109,6 +111,7 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
         if spec.name == "baseline":
             dtype = DTYPES[spec.dtype] if spec.dtype else q.dtype
             return baseline_attention(q, k, v, dtype, causal=True, scale=scaling, mask=keep).to(q.dtype)
+        assert spec.options is not None, "the emulated and Triton backends always have options (kernels/plan.py)"
         if spec.name == "triton-fa2":
             from replay.kernels.triton_fa2 import triton_flash_attention
 
@@ -141,6 +144,7 @@ def _replay_attention(module, query, key, value, attention_mask, dropout: float 
 
 def _replay_mask(*args, **kwargs):
     """Always a materialised boolean mask (True = attend), so padding reaches the backends."""
+    # lazy: transformers (see eager_function)
     from transformers.masking_utils import sdpa_mask
 
     kwargs["allow_is_causal_skip"] = False
@@ -161,6 +165,7 @@ def register() -> None:
     """Register `replay` (attention plans) and `replay-probe` with transformers' interfaces, once."""
     global _registered
     if not _registered:
+        # lazy: transformers (see eager_function)
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
 

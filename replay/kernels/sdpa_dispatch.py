@@ -98,7 +98,7 @@ class _PlanMode(TorchFunctionMode):
         if func is not _SDPA or not self.active:
             return func(*args, **kwargs)
         layer, module = self.active[-1]
-        bound = dict(zip(_PARAMS, args)) | kwargs
+        bound = dict(zip(_PARAMS, args, strict=False)) | kwargs
         q, k, v = _qkv(bound)
         n_head = q.shape[1]
         attention = self.layers.get((layer, n_head))

@@ -123,7 +123,7 @@ def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, 
         attends = keep.any(-1).expand(mask.shape[:3]).reshape(-1, n)
         bad = ((~torch.isfinite(lse2) | ~torch.isfinite(out).all(-1)) & attends).any()
     if defer:
-        no_flag = (torch.zeros((), dtype=torch.bool, device=lse2.device), set())
+        no_flag: tuple[torch.Tensor, set[float]] = (torch.zeros((), dtype=torch.bool, device=lse2.device), set())
         flag, betas = _underflowed.setdefault(lse2.device, no_flag)
         flag.logical_or_(bad)
         betas.add(fix.beta)
@@ -394,9 +394,10 @@ def _causal_row_start(c0, N, M, BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr):
 # -- kernels ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, O, O_HP, LSE2, N, M, HEAD_DIM, c,
+def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, OUT, O_HP, LSE2, N, M, HEAD_DIM, c,
                 scale, beta, tie_tol, CAUSAL: tl.constexpr, MASKED: tl.constexpr, FIX: tl.constexpr,
-                TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr, HP_DELTA: tl.constexpr, DECREASING: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
+                TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr, HP_DELTA: tl.constexpr, DECREASING: tl.constexpr,
+                IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK_R
     head = tl.program_id(1).to(tl.int64)
@@ -405,7 +406,7 @@ def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, O, O
     q = _load_tile(Q + q_base, rows, N, HEAD_DIM, BLOCK_D)
     mask = _mask_base(MASK, head, mask_s0, mask_s1, mask_l1)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
+    row_sum = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     n_tiles = tl.cdiv(_causal_column_end(r0, N, M, BLOCK_R, CAUSAL), BLOCK_C)
     for i in range(0, n_tiles):
@@ -421,29 +422,29 @@ def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, O, O
         m_use = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
         p = tl.math.exp2(s * c - (m_use * c)[:, None])
         alpha = tl.math.exp2(m * c - m_use * c)
-        l = alpha * l + tl.sum(p, 1)
+        row_sum = alpha * row_sum + tl.sum(p, 1)
         if HP_PV:
             pv = _dot(p, v.to(tl.float32))
         else:
             pv = _dot(_round_lp(p, IS_BF16, EMULATE_LP), v)
         acc = alpha[:, None] * acc + pv
         m = m_new   # as CUDA FA2: -inf until the row sees a key
-    l_safe = tl.where(l > 0, l, 1.0)   # l = 0: the row attends to nothing (its O is 0, its lse2 +inf)
-    o = tl.where(l[:, None] > 0, acc * tl.math.div_rn(1.0, l_safe)[:, None], 0.0)   # CUDA FA2: acc * (1 / l)
-    _store_tile(O + q_base, rows, N, HEAD_DIM, _round_lp(o, IS_BF16, EMULATE_LP), BLOCK_D)
+    l_safe = tl.where(row_sum > 0, row_sum, 1.0)   # l = 0: the row attends to nothing (its O is 0, its lse2 +inf)
+    o = tl.where(row_sum[:, None] > 0, acc * tl.math.div_rn(1.0, l_safe)[:, None], 0.0)   # CUDA FA2: acc * (1 / l)
+    _store_tile(OUT + q_base, rows, N, HEAD_DIM, _round_lp(o, IS_BF16, EMULATE_LP), BLOCK_D)
     if HP_DELTA:
         _store_tile(O_HP + q_base, rows, N, HEAD_DIM, o, BLOCK_D)
-    lse2 = tl.where(l > 0, m * c + tl.math.log2(l_safe), float("inf"))
+    lse2 = tl.where(row_sum > 0, m * c + tl.math.log2(l_safe), float("inf"))
     tl.store(LSE2 + head * N + rows, lse2, mask=rows < N)
 
 
 @triton.jit
-def _delta_kernel(DO, O, DELTA, N, HEAD_DIM, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _delta_kernel(DO, OUT, DELTA, N, HEAD_DIM, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """D = rowsum(dO * O) in FP32; O is the stored low-precision one or the FP32 one (hp_delta)."""
     head = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     do = _load_tile(DO + head * N * HEAD_DIM, rows, N, HEAD_DIM, BLOCK_D).to(tl.float32)
-    o = _load_tile(O + head * N * HEAD_DIM, rows, N, HEAD_DIM, BLOCK_D).to(tl.float32)
+    o = _load_tile(OUT + head * N * HEAD_DIM, rows, N, HEAD_DIM, BLOCK_D).to(tl.float32)
     tl.store(DELTA + head * N + rows, tl.sum(do * o, 1), mask=rows < N)
 
 

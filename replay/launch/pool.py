@@ -21,12 +21,11 @@ import os
 import selectors
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from replay.errors import ReplayError
 from replay.kernels.plan import plugin_env
-from replay.launch.ranks import free_port, rank_env
+from replay.launch.local import free_port, rank_env, wait_for_outcomes
 
 
 class RankPoolError(ReplayError):
@@ -69,7 +68,7 @@ class RankPool:
             os.close(write_fd)
             self._procs.append(proc)
             self._replies.append(read_fd)
-        if log is not subprocess.DEVNULL:
+        if not isinstance(log, int):   # a file, not DEVNULL
             log.close()
 
     def train(self, store_path: str | Path, lease: str, resume: bool = False) -> None:
@@ -80,11 +79,13 @@ class RankPool:
                    + "\n").encode()
         try:
             for proc in self._procs:
+                assert proc.stdin is not None, "started with stdin=PIPE"
                 proc.stdin.write(request)
                 proc.stdin.flush()
         except BrokenPipeError:
             self.close(kill=True)
-            raise RankPoolError(f"a warm rank died before it took the replay of {store_path}{self._see_log()}") from None
+            raise RankPoolError(f"a warm rank died before it took the replay of {store_path}"
+                                f"{self._see_log()}") from None
         failures = self._collect()
         if failures:
             self.close(kill=True)
@@ -94,34 +95,33 @@ class RankPool:
         return f"; the ranks' output is in {self.log_path}" if self.log_path else ""
 
     def _collect(self) -> list[str]:
-        """Wait for every rank's answer; the first failure ends the wait (the rest may hang in a collective)."""
+        """Wait for every rank's answer (launch/local.py: the first failure ends the wait after a grace, for
+        the others may hang in a collective); a rank's death first, the errors it caused after."""
         selector = selectors.DefaultSelector()
         for rank, fd in enumerate(self._replies):
             selector.register(fd, selectors.EVENT_READ, rank)
         buffers = {rank: b"" for rank in range(self.world_size)}
-        waiting, failures = set(buffers), []
-        deadline = None   # after a first failure, a moment for the others' (a dead rank's EOF comes first)
-        while waiting and (deadline is None or time.monotonic() < deadline):
-            if failures and deadline is None:
-                deadline = time.monotonic() + 2.0
-            for key, _ in selector.select(timeout=0.5):
+
+        def answers(timeout: float) -> list[tuple[int, str | None]]:
+            out: list[tuple[int, str | None]] = []
+            for key, _ in selector.select(timeout):
                 rank = key.data
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
-                    code = self._procs[rank].wait()
-                    failures.append(f"rank {rank} died (exit code {code})")
                     selector.unregister(key.fd)
-                    waiting.discard(rank)
+                    out.append((rank, f"rank {rank} died (exit code {self._procs[rank].wait()})"))
                     continue
                 buffers[rank] += chunk
                 if buffers[rank].endswith(b"\n"):
                     answer = json.loads(buffers[rank])
-                    buffers[rank] = b""
-                    waiting.discard(rank)
                     selector.unregister(key.fd)
-                    if "error" in answer:
-                        failures.append(f"rank {rank}: {answer['error']}")
-        selector.close()
+                    out.append((rank, f"rank {rank}: {answer['error']}" if "error" in answer else None))
+            return out
+
+        try:
+            failures, _ = wait_for_outcomes(self._procs, answers, grace=2.0)
+        finally:
+            selector.close()
         return sorted(failures, key=lambda f: "died" not in f)
 
     def close(self, kill: bool = False) -> None:
@@ -130,7 +130,8 @@ class RankPool:
             if kill and proc.poll() is None:
                 proc.kill()
             try:
-                proc.stdin.close()
+                if proc.stdin is not None:
+                    proc.stdin.close()
             except OSError:
                 pass
         for proc in self._procs:

@@ -9,8 +9,6 @@ prepares the store and the other ranks wait for its go.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +21,9 @@ import numpy as np
 from replay.config import RunConfig
 from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.plan import check_attention
-from replay.lifeline import child_env
+from replay.launch.local import free_port, rank_env, wait_for_ranks
+from replay.launch.pool import RankPool, active_pool
+from replay.recorder.host import environment_notes
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV
 from replay.store.lease import writing
@@ -136,8 +136,6 @@ def prepare_resume(store_path: str, world_size: int) -> Resume:
 
 def _environment_check(m: Manifest) -> list[str]:
     """What differs from the environment the run last ran in; a refusal where the run cannot go on here."""
-    from replay.recorder.host import environment_notes
-
     recorded = m.last_environment
     if not recorded:   # killed before its ranks had started: nothing ran anywhere yet
         return []
@@ -180,19 +178,19 @@ def _check_data_order(store: RunStore, cfg: RunConfig, data: TokenData, start: i
 def _check_deepspeed(cfg: RunConfig) -> None:
     if cfg.launcher != "deepspeed":
         return
-    try:
+    try:   # lazy: whether DeepSpeed (optional, 1.3 s) imports, under --launcher deepspeed only
         import deepspeed  # noqa: F401
     except Exception as e:
         raise UsageError(f"--launcher deepspeed needs DeepSpeed importable here: {e}") from None
 
 
-def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: str, pool=None) -> None:
+def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: str,
+              pool: RankPool | None = None) -> None:
     """Run the ranks on this machine, writing under `lease` (store/lease.py), and wait; a failing rank
     fails the whole recording. Local ranks run on `pool`, or on the active pool of warm ranks of this
     world size (launch/pool.py), where there is one."""
-    from replay.launch.pool import active_pool
-
     if nproc == 1 and cfg.launcher == "local":
+        # lazy: the launcher never loads torch and transformers (2 s); its one rank does, here
         from replay.train.trainer import train
 
         train(store_path, lease, resume=resume)
@@ -212,50 +210,6 @@ def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: 
                           f"`replay record --store {store_path} --resume` continues)")
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """What torchrun gives a rank on one machine (env:// rendezvous on loopback), and the lifeline."""
-    env = child_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    return env
-
-
-def wait_for_ranks(procs: list[subprocess.Popen], grace: float = 5.0) -> str | None:
-    """Wait for every rank. When one fails, the others get `grace` seconds to fail on their own (a peer
-    stuck in a collective with the dead rank usually errors out at once), then are killed. Returns the
-    failures in words, the first one first, or None. Whatever ends the wait, no rank outlives it."""
-    failed: list[tuple[int, int]] = []
-    deadline = None
-    try:
-        while [p.poll() for p in procs].count(None):   # every rank polled: a dead rank is seen while others run
-            new = [(rank, p.returncode) for rank, p in enumerate(procs)
-                   if p.returncode not in (None, 0) and rank not in dict(failed)]
-            failed += sorted(new, key=lambda f: f[1] >= 0)   # in one pass, a rank killed outright came first
-            if failed and deadline is None:
-                deadline = time.monotonic() + grace
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-    for rank, p in enumerate(procs):
-        if p.returncode != 0 and rank not in dict(failed):
-            failed.append((rank, p.returncode))
-    if not failed:
-        return None
-    return ", then ".join(f"rank {rank} {_how(code)}" for rank, code in failed)
-
-
-def _how(code: int) -> str:
-    if code < 0:
-        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
-    return f"exited with code {code}"
-
-
 def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> None:
     """Ranks > 0 under an outer launcher: wait until rank 0 has prepared the store for this launch."""
     deadline = time.monotonic() + timeout
@@ -269,13 +223,8 @@ def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> 
     raise StoreError(f"rank 0 did not prepare {store_path} within {timeout:.0f}s")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cuda() -> bool:
+    # lazy: torch (1 s), for a CUDA or DeepSpeed run only
     import torch
 
     return torch.cuda.is_available()

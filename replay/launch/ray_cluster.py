@@ -16,6 +16,7 @@ from typing import Any
 
 from replay import faults
 from replay.errors import ReplayError, UsageError
+from replay.kernels.plan import plugin_env
 from replay.lifeline import Guardian
 
 RETRIES = 3
@@ -26,6 +27,7 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
     """Yields how many tasks may run at once. An address (or RAY_ADDRESS) joins that cluster; without
     one a local cluster of `workers` CPUs (default: all) is started and stopped afterwards. A session
     already open in this process (tests, notebooks) is reused and left open."""
+    # lazy, as every ray import here: ray (0.3 s) only once Ray work starts; the CLI imports this module
     import ray
 
     if workers is not None and workers < 1:
@@ -69,6 +71,7 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
 
 def cluster_cpus() -> tuple[int, int]:
     """(CPUs of the connected cluster, CPUs of its largest node)."""
+    # lazy (see ray_session)
     import ray
 
     nodes = [int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
@@ -111,8 +114,6 @@ def worker_options() -> dict[str, Any]:
     """What Ray workers must see of this process's environment that they may not inherit (they can be on
     other nodes, or started before it was set): attention plugins (kernels/plan.py) and a test's
     armed fault (replay/faults.py)."""
-    from replay.kernels.plan import plugin_env
-
     env = {**plugin_env(), **faults.armed()}
     return {"runtime_env": {"env_vars": env}} if env else {}
 
@@ -121,9 +122,11 @@ def run_tasks(fn: Callable, items: Iterable[Any], max_in_flight: int, on_result:
               retries: int = RETRIES) -> None:
     """Run `fn(item)` as a Ray task for every item, at most `max_in_flight` at once; `on_result(item,
     result)` runs on the driver as each finishes (in completion order)."""
+    # lazy (see ray_session)
     import ray
 
-    remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=[OSError], **worker_options())(fn)
+    options = {"num_cpus": 1, "max_retries": retries, "retry_exceptions": [OSError], **worker_options()}
+    remote = ray.remote(**options)(fn)
     pending: dict[Any, Any] = {}
     queue = list(items)
     queue.reverse()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from replay.errors import ReplayError
-from replay.launch.ranks import free_port, rank_env, wait_for_ranks
+from replay.launch.local import free_port, rank_env, wait_for_ranks
 from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV
 from replay.store.lease import ENV as LEASE_ENV

@@ -17,6 +17,7 @@ from replay.lifeline import follow_parent
 
 
 def main(argv: list[str]) -> int:
+    # lazy: follow_parent() comes first, before these seconds of imports (the end of this file)
     from replay.store.lease import ENV as LEASE_ENV
     from replay.train.trainer import train
 
@@ -37,6 +38,7 @@ def main(argv: list[str]) -> int:
 def serve(train, reply_fd: int) -> int:
     """Train one store per request line until the input ends; answer each on `reply_fd`, keeping the
     process group between them."""
+    # lazy (see main)
     import torch.distributed as dist
 
     with os.fdopen(reply_fd, "w") as replies:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformers import GPT2LMHeadModel
 
 from replay.recorder.state import unwrap
 
@@ -36,6 +37,7 @@ class ScopedUpdate:
 
     def __init__(self, model: torch.nn.Module, scope: dict):
         module = unwrap(model)
+        assert isinstance(module, GPT2LMHeadModel), "the built-in GPT-2 (train/model.py)"
         cfg, blocks = module.config, module.transformer.h
         d = cfg.n_embd // cfg.n_head
         self.scale = float(scope["scale"])
@@ -53,5 +55,5 @@ class ScopedUpdate:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         before = [p[index].clone() for p, index in self.slices]
         optimizer.step()
-        for (p, index), old in zip(self.slices, before):
+        for (p, index), old in zip(self.slices, before, strict=True):
             p[index] = old + self.scale * (p[index] - old)

@@ -73,11 +73,12 @@ class TokenData:
 
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, [len(ids), T] each, for the given sample ids."""
-        import torch  # here, so that the launchers reading the data never load torch
+        # lazy: the launchers read the data without torch (1 s)
+        import torch
 
         T = self.block_size
-        rows = np.stack([self.tokens[i * T: i * T + T + 1] for i in np.asarray(ids).reshape(-1)])
-        rows = torch.from_numpy(rows.astype(np.int64))
+        rows = torch.from_numpy(np.stack([self.tokens[i * T: i * T + T + 1] for i in np.asarray(ids).reshape(-1)])
+                                .astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
     def describe(self, sample_id: int) -> str:

@@ -53,6 +53,7 @@ def init_distributed(r: Rank, cfg: RunConfig) -> None:
     if r.device.type == "cuda":
         torch.cuda.set_device(r.device)
     if cfg.launcher == "deepspeed":
+        # lazy: DeepSpeed (1.3 s) is optional, for --launcher deepspeed only
         import deepspeed
         import deepspeed.ops
 
@@ -88,11 +89,13 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
     parent = RunStore.open(store.path / spec.parent) if spec else None
     data = load_data(cfg, parent or store)
     recorded = parent.manifest.config if parent else cfg   # a replay builds the model as recorded
-    model = build_model(recorded.model, data.vocab_size, cfg.seed).to(r.device)
+    # transformers types PreTrainedModel.to (a decorated method) as taking the model: a wrong stub
+    model = build_model(recorded.model, data.vocab_size, cfg.seed).to(r.device)  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
+    state: DeepSpeedTrainState | TorchTrainState
     if cfg.launcher == "deepspeed":
         engine = _deepspeed_engine(cfg, model, optimizer, scheduler)
         state, step_fn = DeepSpeedTrainState(engine), functools.partial(_deepspeed_step, engine, data, r)
@@ -115,7 +118,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
         start = None
         for step in loop.steps():
             start = step if start is None else start
-            if loop.in_window and spec.lr_scope and scoped is None:
+            if loop.in_window and spec and spec.lr_scope and scoped is None:
                 scoped = ScopedUpdate(model, spec.lr_scope)
             ids = np.stack([loop.sample_ids(micro) for micro in order.rank_ids(step, r.rank, r.world,
                                                                                cfg.micro_batch_size)])
@@ -131,7 +134,8 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
                 rate = (step + 1 - start) / (time.perf_counter() - t0)
                 note = f"  SPIKE (robust z {event.score:.1f})" if event else ""
                 print(f"step {step:>6}  loss {loop.last_loss:8.4f}  "
-                      f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}", file=sys.stderr, flush=True)
+                      f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}",
+                      file=sys.stderr, flush=True)
 
 
 def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray,
@@ -159,6 +163,7 @@ def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loo
 
 
 def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
+    # lazy: optional, 1.3 s (see init_distributed)
     import deepspeed
 
     # ZeRO allocates a reduce bucket each step (default 5e8 elements, 2 GB in FP32): size it to the model,
@@ -182,7 +187,7 @@ def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
 
 
 def _deepspeed_step(engine, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray, dropped: frozenset[int],
-                    weight: float, scoped: None) -> tuple[float, float, float]:
+                    weight: float, scoped: ScopedUpdate | None) -> tuple[float, float, float]:
     assert not dropped and scoped is None, "refused for DeepSpeed by replayer/overrides.py"
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=r.device)

@@ -147,7 +147,8 @@ def test_attention_entropy_and_log_z_match_transformers_forward(context):
     model.load_state_dict(store.read_shard(steps[i], 0)["state"]["replicated"]["model"])
     outputs = {}
     for layer, block in enumerate(model.transformer.h):
-        block.register_forward_hook(lambda m, a, out, layer=layer: outputs.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
+        block.register_forward_hook(
+            lambda m, a, out, layer=layer: outputs.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
     with torch.no_grad():
         out = model(input_ids=x, output_attentions=True)
     for layer in range(cfg.n_layer):

@@ -127,7 +127,8 @@ def test_a_skipped_step_runs_without_its_update_and_its_schedule_moves_on(one_pr
     after = replay.read_shard(11, 0)["state"]["replicated"]["model"]
     before = parent.read_shard(10, 0)["state"]["replicated"]["model"]
     assert all(torch.equal(after[k], before[k]) for k in before)
-    ours, theirs = replay.read_steps(["lr", "loss"], start=11, stop=12), parent.read_steps(["lr", "loss"], start=11, stop=12)
+    ours = replay.read_steps(["lr", "loss"], start=11, stop=12)
+    theirs = parent.read_steps(["lr", "loss"], start=11, stop=12)
     assert ours["lr"][0] == theirs["lr"][0] and ours["loss"][0] != theirs["loss"][0]
 
 

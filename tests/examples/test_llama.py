@@ -83,7 +83,8 @@ def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_
         p = f"model.layers.{layer}."
         q, k, v, o = (w[p + f"self_attn.{n}_proj.weight"] for n in "qkvo")
         assert k.shape == (N_KV * HD, N_HEAD * HD)
-        whole = {"q": q, "k": k, "v": v, "o": o, "fc": w[p + "mlp.up_proj.weight"], "proj": w[p + "mlp.down_proj.weight"]}
+        whole = {"q": q, "k": k, "v": v, "o": o, "fc": w[p + "mlp.up_proj.weight"],
+                 "proj": w[p + "mlp.down_proj.weight"]}
         for i, name in enumerate(MATRICES):
             assert values["spectral"][layer, i] == pytest.approx(sigma(whole[name]), rel=1e-5), (layer, name)
         for head in range(N_HEAD):
@@ -121,7 +122,8 @@ def test_the_probe_is_the_recorded_models_attention_on_its_first_batch_after_rop
     items, _ = jobs.plan_metrics(RunStore.open(llama, mode="a"))
     values = tasks.compute_metrics(next(i for i in items if i.ckpt.step == 20))
 
-    model = AutoModelForCausalLM.from_config(LlamaConfig.from_dict(info.transformers_config), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(LlamaConfig.from_dict(info.transformers_config),
+                                             attn_implementation="eager")
     weights = store.read_shard(20, 0)["state"]["replicated"]["model"]
     model.load_state_dict(weights, strict=False)
     x = torch.tensor(info.probe)

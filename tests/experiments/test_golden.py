@@ -71,7 +71,8 @@ def test_reference_placement_deviates_more_with_smaller_key_tiles(sweep):
     # The reference placement rounds its BF16 O accumulator once per key tile, so 16 key tiles (B_c = 16) at
     # N = 256 accumulate more rounding than 2 (B_c = 128). The max is set by a few large outputs of the first
     # (causal) rows and barely moves with the tile, so the robust measure is the mean deviation.
-    mean = lambda tile: sweep.deviation("reference-emu", "bf16", 256, 32, tile, "O", "mean")
+    def mean(tile):
+        return sweep.deviation("reference-emu", "bf16", 256, 32, tile, "O", "mean")
     assert mean((16, 16)) > 1.1 * mean((128, 128))
     assert mean((128, 16)) > 1.1 * mean((16, 128))   # it is B_c, the key tile, that counts in the forward
 

@@ -45,7 +45,7 @@ def test_emulation_matches_the_fp64_golden_within_the_precision(dtype, placement
     got = _run(lambda a, b, c: flash_attention(a, b, c, opts, causal), q, k, v, do, dtype)
     u = UNIT[dtype]
     assert (got[0] - gold[0]).abs().max() <= 8 * u * v.abs().max()
-    for g, ref in zip(got[1:], gold[1:]):
+    for g, ref in zip(got[1:], gold[1:], strict=True):
         assert (g - ref).abs().max() <= 32 * u * ref.abs().max()
 
 
@@ -57,7 +57,7 @@ def test_baseline_matches_the_fp64_golden_within_the_precision(dtype):
     got = _run(lambda a, b, c: baseline_attention(a, b, c, dtype), q, k, v, do, dtype)
     u = UNIT[dtype]
     assert (got[0] - gold[0]).abs().max() <= 8 * u * v.abs().max()
-    for g, ref in zip(got[1:], gold[1:]):
+    for g, ref in zip(got[1:], gold[1:], strict=True):
         assert (g - ref).abs().max() <= 32 * u * ref.abs().max()
 
 
@@ -70,19 +70,19 @@ def test_fa2_placement_rounds_exactly_where_it_says_in_one_tile():
     s = s.masked_fill(torch.ones(48, 48, dtype=torch.bool).triu(1), float("-inf"))
     m = s.amax(-1, keepdim=True)                                      # row max in FP32
     p = torch.exp2(s * c - m * c)                                     # FP32 Pbar, scale folded into exp2
-    l = p.sum(-1, keepdim=True)                                       # row sum from the FP32 Pbar
+    row_sum = p.sum(-1, keepdim=True)                                 # row sum from the FP32 Pbar
     acc = p.bfloat16().float() @ v.float()                            # Pbar rounded to BF16 before Pbar V
-    expected = (acc * (1 / l)).bfloat16()                             # times the FP32 1/l, rounded once
+    expected = (acc * (1 / row_sum)).bfloat16()                       # times the FP32 1/l, rounded once
     got = flash_attention(q, k, v, AttentionOptions(block_r=64, block_c=64))
     assert torch.equal(got, expected)
     # and the rounding of Pbar matters: without it (hp-pv) the output differs somewhere
     unrounded = flash_attention(q, k, v, AttentionOptions(block_r=64, block_c=64, hp_pv=True))
-    assert torch.equal(unrounded, (p @ v.float() * (1 / l)).bfloat16()) and not torch.equal(unrounded, expected)
+    assert torch.equal(unrounded, (p @ v.float() * (1 / row_sum)).bfloat16()) and not torch.equal(unrounded, expected)
 
     # backward: D from the stored BF16 O; P from the LSE in FP32; dS rounded before dQ and dK
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     flash_attention(*leaves, AttentionOptions(block_r=64, block_c=64)).backward(do)
-    lse2 = m * c + torch.log2(l)
+    lse2 = m * c + torch.log2(row_sum)
     p_bw = torch.exp2(s * c - lse2)
     D = (do.float() * expected.float()).sum(-1, keepdim=True)
     dv = (p_bw.bfloat16().float().transpose(-1, -2) @ do.float()).bfloat16()
@@ -101,12 +101,12 @@ def test_reference_placement_accumulates_in_bf16_tensors():
     s1, s2 = s[..., :16], s[..., 16:]
     m1 = s1.amax(-1)
     p1 = torch.exp(s1 - m1[..., None])
-    l, acc = p1.sum(-1), p1 @ v[..., :16, :]
+    row_sum, acc = p1.sum(-1), p1 @ v[..., :16, :]
     m2 = torch.maximum(m1, s2.amax(-1))
     p2, alpha = torch.exp(s2 - m2[..., None]), torch.exp(m1 - m2)
-    l = alpha * l + p2.sum(-1)
+    row_sum = alpha * row_sum + p2.sum(-1)
     acc = alpha[..., None] * acc + p2 @ v[..., 16:, :]
-    assert torch.equal(got, acc / l[..., None])
+    assert torch.equal(got, acc / row_sum[..., None])
 
 
 def test_fix_changes_nothing_beyond_the_precision():

@@ -96,7 +96,8 @@ def test_wq_error_is_the_w_q_gradient_of_the_delta_error(heads):
     probe = NumericsProbe(_model("reference-emu"))
     probe._inputs[0] = x.float()
     G = B * len(heads)
-    flat = lambda t: t.detach().reshape(G, *t.shape[2:]).float()
+    def flat(t):
+        return t.detach().reshape(G, *t.shape[2:]).float()
     probe.delta_error(0, heads, torch.Size([B, len(heads)]), flat(q), flat(k), keep, scale,
                       flat(e), torch.zeros(G, N), tied.reshape(G, N))
     got = probe.wq_err[0]
@@ -128,7 +129,7 @@ def test_probe_leaves_the_computation_bitwise_unchanged():
     x, y = _batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lm_loss(bare, x, y).backward()
-    for p, q in zip(watched.parameters(), bare.parameters()):
+    for p, q in zip(watched.parameters(), bare.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
 
 

@@ -106,7 +106,7 @@ SDPA = F.scaled_dot_product_attention
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_finds_the_attention_modules_by_name_or_by_pattern():
@@ -205,7 +205,8 @@ def test_fewer_queries_than_keys_follow_pytorchs_causal_alignment():
     """SDPA's is_causal aligns the mask to the top left (query i sees keys 0..i) when there are fewer
     queries than keys; the dispatch passes the backends that mask, and refuses more queries than keys."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(1, 2, 4, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    q = torch.randn(1, 2, 4, 16, generator=g)
+    k, v = torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
     model = nn.ModuleDict(dict(attn=_Call(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))))
     plain = model.attn(q, k, v)
     with sdpa_dispatch(model, AttentionPlan.parse("fa2-emu:dtype=fp32,br=16,bc=16")):

@@ -8,7 +8,8 @@ by bits (see the module docstring of replay.kernels.triton_fa2).
 Against the emulation (`flash_emu`, placement "fa2", run here on real BF16/FP16 tensors):
   - bit for bit where every FP32 operation is exact or rounded identically: the "integer" case has
     integer scores and c = scale * log2(e) = 1, so every exp2 is a power of two, every sum and product
-    exact, and the one inexact step (acc * (1 / l)) is an IEEE division and a multiply in both. O must be equal bit for bit.
+    exact, and the one inexact step (acc * (1 / l)) is an IEEE division and a multiply in both. O must be equal
+    bit for bit.
   - elsewhere the operation order differs in the row sums (NumPy's pairwise np.sum in the interpreter,
     PyTorch's vectorised sum in the emulation), in exp2/log2 (NumPy's and PyTorch's FP32 results are one
     ulp apart on about 20% / 2% of inputs) and possibly in matmul accumulation. An FP32 value one ulp off
@@ -155,7 +156,7 @@ def _run(attention, name: str, device: str = "cpu", **changes) -> dict[str, torc
     out = attention(*leaves, case.opts.with_(**changes), causal=case.causal, scale=case.scale,
                     mask=None if mask is None else mask.to(device))
     out.backward(do)
-    return {key: t.cpu() for key, t in zip(OUTPUTS, [out.detach()] + [t.grad for t in leaves])}
+    return {key: t.cpu() for key, t in zip(OUTPUTS, [out.detach()] + [t.grad for t in leaves], strict=True)}
 
 
 def _rounding_probes() -> torch.Tensor:
@@ -256,7 +257,7 @@ def _fp64_golden(name: str) -> dict[str, torch.Tensor]:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = baseline_attention(*leaves, torch.float64, case.causal, case.scale, _mask(name))
     out.backward(do)
-    return dict(zip(OUTPUTS, [out.detach()] + [t.grad for t in leaves]))
+    return dict(zip(OUTPUTS, [out.detach()] + [t.grad for t in leaves], strict=True))
 
 
 def _check_against_emulation(got: torch.Tensor, want: torch.Tensor, cancellation: torch.Tensor, what: str) -> None:
@@ -400,7 +401,8 @@ def test_real_low_precision_path_compiles_for_the_gpu(monkeypatch, target, dtype
 
     def compile_instead(kernel, grid, args, constexprs, num_warps, num_stages):
         signature = {name: pointer[a.dtype] if isinstance(a, torch.Tensor) else "i32" if isinstance(a, int) else "fp32"
-                     for name, a in zip(kernel.arg_names, args)} | {name: "constexpr" for name in constexprs}
+                     for name, a in zip(kernel.arg_names, args, strict=False)}
+        signature |= {name: "constexpr" for name in constexprs}
         source = ASTSource(kernel, signature, constexprs=constexprs)
         compiled[kernel.__name__] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True))
@@ -494,7 +496,7 @@ def test_gpu_kernels_agree_with_flash_sdpa():
     gold_out = baseline_attention(*gold_leaves, torch.float64, True)
     gold_out.backward(do.double())
     gold = [gold_out.detach()] + [t.grad for t in gold_leaves]
-    for key, ours, theirs, ref in zip(OUTPUTS, *results, gold):
+    for key, ours, theirs, ref in zip(OUTPUTS, *results, gold, strict=True):
         ours_err, theirs_err = (ours.double() - ref).abs().max(), (theirs.double() - ref).abs().max()
         allowed = 2 * theirs_err + UNIT[torch.bfloat16] * ref.abs().max()
         assert ours_err <= allowed, f"{key}: error {ours_err} against SDPA's {theirs_err}"
@@ -510,7 +512,7 @@ def test_gpu_kernels_are_deterministic():
         out = triton_flash_attention(*leaves, AttentionOptions(block_r=64, block_c=64))
         out.backward(do)
         runs.append([out.detach()] + [t.grad for t in leaves])
-    for key, first, second in zip(OUTPUTS, *runs):
+    for key, first, second in zip(OUTPUTS, *runs, strict=True):
         assert torch.equal(first.view(torch.int16), second.view(torch.int16)), key
 
 

@@ -18,7 +18,8 @@ def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):
     with RankPool(2) as pool:
         # counterfactuals first (another attention function registered with transformers, a scoped update):
         # nothing of them may carry over into the plain windows after them
-        for overrides in (Overrides(attention="fa2-emu:br=16,bc=16", layers=[1]), Overrides(lr_scale=0.5, units=[[1, 0]])):
+        for overrides in (Overrides(attention="fa2-emu:br=16,bc=16", layers=[1]),
+                          Overrides(lr_scale=0.5, units=[[1, 0]])):
             changed = run(store_copy, ReplayRequest(12, 14, overrides=overrides), pool=pool)
             assert changed.created and not changed.verification.bitwise
         pids = [p.pid for p in pool._procs]

@@ -42,5 +42,6 @@ def test_a_running_recording_is_the_only_writer_and_a_dead_one_is_taken_over(tmp
     assert took_over.returncode == 0, took_over.stderr
     assert f"took over the lease of {holder}" in took_over.stderr and "which is no longer running" in took_over.stderr
     assert "bit for bit" in took_over.stdout
-    data = lambda snapshot: {k: v for k, v in snapshot.items() if not k.startswith(("replays/", "leases/"))}
+    def data(snapshot):
+        return {k: v for k, v in snapshot.items() if not k.startswith(("replays/", "leases/"))}
     assert data(tree_snapshot(store)) == data(before) and not (store / "leases").exists()   # released
