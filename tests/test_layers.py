@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import replay
 
 PACKAGE = Path(replay.__file__).parent
@@ -73,6 +75,7 @@ def test_the_contract_catches_what_it_forbids():
     assert _layer("replay.kernels.registry") > _layer("replay.store.lease")   # yet FORBIDDEN keeps them apart
 
 
+@pytest.mark.integration   # starts processes
 def test_the_launching_processes_never_load_torch():
     """`replay record`, `run`, `bisect`, `analyze`, `compare` and the views check plans, stores and data
     before any rank or Ray task starts, without torch (about a second of every command's start-up; the ranks

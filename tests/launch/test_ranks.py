@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from replay.launch.ranks import wait_for_ranks
+
+pytestmark = pytest.mark.integration
 
 
 def _python(code: str) -> subprocess.Popen:
