@@ -26,7 +26,7 @@ demo: setup
 
 # On two worker processes, a test file at a time to whichever is free (docs/testing.md).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The edit loop: the unit tests only, in this process (docs/testing.md).
 test-fast: setup

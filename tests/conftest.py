@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -117,14 +118,14 @@ def made_once(tmp_path_factory, name: str, make: Callable[[Path], T]) -> T:
 
 
 @pytest.fixture(scope="session")
-def ray_local() -> str:
+def ray_local() -> Iterator[str]:
     """A real local Ray cluster, started once (about 3 s) and shared by the tests that use Ray: in this
     process, and by the commands a test starts with RAY_ADDRESS set to the address it yields. Its
     processes end with the test run, however that ends (lifeline.py)."""
     import ray
 
     with guarded():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
         yield ray.get_runtime_context().gcs_address
         ray.shutdown()
 

@@ -23,6 +23,12 @@ def _no_such_pid() -> int:
     return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
 
 
+def _living_holder(store: Path, scope: str = "run") -> Holder:
+    holder = holder_of(store, scope)
+    assert holder is not None, f"nobody living holds {lease_file(store, scope)}"
+    return holder
+
+
 def _written_by(store: Path, pid: int, start: int | None, host: str | None = None, scope: str = "run",
                 heartbeat_age: float = 0.0) -> Holder:
     """The lease file a holder `pid` (started at `start`) would have written; its heartbeat `heartbeat_age` old."""
@@ -49,7 +55,9 @@ def test_a_living_holder_on_this_host_refuses_a_second_writer_and_keeps_its_leas
 
 @pytest.mark.parametrize("gone", ["pid-not-running", "pid-reused"])
 def test_a_dead_holder_on_this_host_is_taken_over_and_reported(tmp_path, gone):
-    pid, start = ((_no_such_pid(), 1) if gone == "pid-not-running" else (os.getpid(), start_time(os.getpid()) + 1))
+    mine = start_time(os.getpid())
+    assert mine is not None
+    pid, start = (_no_such_pid(), 1) if gone == "pid-not-running" else (os.getpid(), mine + 1)
     dead = _written_by(tmp_path, pid, start)
     assert holder_of(tmp_path) is None
     notes: list[str] = []
@@ -58,7 +66,7 @@ def test_a_dead_holder_on_this_host_is_taken_over_and_reported(tmp_path, gone):
         on_disk = json.loads(lease_file(tmp_path).read_text())
         assert on_disk["token"] == lease.token != dead.token and on_disk["pid"] == os.getpid()
         assert on_disk["took_over"] == asdict(dead)
-        assert holder_of(tmp_path).token == lease.token
+        assert _living_holder(tmp_path).token == lease.token
     assert not (tmp_path / "leases").exists()
 
 
@@ -80,7 +88,7 @@ def test_a_takeover_left_half_done_by_a_dead_process_does_not_block_the_next(tmp
     marker = lease_file(tmp_path).with_name(f"run.json.takeover-{dead.token}")
     marker.write_text(json.dumps(asdict(Holder("replay run", _no_such_pid(), socket.gethostname(), 0.0, "e" * 32, 1))))
     with Lease.acquire(tmp_path, "replay record", report=lambda _: None) as lease:
-        assert lease.holder.took_over["token"] == dead.token
+        assert lease.holder.took_over is not None and lease.holder.took_over["token"] == dead.token
         assert not marker.exists()
 
 
@@ -99,7 +107,7 @@ def test_release_counts_the_acquisitions_of_this_process(tmp_path):
     inner = Lease.acquire(tmp_path, "replay record")
     assert inner is outer
     inner.release()
-    assert holder_of(tmp_path).token == outer.token
+    assert _living_holder(tmp_path).token == outer.token
     outer.release()
     assert holder_of(tmp_path) is None and not (tmp_path / "leases").exists()
     again = Lease.acquire(tmp_path, "replay run")
@@ -135,7 +143,7 @@ def test_writing_a_replay_holds_the_runs_lease_and_the_replays_own(tmp_path):
     replay = tmp_path / "replays" / "steps-3-4"
     with writing(replay, "replay run") as lease:
         assert lease.path == lease_file(tmp_path, "replays/steps-3-4")
-        assert holder_of(tmp_path).pid == os.getpid() and holder_of(tmp_path, "replays/steps-3-4").pid == os.getpid()
+        assert _living_holder(tmp_path).pid == _living_holder(tmp_path, "replays/steps-3-4").pid == os.getpid()
     assert holder_of(tmp_path) is None and holder_of(tmp_path, "replays/steps-3-4") is None
 
 
