@@ -59,7 +59,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if INTEGRATION_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.integration)
-    # Integration tests first: with `make test`'s two workers the many short unit tests fill the end.
+    # Integration tests first: `make test`'s two workers take the files in this order (--no-loadscope-reorder),
+    # and the many short unit tests fill the end of both.
     items.sort(key=lambda item: item.get_closest_marker("integration") is None)
 
 
