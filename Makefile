@@ -24,13 +24,13 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/replay demo --out $(DEMO)
 
-# In two lanes on two worker processes (tests/conftest.py says which tests share one).
+# On two worker processes, a test file at a time to whichever is free (docs/testing.md).
 test: setup
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
-# The edit loop: everything but the tests marked `slow` (those that start processes, Ray or record a run).
+# The edit loop: the unit tests only, in this process (docs/testing.md).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not integration"
 
 # ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) over the tree and mypy over the package, strict on
 # replay.store and replay.bisect (pyproject.toml says how).

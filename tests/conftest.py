@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 
 from replay.lifeline import child_env, guarded
 from replay.processes import alive, descendants
@@ -41,75 +45,88 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600,
     return subprocess.CompletedProcess(["replay", *args], result.exit_code, result.stdout, result.stderr)
 
 
-# `make test-fast` leaves out the tests marked `slow`: those that start processes (their modules say so)
-# and, marked here, every test that needs a recorded run or a Ray cluster.
-SLOW_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local", "planted_data",
-                 "planted_layer", "two_node_cluster", "other_seed", "interpreted", "token_file"}
-
-
-# `make test` runs the suite in two lanes, one pytest-xdist worker each (`-n 2`). A session fixture is made
-# once in every lane that uses it, so the tests that read the costly recordings (the spike, its analysed
-# replay, the DeepSpeed run) share one lane; the rest, the examples' first, make the other, about as long.
-# Serial (`pytest` without -n) the suite leaves a fifth of the 2 cores' time idle: its tests mostly wait on
-# one process at a time. Within the shared lane the files that use Ray run last, once the other lane is past
-# the examples, which use it too (docs/benchmarks.md has the measurements).
-SHARED_LANE = ("tests/analysis/test_cluster.py", "tests/analysis/test_compare.py", "tests/analysis/test_jobs.py",
-               "tests/analysis/test_report.py", "tests/bisect/", "tests/replayer/",
-               "tests/launch/test_lifeline.py", "tests/launch/test_pool.py", "tests/launch/test_record.py",
-               "tests/launch/test_record_deepspeed.py", "tests/test_results.py")
-COSTLY = {"spike_store", "zero1_store", "reported_spike"}
-
-
-def lane(nodeid: str) -> str:
-    return "shared" if nodeid.startswith(SHARED_LANE) else "rest"
-
-
-def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class Lanes(LoadScopeScheduling):   # a scope per lane; each worker takes one
-        def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid)
-
-    return Lanes(config, log)
+# Two tiers (docs/testing.md). A test is `integration` when it starts processes (ranks, scripts, Ray) or
+# reads a recorded run; the rest are unit tests, in this process. A test is marked integration by its module
+# (`pytestmark = pytest.mark.integration`) or itself, and here when it uses one of these fixtures, all of
+# which record a run or start processes. Whatever the marking, a unit test that starts a process fails
+# (`_refuse_processes`), so the tiers cannot drift apart.
+INTEGRATION_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local",
+                        "planted_data", "planted_layer", "two_node_cluster", "other_seed", "interpreted",
+                        "token_file", "replayed_store", "analysed_store"}
 
 
 def pytest_collection_modifyitems(items):
-    ray_files = {_file(it) for it in items if "ray_local" in getattr(it, "fixturenames", ())}
-    items.sort(key=lambda it: lane(it.nodeid) == "shared" and _file(it) in ray_files)   # stable: else as collected
     for item in items:
-        used = set(getattr(item, "fixturenames", ()))
-        if SLOW_FIXTURES & used:
-            item.add_marker(pytest.mark.slow)
-        if COSTLY & used and lane(item.nodeid) != "shared":
-            raise pytest.UsageError(f"{item.nodeid} reads {', '.join(sorted(COSTLY & used))}: put its file in "
-                                    "SHARED_LANE (tests/conftest.py), or `make test` records them twice")
+        if INTEGRATION_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+    # Integration tests first: `make test`'s two workers take the files in this order (--no-loadscope-reorder),
+    # and the many short unit tests fill the end of both.
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
 
 
-def _file(item) -> str:
-    return item.nodeid.split("::")[0]
+_running_unit_test: list[str] = []   # the node id of the unit test running in this process, if one is
+PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec"}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def warm_ranks():
-    """Two warm ranks for the session (launch/pool.py): every recording or replay on 2 local ranks that a
-    test runs in this process runs on them, paying their start-up (torch, transformers, the process group)
-    once. Tests about starting, killing or resuming processes run `replay` in processes of their own."""
-    from replay.launch.pool import RankPool
+def _refuse_processes(event: str, args: tuple) -> None:
+    if _running_unit_test and event in PROCESS_EVENTS:
+        raise RuntimeError(f"{_running_unit_test[0]} is a unit test but starts a process ({event}): mark it "
+                           "`integration` (docs/testing.md)")
 
-    with RankPool(2) as pool:
-        yield pool
+
+sys.addaudithook(_refuse_processes)
+
+
+def _as_unit_test(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("integration") is None:
+        _running_unit_test.append(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        _running_unit_test.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _as_unit_test(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _as_unit_test(item))
+
+
+T = TypeVar("T")
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], T]) -> T:
+    """`make(folder)` once for the whole test run, its result returned to every caller. Under pytest-xdist
+    (`make test`) the first worker to ask makes it while the others wait on a lock, then they read it
+    (pytest-xdist's documented recipe for session fixtures); serially it is an ordinary session fixture."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent   # the run's, shared by its workers
+    done = root / f"{name}.made"
+    with FileLock(root / f"{name}.lock"):
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        folder = root / name
+        shutil.rmtree(folder, ignore_errors=True)   # a worker that failed to make it left this
+        folder.mkdir()
+        value = make(folder)
+        done.write_bytes(pickle.dumps(value))
+        return value
 
 
 @pytest.fixture(scope="session")
-def ray_local() -> str:
+def ray_local() -> Iterator[str]:
     """A real local Ray cluster, started once (about 3 s) and shared by the tests that use Ray: in this
     process, and by the commands a test starts with RAY_ADDRESS set to the address it yields. Its
     processes end with the test run, however that ends (lifeline.py)."""
     import ray
 
     with guarded():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
         yield ray.get_runtime_context().gcs_address
         ray.shutdown()
 
@@ -149,8 +166,9 @@ def assert_gone(procs: dict[int, int], within: float = 2.0) -> None:
 def killed_by_fault(fault: str, *args: str, env: dict | None = None) -> None:
     """Run `python -m replay ARGS` with the fault hook REPLAY_FAULT=fault, which SIGKILLs it, then kill
     what it left behind (the local Ray processes it started share its new process group)."""
-    proc = subprocess.Popen([sys.executable, "-m", "replay", *args], env=os.environ | (env or {}) | {"REPLAY_FAULT": fault},
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "replay", *args],
+                            env=os.environ | (env or {}) | {"REPLAY_FAULT": fault}, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     assert proc.wait(timeout=300) == -signal.SIGKILL
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -172,10 +190,12 @@ TWO_RANK_ARGS = ["--steps", "30", "--nproc", "2", "--checkpoint-every", "10"]
 
 
 def _recorded(tmp_path_factory, name: str, *args: str) -> Path:
-    store = tmp_path_factory.mktemp("runs") / name
-    result = replay_cli("record", "--store", str(store), *args)
-    assert result.returncode == 0, result.stderr
-    return store
+    def record(folder: Path) -> Path:
+        result = replay_cli("record", "--store", str(folder / "run"), *args)
+        assert result.returncode == 0, result.stderr
+        return folder / "run"
+
+    return made_once(tmp_path_factory, name, record)
 
 
 @pytest.fixture(scope="session")
@@ -199,21 +219,25 @@ def zero1_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reported_spike(spike_store, ray_local, tmp_path_factory) -> Path:
+def reported_spike(spike_store, tmp_path_factory, request) -> Path:
     """The spike run, a plain replay checkpointing every 2 steps up to the spike, analysed, reported
     (shared by the report's test and the results pipeline's, which treat it as read-only)."""
     from replay.store import RunStore
 
-    store = tmp_path_factory.mktemp("report") / "spike"
-    shutil.copytree(spike_store, store)
-    spike = int(RunStore.open(store).spikes[0]["step"])
-    result = replay_cli("run", str(store), "--from", str(spike - 20), "--to", str(spike - 1), "--checkpoint-every", "2",
-                        "--verify")
-    assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
-    for args in (("analyze", str(store), "--workers", "2"), ("report", str(store))):
-        result = replay_cli(*args)
-        assert result.returncode == 0, result.stderr
-    return store
+    def report(folder: Path) -> Path:
+        request.getfixturevalue("ray_local")   # the analysis's cluster, started only by the worker making this
+        store = folder / "spike"
+        shutil.copytree(spike_store, store)
+        spike = int(RunStore.open(store).spikes[0]["step"])
+        result = replay_cli("run", str(store), "--from", str(spike - 20), "--to", str(spike - 1),
+                            "--checkpoint-every", "2", "--verify")
+        assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
+        for args in (("analyze", str(store), "--workers", "2"), ("report", str(store))):
+            result = replay_cli(*args)
+            assert result.returncode == 0, result.stderr
+        return store
+
+    return made_once(tmp_path_factory, "reported_spike", report)
 
 
 @pytest.fixture
@@ -266,7 +290,7 @@ def tensors_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     return a == b

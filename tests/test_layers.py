@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 import replay
 
 PACKAGE = Path(replay.__file__).parent
@@ -112,6 +114,7 @@ def test_the_contract_catches_what_it_forbids():
     assert _layer("replay.kernels.registry") > _layer("replay.store.lease")   # yet FORBIDDEN keeps them apart
 
 
+@pytest.mark.integration   # starts processes
 def test_the_launching_processes_never_load_torch():
     """`replay record`, `run`, `bisect`, `analyze`, `compare` and the views check plans, stores and data
     before any rank or Ray task starts, without torch (about a second of every command's start-up; the ranks

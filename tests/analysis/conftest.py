@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import replay_cli
+from tests.conftest import made_once, replay_cli
 
 # A replay that leaves the record (learning rate doubled from step 10) and ends with a checkpoint at
 # step 20, where the run has one too: its weight distances against the run are non-zero there.
@@ -17,21 +17,26 @@ DIVERGING_REPLAY = ["--from", "10", "--to", "19", "--lr-scale", "2", "--name", "
 @pytest.fixture(scope="session")
 def replayed_store(two_rank_store, tmp_path_factory) -> Path:
     """The 2-rank recording plus one diverging replay (not analysed)."""
-    store = tmp_path_factory.mktemp("analysis") / "run"
-    shutil.copytree(two_rank_store, store)
-    result = replay_cli("run", str(store), *DIVERGING_REPLAY)
-    assert result.returncode == 0, result.stderr
-    return store
+    def replay(folder: Path) -> Path:
+        shutil.copytree(two_rank_store, folder / "run")
+        result = replay_cli("run", str(folder / "run"), *DIVERGING_REPLAY)
+        assert result.returncode == 0, result.stderr
+        return folder / "run"
+
+    return made_once(tmp_path_factory, "replayed", replay)
 
 
 @pytest.fixture(scope="session")
-def analysed_store(replayed_store, ray_local, tmp_path_factory) -> Path:
+def analysed_store(replayed_store, tmp_path_factory, request) -> Path:
     from replay.analysis.jobs import analyze
 
-    store = tmp_path_factory.mktemp("analysed") / "run"
-    shutil.copytree(replayed_store, store)
-    analyze(store)
-    return store
+    def analysed(folder: Path) -> Path:
+        request.getfixturevalue("ray_local")   # started only by the worker making this
+        shutil.copytree(replayed_store, folder / "run")
+        analyze(folder / "run")
+        return folder / "run"
+
+    return made_once(tmp_path_factory, "analysed", analysed)
 
 
 @pytest.fixture

@@ -66,7 +66,7 @@ def _first_step_loss(store: RunStore, token_file: Path) -> float:
     return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1)))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_process, token_file):
     """The step's loss is the model's mean token loss over the step's samples (both micro-batches), not
     the Trainer's logged average."""
@@ -85,7 +85,7 @@ def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_proces
     assert saved == [f"checkpoint-{s}" for s in (10, 15, 20, 5)]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_process):
     """...and neither replay writes a checkpoint of the Trainer's own into the recording's output_dir."""
     trainer_out = tree_snapshot(Path(f"{one_process}-out"))
@@ -100,7 +100,7 @@ def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_pr
     assert tree_snapshot(Path(f"{one_process}-out")) == trainer_out
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bit(runs, token_file):
     store = _record(runs, token_file, "ddp", launcher=TORCHRUN)
     m = RunStore.open(store).manifest
@@ -116,7 +116,7 @@ def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bi
     assert json.loads(result.stdout)["verification"]["bitwise"] is True
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_skipped_step_runs_without_its_update_and_its_schedule_moves_on(one_process):
     """The Trainer runs every step it fetches: --skip 10 leaves the weights after step 10 those before it
     (the parent's checkpoint 10), while step 11 has the learning rate it had in the record."""
@@ -132,7 +132,7 @@ def test_a_skipped_step_runs_without_its_update_and_its_schedule_moves_on(one_pr
     assert ours["lr"][0] == theirs["lr"][0] and ours["loss"][0] != theirs["loss"][0]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_precision_change_is_refused_in_one_line_and_leaves_the_store_as_it_was(one_process):
     """The Trainer's autocast is accelerate's: the script refuses --precision as it starts, and the replay
     it never ran is not left in the store."""
@@ -143,7 +143,7 @@ def test_a_precision_change_is_refused_in_one_line_and_leaves_the_store_as_it_wa
     assert tree_snapshot(one_process) == before
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_compare_analyze_and_report_read_trainer_runs_as_any_other(one_process, runs, token_file, ray_local, tmp_path):
     """Another seed's run, compared with this one (the weights' distances, checkpoint by checkpoint);
     this one analysed (every checkpoint, the probe on its first batch) and reported."""

@@ -41,7 +41,7 @@ def test_without_a_gpu_the_flash_mode_says_so_in_one_line():
         FlashCheckConfig(precisions=("fp32",))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: PyTorch's flash kernel runs on one")
 def test_the_emulation_in_flash_order_reproduces_the_flash_kernel(tmp_path):

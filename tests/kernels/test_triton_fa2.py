@@ -381,7 +381,7 @@ def test_says_why_it_cannot_run(monkeypatch):
 TARGETS = {"sm_90": (90, 232_448), "sm_80": (80, 166_912)}   # compute capability, shared memory per block
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.skipif(triton_fa2.INTERPRETED, reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled")
 @pytest.mark.parametrize("target, dtype, opts", [
     ("sm_90", torch.bfloat16, AttentionOptions()),
@@ -527,6 +527,7 @@ def test_gpu_rounding_matches_torch(dtype, emulate):
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
+@pytest.mark.integration   # starts processes
 def test_interpreter_refuses_a_beta_whose_probabilities_underflow():
     """As the emulation: subnormal or zero row sums are an error, not NaN or silent zeros."""
     script = (
@@ -548,6 +549,7 @@ def test_interpreter_refuses_a_beta_whose_probabilities_underflow():
     _run_interpreted(script)
 
 
+@pytest.mark.integration   # starts processes
 def test_interpreter_takes_a_padding_mask_shared_by_the_heads():
     """The mask as the model glue passes it, [batch, 1, N, M] read in place for every head (stride 0), with
     the fix and decreasing key order: the emulation's outputs (97% bitwise, the rest within 1e-3), rows that

@@ -15,7 +15,7 @@ import pytest
 from replay.store import RunStore
 from tests.conftest import REPO, assert_gone, wait_for_descendants
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def _start(*args: str) -> subprocess.Popen:

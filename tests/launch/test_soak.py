@@ -11,7 +11,7 @@ from replay.store import RunStore
 from tests.conftest import error_line, replay_cli, tree_snapshot
 from tests.soak import chained_kills, random_flips
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 SEED = 20261122
 
 

@@ -41,7 +41,7 @@ def _foreign_lease(store, heartbeat_age: float) -> dict:
     return doc
 
 
-@pytest.mark.slow   # starts processes
+@pytest.mark.integration   # starts processes
 def test_a_second_writer_is_refused_with_the_holder_named(tmp_path):
     proc, token = _holder_process(tmp_path)
     try:
@@ -56,7 +56,7 @@ def test_a_second_writer_is_refused_with_the_holder_named(tmp_path):
         proc.wait()
 
 
-@pytest.mark.slow   # starts processes
+@pytest.mark.integration   # starts processes
 def test_a_dead_holder_on_this_host_is_taken_over_and_reported(tmp_path):
     proc, token = _holder_process(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
@@ -106,7 +106,7 @@ def test_the_holder_heartbeats_and_a_takeover_is_noticed(tmp_path, monkeypatch):
     assert lease_file(tmp_path).exists()   # not its own any more: left alone
 
 
-@pytest.mark.slow   # starts processes
+@pytest.mark.integration   # starts processes
 def test_many_processes_taking_over_one_dead_lease_leave_exactly_one_holder(tmp_path):
     _foreign_lease(tmp_path, heartbeat_age=3600)
     race = """

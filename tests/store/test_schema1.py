@@ -45,6 +45,7 @@ def test_it_opens_and_reads_as_recorded(schema1):
     assert info["schema"] == 1 and info["steps_recorded"] == 4
 
 
+@pytest.mark.integration   # starts processes
 def test_a_window_replays_bit_for_bit(schema1):
     result = replay_cli("run", str(schema1), "--from", "2", "--to", "3", "--verify")
     assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
