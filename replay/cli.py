@@ -17,7 +17,7 @@ from replay.analysis.localise import localise_store
 from replay.analysis.report import write_report
 from replay.bisect.narrow import BisectConfig
 from replay.bisect.narrow import bisect as run_bisect
-from replay.config import PRECISIONS, build_config
+from replay.config import PRECISIONS, Launcher, build_config
 from replay.demo import run_demo
 from replay.errors import ReplayError
 from replay.launch import ranks
@@ -116,7 +116,8 @@ def main(debug: bool) -> None:
 @click.option("--data", help="nanoGPT-style token file (train.bin); default: the built-in byte corpus.")
 @click.option("--steps", type=int, help="Optimizer steps to train.")
 @click.option("--nproc", type=int, help="Local ranks to start (torch.distributed; gloo on CPU, nccl on GPU).")
-@click.option("--launcher", type=click.Choice(["local", "deepspeed"]), help="local ranks or a DeepSpeed engine.")
+@click.option("--launcher", type=click.Choice([Launcher.LOCAL.value, Launcher.DEEPSPEED.value]),
+              help="local ranks or a DeepSpeed engine.")
 @click.option("--zero-stage", type=click.IntRange(0, 2), help="DeepSpeed ZeRO stage (with --launcher deepspeed).")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="BF16 autocast or FP32.")
 @click.option("--attention", help="Attention implementation (eager, sdpa).")
@@ -312,14 +313,12 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
     sign, with and without the safe-softmax fix, with 95% confidence intervals.
     """
     # lazy: the CLI starts without torch (1 s)
-    from replay.experiments import golden, mechanism
+    from replay.experiments import flash_check, golden, mechanism
 
     out = Path(out_dir)
     given = {k: v for k, v in dict(precisions=precisions, seq_lens=seq_lens, tiles=tiles, head_dims=head_dims).items()
              if v}
     if mode == "flash":
-        from replay.experiments import flash_check
-
         flash = flash_check.run_flash_check(flash_check.FlashCheckConfig(**given), out / "flash",
                                             progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(flash.summary_lines()))

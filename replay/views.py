@@ -18,6 +18,7 @@ from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import holder_of
+from replay.train.data import load_data
 
 
 def summarize(path: str) -> dict[str, Any]:
@@ -162,8 +163,6 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
 def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, Any]]:
     """The samples of `step` as recorded in `path` (a run, or a replay: its own steps, which start at its
     start checkpoint), with their text where the store can name it."""
-    from replay.train.data import load_data
-
     store = RunStore.open(path)
     if not store.first_step <= step < store.end_step:
         held = f"steps {store.first_step}..{store.end_step - 1}" if store.n_steps else "no steps yet"

@@ -92,7 +92,7 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
     sources = checkpoint_sources(store)
     if not sources:
         return [], 0
-    builtin = store.manifest.launcher != "custom"
+    builtin = store.capabilities.builtin
     info = _root_run(store).manifest.model   # a transformers model of the user's own, with its probe rows
     if builtin:
         probe = probe_batch(store)

@@ -36,6 +36,7 @@ from replay.bisect.rule import Rule, judge
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
 from replay.bisect.session import BaselineResult, DataResult, HeadsResult, LayersResult, Session, StepsResult, Verdict
 from replay.errors import ReplayError, UsageError
+from replay.launch.ray_cluster import cluster_cpus, ray_session
 from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides, apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
@@ -241,8 +242,6 @@ class Bisect:
                 raise
 
     def _run(self) -> Session:
-        from replay.launch.ray_cluster import ray_session
-
         t0 = time.perf_counter()
         before = len(self.session.probes)
         self.say(f"bisect session {self.id}" + (f" (resumed: {before} probes already done)" if self.resumed else "")
@@ -283,8 +282,6 @@ class Bisect:
     def _slots(self, per_probe: int) -> tuple[int, int]:
         """(CPUs one probe takes, probes at once). A probe needs its ranks x recorded threads; running
         more probes than the cores hold oversubscribes them, and threaded kernels then crawl."""
-        from replay.launch.ray_cluster import cluster_cpus
-
         total, largest = cluster_cpus()
         cpus = min(per_probe, largest)
         fit = max(1, total // cpus)

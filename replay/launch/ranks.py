@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replay.config import RunConfig
+from replay.config import Launcher, RunConfig
 from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.plan import check_attention
 from replay.launch.local import free_port, rank_env, wait_for_ranks
@@ -48,7 +48,7 @@ def record_new(store_path: str, cfg: RunConfig, command: str = "replay record",
     """Record a new run on this machine's ranks, holding the store's lease throughout."""
     with writing(store_path, command) as lease:
         prepare_new(store_path, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
-        zero = f", ZeRO-{cfg.zero_stage}" if cfg.launcher == "deepspeed" else ""
+        zero = f", ZeRO-{cfg.zero_stage}" if cfg.launcher is Launcher.DEEPSPEED else ""
         progress(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) ({cfg.launcher}{zero}, "
                  f"{cfg.precision}) into {store_path}")
         run_ranks(store_path, cfg, cfg.nproc, False, lease.spec)
@@ -176,7 +176,7 @@ def _check_data_order(store: RunStore, cfg: RunConfig, data: TokenData, start: i
 
 
 def _check_deepspeed(cfg: RunConfig) -> None:
-    if cfg.launcher != "deepspeed":
+    if cfg.launcher is not Launcher.DEEPSPEED:
         return
     try:   # lazy: whether DeepSpeed (optional, 1.3 s) imports, under --launcher deepspeed only
         import deepspeed  # noqa: F401
@@ -189,17 +189,17 @@ def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: 
     """Run the ranks on this machine, writing under `lease` (store/lease.py), and wait; a failing rank
     fails the whole recording. Local ranks run on `pool`, or on the active pool of warm ranks of this
     world size (launch/pool.py), where there is one."""
-    if nproc == 1 and cfg.launcher == "local":
+    if nproc == 1 and cfg.launcher is Launcher.LOCAL:
         # lazy: the launcher never loads torch and transformers (2 s); its one rank does, here
         from replay.train.trainer import train
 
         train(store_path, lease, resume=resume)
         return
     pool = pool or active_pool(nproc)
-    if pool is not None and cfg.launcher == "local" and pool.world_size == nproc:
+    if pool is not None and cfg.launcher is Launcher.LOCAL and pool.world_size == nproc:
         pool.train(store_path, lease, resume=resume)
         return
-    if cfg.launcher == "deepspeed":
+    if cfg.launcher is Launcher.DEEPSPEED:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
     port = free_port()
     args = [sys.executable, "-m", "replay.launch.worker", str(store_path)] + (["--resume"] if resume else [])

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from replay import faults
-from replay.config import RunConfig, SpikeConfig
+from replay.config import Launcher, RunConfig, SpikeConfig
 from replay.errors import UsageError
 from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
@@ -73,7 +73,7 @@ def create_run_store(path: str, config: RunConfig, world_size: int = 1, descript
     """A new run store for a training loop of your own. `config` describes the run as far as it can
     (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
     with Lease.acquire(path, "create_run_store"):
-        return create_run(path, config, world_size=world_size, launcher="custom",
+        return create_run(path, config, world_size=world_size, launcher=Launcher.CUSTOM,
                           data=no_data(description or "a custom training loop"))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from replay.config import RunConfig
+from replay.config import Launcher, RunConfig
 from replay.errors import ReplayError, UsageError
 from replay.recorder import command as cmd
 from replay.recorder.modes import Start
@@ -76,15 +76,16 @@ class Recording:
     def _create(self, path: str, cfg: RunConfig, options: RunOptions) -> None:
         check_empty(Path(path))
         layout, info = options.model_manifest(self.model, cfg)
-        create_run(path, cfg, world_size=self.world, launcher="custom",
+        create_run(path, cfg, world_size=self.world, launcher=Launcher.CUSTOM,
                    data=no_data(options.description or "a training script of the user's own"),
                    command=cmd.capture(self.world), layout=layout, model=info)
 
     def _rewind(self, path: str) -> None:
         store = RunStore.open(path, mode="a")
         m = store.manifest
-        if m.kind != "run" or m.launcher != "custom" or m.command is None:
+        if m.kind != "run" or not store.capabilities.relaunches_script:
             raise UsageError(f"Loop(resume=True): {path} was not recorded by a Loop")
+        assert m.command is not None, "a script's run keeps its command"
         if m.world_size != self.world:
             raise UsageError(f"Loop(resume=True) with {self.world} ranks, but {path} was recorded with "
                              f"{m.world_size}: resume with the same world size")

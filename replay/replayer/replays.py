@@ -16,22 +16,24 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from replay.config import RunConfig
 from replay.errors import ReplayError, UsageError
+from replay.launch.pool import RankPool
+from replay.launch.ranks import run_ranks
+from replay.launch.script import run_script
 from replay.recorder.command import check_unchanged
+from replay.recorder.host import environment_notes
 from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
-from replay.store.manifest import Manifest, ReplaySpec, ResumeInfo
-
-if TYPE_CHECKING:
-    from replay.launch.pool import RankPool
+from replay.store.lifecycle import resume_run
+from replay.store.manifest import Manifest, ReplaySpec
 
 COMPARED = ("loss", "rank_loss", "grad_norm")
 
@@ -143,9 +145,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
             return path, cfg, False, False
         if req.resume and existing.checkpoints():
             existing = RunStore.open(path, mode="a")
-            last = existing.rewind(verify_world_size=recorded.world_size)
-            assert last is not None, "it has a committed checkpoint"
-            existing.update_manifest(resumes=[*m.resumes, ResumeInfo(from_step=last, time=time.time())])
+            assert resume_run(existing, recorded.world_size) is not None, "it has a committed checkpoint"
             return path, cfg, True, True
         if not (req.resume or req.discard):
             raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted (it reached step "
@@ -164,10 +164,6 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
     on them instead of on freshly started ranks. The store's lease is taken first, or, with `under` (a
     bisect's probes), the lease of the process this one works for is checked; the replay's own lease
     is taken in both cases (store/lease.py)."""
-    from replay.launch.ranks import run_ranks
-    from replay.launch.script import run_script
-    from replay.recorder.host import environment_notes
-
     RunStore.open(store_path)   # a missing store is named before anything is made
     with writing(Path(store_path) / "replays" / replay_id(req), command, under=under) as lease:
         path, cfg, pending, resume = prepare(store_path, req)

@@ -370,7 +370,7 @@ class RunStore:
         `state` is a packed tree (what the recorder captures) or a plain one (written straight from its
         tensors' memory). `after_chunk(i, n)` is called after each of the n chunks is on disk (progress,
         fault-injection tests)."""
-        from replay.store.tensors import Packed, layout
+        from replay.store.tensors import Packed, layout  # lazy: torch (0.7 s); launchers read stores without it
 
         self.check_writable()
         if isinstance(state, Packed):
@@ -443,7 +443,7 @@ class RunStore:
         """One rank's state tree of a committed checkpoint, every byte's checksum verified.
 
         With `keys`, only those tensors are read (the chunks holding them) and returned as {key: tensor}."""
-        from replay.store import legacy
+        from replay.store import legacy  # lazy, both: torch (0.7 s); launchers read stores without it
         from replay.store.tensors import as_tensor, entry_view, unflatten
 
         if self.schema < 2:
@@ -482,7 +482,7 @@ class RunStore:
     def shard_index(self, step: int, rank: int) -> dict[str, dict[str, Any]]:
         """What one rank's shard holds: {key: dtype, shape, offset, nbytes} (no tensor is read)."""
         if self.schema < 2:
-            from replay.store import legacy
+            from replay.store import legacy  # lazy: torch (0.7 s)
 
             self._commit(step)
             return legacy.shard_index(self._shard_group(step, rank))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from replay.config import RunConfig
+from replay.config import Launcher, RunConfig
 from replay.kernels.numerics import NumericsProbe
 from replay.kernels.registry import apply_plan, raise_deferred
 from replay.recorder.environment import configure_determinism, seed_everything
@@ -52,7 +52,7 @@ class Rank:
 def init_distributed(r: Rank, cfg: RunConfig) -> None:
     if r.device.type == "cuda":
         torch.cuda.set_device(r.device)
-    if cfg.launcher == "deepspeed":
+    if cfg.launcher is Launcher.DEEPSPEED:
         # lazy: DeepSpeed (1.3 s) is optional, for --launcher deepspeed only
         import deepspeed
         import deepspeed.ops
@@ -96,7 +96,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
     state: DeepSpeedTrainState | TorchTrainState
-    if cfg.launcher == "deepspeed":
+    if cfg.launcher is Launcher.DEEPSPEED:
         engine = _deepspeed_engine(cfg, model, optimizer, scheduler)
         state, step_fn = DeepSpeedTrainState(engine), functools.partial(_deepspeed_step, engine, data, r)
         optimizer, scheduler = engine.optimizer, engine.lr_scheduler
