@@ -113,7 +113,7 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
             return baseline_attention(q, k, v, dtype, causal=True, scale=scaling, mask=keep).to(q.dtype)
         assert spec.options is not None, "the emulated and Triton backends always have options (kernels/plan.py)"
         if spec.name == "triton-fa2":
-            from replay.kernels.triton_fa2 import triton_flash_attention   # lazy: triton (0.3 s), when a plan names it
+            from replay.kernels.triton_fa2 import triton_flash_attention  # lazy: triton (0.3 s), when a plan names it
 
             return triton_flash_attention(q, k, v, spec.options, causal=True, scale=scaling, defer_checks=True,
                                           mask=keep)
