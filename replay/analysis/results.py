@@ -24,6 +24,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from replay.analysis.names import DISTANCES, HEAD_MATRICES, MATRICES
+from replay.store.nodes import attributes, member
 
 SCHEMA = 1
 GROUP = "analysis"
@@ -51,19 +52,11 @@ def _open_group(store_path: str | Path, path: str, mode: Literal["r", "r+"] = "r
 
 
 def _array(group: zarr.Group, name: str) -> zarr.Array[Any]:
-    """The array `name` of `group` (zarr types a member as an array or a group; the layout above says which)."""
-    arr = group[name]
-    assert isinstance(arr, zarr.Array), f"{name} is a group, not an array"
-    return arr
+    return member(group, name, zarr.Array)
 
 
 def _read(group: zarr.Group, name: str) -> np.ndarray:
     return np.asarray(_array(group, name)[...])
-
-
-def _attrs(group: zarr.Group) -> dict[str, Any]:
-    """A group's attributes, as the JSON object they are."""
-    return dict(group.attrs)
 
 
 def _sizes(n_layer: int, n_head: int) -> dict[str, int]:
@@ -113,7 +106,7 @@ class MetricsTable:
 
     @property
     def attrs(self) -> dict[str, Any]:
-        return _attrs(self.group)
+        return attributes(self.group)
 
     def blocks(self) -> list[tuple[int, int]]:
         n, b = self.attrs["n_layer"], self.attrs["layer_block"]
@@ -139,7 +132,7 @@ def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]
     """Make a table hold these rows ({"step", ...inputs}, one per checkpoint), appending new ones; a row
     whose inputs changed (a rewound run, a checkpoint added in between) or whose checkpoint is gone is
     marked not done. Returns the row index of each. Driver only: it resizes arrays and writes attributes."""
-    existing: list[dict[str, Any]] = list(_attrs(group)["rows"])
+    existing: list[dict[str, Any]] = list(attributes(group)["rows"])
     by_step = {r["step"]: i for i, r in enumerate(existing)}
     index, stale = [], []
     for row in rows:
@@ -186,7 +179,7 @@ def read_metrics(store_path: str | Path) -> dict[str, Any] | None:
     steps = _read(group, "checkpoint")
     complete = np.all(_read(group, "done").astype(bool), axis=1) if steps.size else np.zeros(0, bool)
     order = [i for i in np.argsort(steps, kind="stable") if complete[i]]
-    out: dict[str, Any] = {"step": steps[order], "attrs": _attrs(group)}
+    out: dict[str, Any] = {"step": steps[order], "attrs": attributes(group)}
     n_layer, n_head = out["attrs"]["n_layer"], out["attrs"]["n_head"]
     for name, dims in METRICS.items():
         if name in group:
@@ -255,7 +248,7 @@ def read_distances(store_path: str | Path) -> dict[str, dict[str, Any]]:
         done = _read(group, "done").astype(bool)
         order = [i for i in np.argsort(steps, kind="stable") if done[i]]
         entry: dict[str, Any] = {"step": steps[order], "tensor": [str(t) for t in _read(group, "tensor")],
-                                 "attrs": _attrs(group)}
+                                 "attrs": attributes(group)}
         for metric in DISTANCES:
             entry[metric] = _read(group, metric)[order] if order else np.zeros((0, len(entry["tensor"])))
         out[sub.name] = entry
