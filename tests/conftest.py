@@ -256,14 +256,14 @@ def store_copy(two_rank_store, tmp_path) -> Path:
 def new_store(path: Path, config=None, replay=None, first_step: int = 0):
     """A store for tests of the store itself: a manifest that says little, a step log that starts at
     `first_step`; `replay` (a ReplaySpec) makes it a replay."""
-    from replay.config import RunConfig
+    from replay.config import Launcher, RunConfig
     from replay.store import RunStore
     from replay.store.manifest import DataInfo, Manifest
 
     data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="", source="a test")
-    return RunStore.create(path, Manifest(kind="replay" if replay else "run", config=config or RunConfig(),
-                                          world_size=1, launcher="custom", data=data, created=0.0, replay=replay),
-                           first_step=first_step)
+    manifest = Manifest(kind="replay" if replay else "run", config=config or RunConfig(), world_size=1,
+                        launcher=Launcher.CUSTOM, data=data, created=0.0, replay=replay)
+    return RunStore.create(path, manifest, first_step=first_step)
 
 
 def corrupt_tensor(store_path: Path, step: int, rank: int, key: str, byte: int = 100) -> str:
