@@ -27,6 +27,7 @@ time.sleep(600)
 
 def _holder_process(store) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(store)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
 
 
