@@ -46,10 +46,10 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600,
 
 
 # Two tiers (docs/testing.md). A test is `integration` when it starts processes (ranks, scripts, Ray) or
-# reads a recorded run; the rest are unit tests, in this process. A test is marked integration by its module
-# (`pytestmark = pytest.mark.integration`) or itself, and here when it uses one of these fixtures, all of
-# which record a run or start processes. Whatever the marking, a unit test that starts a process fails
-# (`_refuse_processes`), so the tiers cannot drift apart.
+# reads a recorded run, and then it lives in a file named `*_integration.py`, which marks it; the rest are
+# unit tests, in this process. A test elsewhere that is marked integration or uses one of these fixtures (all
+# of which record a run or start processes) is refused at collection, and a unit test that starts a process
+# fails (`_refuse_processes`), so the tiers cannot drift apart.
 INTEGRATION_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local",
                         "planted_data", "planted_layer", "two_node_cluster", "other_seed", "interpreted",
                         "token_file", "replayed_store", "analysed_store"}
@@ -57,8 +57,12 @@ INTEGRATION_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reporte
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if INTEGRATION_FIXTURES & set(item.fixturenames):
+        if item.path.name.endswith("_integration.py"):
             item.add_marker(pytest.mark.integration)
+        elif (uses := INTEGRATION_FIXTURES & set(item.fixturenames)) or item.get_closest_marker("integration"):
+            why = f"it uses {', '.join(sorted(uses))}" if uses else "marked `integration`"
+            raise pytest.UsageError(f"{item.nodeid} is an integration test ({why}): move it to a file named "
+                                    "`*_integration.py` beside this one, unmarked (docs/testing.md)")
     # Integration tests first: `make test`'s two workers take the files in this order (--no-loadscope-reorder),
     # and the many short unit tests fill the end of both.
     items.sort(key=lambda item: item.get_closest_marker("integration") is None)
@@ -72,8 +76,8 @@ def _refuse_processes(event: str, args: tuple) -> None:
     if event == "subprocess.Popen" and list(args[1]) == ["uname", "-p"]:
         return   # the standard library's platform.platform() asks uname once a process (the run's fingerprint)
     if _running_unit_test and event in PROCESS_EVENTS:
-        raise RuntimeError(f"{_running_unit_test[0]} is a unit test but starts a process ({event}): mark it "
-                           "`integration` (docs/testing.md)")
+        raise RuntimeError(f"{_running_unit_test[0]} is a unit test but starts a process ({event}): move it to a "
+                           "file named `*_integration.py` (docs/testing.md)")
 
 
 sys.addaudithook(_refuse_processes)
@@ -252,14 +256,14 @@ def store_copy(two_rank_store, tmp_path) -> Path:
 def new_store(path: Path, config=None, replay=None, first_step: int = 0):
     """A store for tests of the store itself: a manifest that says little, a step log that starts at
     `first_step`; `replay` (a ReplaySpec) makes it a replay."""
-    from replay.config import RunConfig
+    from replay.config import Launcher, RunConfig
     from replay.store import RunStore
     from replay.store.manifest import DataInfo, Manifest
 
     data = DataInfo(embedded=False, path=None, bytes=0, method="none", digest="", source="a test")
-    return RunStore.create(path, Manifest(kind="replay" if replay else "run", config=config or RunConfig(),
-                                          world_size=1, launcher="custom", data=data, created=0.0, replay=replay),
-                           first_step=first_step)
+    manifest = Manifest(kind="replay" if replay else "run", config=config or RunConfig(), world_size=1,
+                        launcher=Launcher.CUSTOM, data=data, created=0.0, replay=replay)
+    return RunStore.create(path, manifest, first_step=first_step)
 
 
 def corrupt_tensor(store_path: Path, step: int, rank: int, key: str, byte: int = 100) -> str:

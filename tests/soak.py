@@ -2,7 +2,7 @@
 compared bit for bit with an uninterrupted run; and flipped bits in a committed checkpoint, each refused
 on read with one line naming the checkpoint and the file or array.
 
-The suite runs a few trials of each (tests/launch/test_soak.py); `make soak` runs 30 kills and flips bits
+The suite runs a few trials of each (tests/launch/test_soak_integration.py); `make soak` runs 30 kills and flips bits
 all over every file of a checkpoint, and prints the counts:
 
     .venv/bin/python -m tests.soak [--kills 30] [--flips-per-file 20] [--seed S]

@@ -1,16 +1,12 @@
 """The import contract: lower layers never import higher ones, and no module imports itself through others
 (every import, at module level or inside a function). The store is the data model every component shares;
-kernels are pure numerics. And the processes that launch the work never load torch."""
+kernels are pure numerics. (The processes that launch the work never load torch: test_layers_integration.py.)"""
 
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
-
-import pytest
 
 import replay
 
@@ -112,17 +108,3 @@ def test_the_cycle_check_finds_a_cycle():
 def test_the_contract_catches_what_it_forbids():
     assert _layer("replay.store.run_store") < _layer("replay.replayer.replays") < _layer("replay.views")
     assert _layer("replay.kernels.registry") > _layer("replay.store.lease")   # yet FORBIDDEN keeps them apart
-
-
-@pytest.mark.integration   # starts processes
-def test_the_launching_processes_never_load_torch():
-    """`replay record`, `run`, `bisect`, `analyze`, `compare` and the views check plans, stores and data
-    before any rank or Ray task starts, without torch (about a second of every command's start-up; the ranks
-    and the Ray workers load it)."""
-    code = ("import sys, replay.cli, replay.launch.ranks, replay.launch.script, replay.replayer.replays, "
-            "replay.bisect.session, replay.analysis.jobs, replay.views\n"
-            "from replay.config import ModelConfig\nfrom replay.kernels.plan import check_attention\n"
-            "check_attention(ModelConfig(attention='fa2-emu;1.0=baseline'))\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"

@@ -1,88 +1,161 @@
-"""The store's lease (store/lease.py): one writer at a time, with real processes holding and dying."""
+"""The lease's logic (store/lease.py) in this process, in milliseconds: holders that are real processes of
+this machine (this one, its parent, a pid no process can have, or this pid with another start time, which is
+what a reused pid looks like), their lease files written as a holder writes them. Holders that are other
+processes, holding and dying: test_lease_integration.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
 from replay.errors import StoreError
-from replay.store.lease import Lease, holder_of, lease_file, require
-
-HOLD = """
-import sys, time
-from replay.store.lease import Lease
-lease = Lease.acquire(sys.argv[1], "a test holder")
-print(lease.token, flush=True)
-time.sleep(600)
-"""
+from replay.processes import start_time
+from replay.store.lease import Holder, Lease, current_spec, holder_of, lease_file, require, writing
 
 
-def _holder_process(store) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(store)], stdout=subprocess.PIPE, text=True)
-    return proc, proc.stdout.readline().strip()
+def _no_such_pid() -> int:
+    """A pid above the kernel's limit: no process has it, now or later."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
 
 
-def _foreign_lease(store, heartbeat_age: float) -> dict:
-    """A lease written by a process on another host (as a shared filesystem would show it)."""
-    path = lease_file(store)
+def _living_holder(store: Path, scope: str = "run") -> Holder:
+    holder = holder_of(store, scope)
+    assert holder is not None, f"nobody living holds {lease_file(store, scope)}"
+    return holder
+
+
+def _written_by(store: Path, pid: int, start: int | None, host: str | None = None, scope: str = "run",
+                heartbeat_age: float = 0.0) -> Holder:
+    """The lease file a holder `pid` (started at `start`) would have written; its heartbeat `heartbeat_age` old."""
+    holder = Holder(command="replay record", pid=pid, host=host or socket.gethostname(), since=time.time() - 60,
+                    token=f"{pid:032x}"[-32:], start=start)
+    path = lease_file(store, scope)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"command": "replay record", "pid": 4242, "host": "node-b", "since": time.time() - 3600,
-           "token": "f" * 32, "start": 123}
-    path.write_text(json.dumps(doc))
+    path.write_text(json.dumps(asdict(holder)))
     beat = time.time() - heartbeat_age
     os.utime(path, (beat, beat))
-    return doc
+    return holder
 
 
-@pytest.mark.integration   # starts processes
-def test_a_second_writer_is_refused_with_the_holder_named(tmp_path):
-    proc, token = _holder_process(tmp_path)
-    try:
-        with pytest.raises(StoreError) as e:
-            Lease.acquire(tmp_path, "replay run")
-        message = str(e.value)
-        assert f"is being written by `a test holder` (pid {proc.pid} on {socket.gethostname()} since" in message
-        assert message.endswith("wait for it or stop it")
-        assert holder_of(tmp_path).token == token
-    finally:
-        proc.kill()
-        proc.wait()
+def test_a_living_holder_on_this_host_refuses_a_second_writer_and_keeps_its_lease(tmp_path):
+    parent = os.getppid()
+    holder = _written_by(tmp_path, parent, start_time(parent))
+    before = lease_file(tmp_path).read_bytes()
+    with pytest.raises(StoreError, match=rf"is being written by `replay record` \(pid {parent} on "
+                                         rf"{socket.gethostname()} since .*: wait for it or stop it$"):
+        Lease.acquire(tmp_path, "replay run")
+    assert lease_file(tmp_path).read_bytes() == before
+    assert holder_of(tmp_path) == holder
 
 
-@pytest.mark.integration   # starts processes
-def test_a_dead_holder_on_this_host_is_taken_over_and_reported(tmp_path):
-    proc, token = _holder_process(tmp_path)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    notes = []
+@pytest.mark.parametrize("gone", ["pid-not-running", "pid-reused"])
+def test_a_dead_holder_on_this_host_is_taken_over_and_reported(tmp_path, gone):
+    mine = start_time(os.getpid())
+    assert mine is not None
+    pid, start = (_no_such_pid(), 1) if gone == "pid-not-running" else (os.getpid(), mine + 1)
+    dead = _written_by(tmp_path, pid, start)
+    assert holder_of(tmp_path) is None
+    notes: list[str] = []
     with Lease.acquire(tmp_path, "replay record --resume", report=notes.append) as lease:
-        assert len(notes) == 1 and f"took over the lease of `a test holder` (pid {proc.pid}" in notes[0]
-        assert "no longer running" in notes[0]
-        assert lease.holder.took_over["token"] == token
-        assert json.loads(lease_file(tmp_path).read_text())["took_over"]["pid"] == proc.pid
-    assert not lease_file(tmp_path).exists() and not (tmp_path / "leases").exists()
+        assert notes == [f"{tmp_path}: took over the lease of {dead.describe()}, which is no longer running"]
+        on_disk = json.loads(lease_file(tmp_path).read_text())
+        assert on_disk["token"] == lease.token != dead.token and on_disk["pid"] == os.getpid()
+        assert on_disk["took_over"] == asdict(dead)
+        assert _living_holder(tmp_path).token == lease.token
+    assert not (tmp_path / "leases").exists()
 
 
-def test_another_host_with_a_fresh_heartbeat_holds_it(tmp_path):
-    _foreign_lease(tmp_path, heartbeat_age=5)
-    with pytest.raises(StoreError, match=r"`replay record` \(pid 4242 on node-b since .*last heartbeat 5 s ago"):
-        Lease.acquire(tmp_path, "replay bisect")
-
-
-def test_another_host_without_a_heartbeat_for_the_timeout_is_taken_over(tmp_path, monkeypatch):
+def test_a_heartbeat_older_than_the_timeout_is_what_makes_a_holder_on_another_host_dead(tmp_path, monkeypatch):
     monkeypatch.setenv("REPLAY_LEASE_TIMEOUT", "30")
-    _foreign_lease(tmp_path, heartbeat_age=31)
-    notes = []
-    with Lease.acquire(tmp_path, "replay analyze", report=notes.append) as lease:
-        assert "pid 4242 on node-b" in notes[0] and "(no heartbeat for 31 s)" in notes[0]
-        assert lease.holder.took_over["host"] == "node-b"
+    fresh = _written_by(tmp_path, 4242, 99, host="node-b", heartbeat_age=29)
+    assert holder_of(tmp_path) == fresh
+    with pytest.raises(StoreError, match=r"pid 4242 on node-b since .*; last heartbeat 29 s ago: wait for it"):
+        Lease.acquire(tmp_path, "replay run")
+    _written_by(tmp_path, 4242, 99, host="node-b", heartbeat_age=31)
+    assert holder_of(tmp_path) is None
+    notes: list[str] = []
+    with Lease.acquire(tmp_path, "replay run", report=notes.append):
+        assert notes[0].endswith("which is no longer running (no heartbeat for 31 s)")
+
+
+def test_a_takeover_left_half_done_by_a_dead_process_does_not_block_the_next(tmp_path):
+    dead = _written_by(tmp_path, _no_such_pid(), 1)
+    marker = lease_file(tmp_path).with_name(f"run.json.takeover-{dead.token}")
+    marker.write_text(json.dumps(asdict(Holder("replay run", _no_such_pid(), socket.gethostname(), 0.0, "e" * 32, 1))))
+    with Lease.acquire(tmp_path, "replay record", report=lambda _: None) as lease:
+        assert lease.holder.took_over is not None and lease.holder.took_over["token"] == dead.token
+        assert not marker.exists()
+
+
+def test_a_damaged_lease_file_is_named_and_left_alone(tmp_path):
+    path = lease_file(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"command": "replay rec')
+    with pytest.raises(StoreError, match=f"the lease file {path} is damaged .*if no command is writing the store, "
+                                         "delete it"):
+        Lease.acquire(tmp_path, "replay run")
+    assert path.read_text() == '{"command": "replay rec'
+
+
+def test_release_counts_the_acquisitions_of_this_process(tmp_path):
+    outer = Lease.acquire(tmp_path, "replay demo")
+    inner = Lease.acquire(tmp_path, "replay record")
+    assert inner is outer
+    inner.release()
+    assert _living_holder(tmp_path).token == outer.token
+    outer.release()
+    assert holder_of(tmp_path) is None and not (tmp_path / "leases").exists()
+    again = Lease.acquire(tmp_path, "replay run")
+    assert again is not outer and again.token != outer.token
+    again.release()
+
+
+def test_a_child_writes_only_while_its_holders_lease_is_held_with_that_token(tmp_path):
+    with pytest.raises(StoreError, match=f"nobody holds the lease of {tmp_path}: its writer is gone"):
+        current_spec(tmp_path)
+    lease = Lease.acquire(tmp_path, "replay record")
+    spec = lease.spec
+    assert json.loads(current_spec(tmp_path)) == json.loads(spec) == {"file": str(lease.path), "token": lease.token}
+    require(spec)
+    lease.release()
+    with pytest.raises(StoreError, match=r"\(.*run\.json\) is no longer held: the command that started it is gone"):
+        require(spec)
+
+
+def test_a_holder_that_lost_its_file_stops_at_its_next_check(tmp_path):
+    lease = Lease.acquire(tmp_path, "replay record")
+    try:
+        lease.check()
+        lease.path.unlink()
+        with pytest.raises(StoreError, match="lost its lease to nobody \\(the lease file was removed\\)"):
+            lease.check()
+    finally:
+        lease.release()
+
+
+def test_writing_a_replay_holds_the_runs_lease_and_the_replays_own(tmp_path):
+    (tmp_path / "zarr.json").write_text("{}")   # what makes tmp_path a run store for `writing`
+    replay = tmp_path / "replays" / "steps-3-4"
+    with writing(replay, "replay run") as lease:
+        assert lease.path == lease_file(tmp_path, "replays/steps-3-4")
+        assert _living_holder(tmp_path).pid == _living_holder(tmp_path, "replays/steps-3-4").pid == os.getpid()
+    assert holder_of(tmp_path) is None and holder_of(tmp_path, "replays/steps-3-4") is None
+
+
+def test_a_helper_writing_under_a_lease_that_is_gone_is_refused_before_taking_anything(tmp_path):
+    lease = Lease.acquire(tmp_path, "replay bisect")
+    spec = lease.spec
+    lease.release()
+    with pytest.raises(StoreError, match="is no longer held"):
+        with writing(tmp_path, "probe", under=spec):
+            pass
+    assert not (tmp_path / "leases").exists()
 
 
 def test_the_holder_heartbeats_and_a_takeover_is_noticed(tmp_path, monkeypatch):
@@ -96,7 +169,7 @@ def test_the_holder_heartbeats_and_a_takeover_is_noticed(tmp_path, monkeypatch):
         # The holder is considered dead by a process on another host (say it was frozen): a new lease
         # replaces its file. Its next check refuses to go on writing.
         os.unlink(lease.path)
-        _foreign_lease(tmp_path, heartbeat_age=0)
+        _written_by(tmp_path, 4242, 123, host="node-b")
         with pytest.raises(StoreError, match="lost its lease to `replay record` \\(pid 4242 on node-b"):
             lease.check()
         with pytest.raises(StoreError, match="is now held by `replay record` \\(pid 4242 on node-b"):
@@ -104,39 +177,6 @@ def test_the_holder_heartbeats_and_a_takeover_is_noticed(tmp_path, monkeypatch):
     finally:
         lease.release()
     assert lease_file(tmp_path).exists()   # not its own any more: left alone
-
-
-@pytest.mark.integration   # starts processes
-def test_many_processes_taking_over_one_dead_lease_leave_exactly_one_holder(tmp_path):
-    _foreign_lease(tmp_path, heartbeat_age=3600)
-    race = """
-import sys, time
-from replay.errors import StoreError
-from replay.store.lease import Lease
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
-try:
-    Lease.acquire(sys.argv[1], "racer", report=lambda m: None)
-    print("won", flush=True)
-    sys.stdin.read()   # held until every racer has answered
-except StoreError as e:
-    print("refused", flush=True)
-"""
-    go = time.time() + 2.0   # they all start at once, after their imports
-    procs = [subprocess.Popen([sys.executable, "-c", race, str(tmp_path), str(go)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(6)]
-    answers = [p.stdout.readline().strip() for p in procs]
-    for p in procs:
-        p.communicate(timeout=60)
-    assert sorted(answers) == ["refused"] * 5 + ["won"], answers
-
-
-def test_the_same_process_takes_its_own_lease_again(tmp_path):
-    with Lease.acquire(tmp_path, "replay demo") as outer:
-        with Lease.acquire(tmp_path, "replay record") as inner:
-            assert inner is outer
-        outer.check()
-        assert lease_file(tmp_path).exists()
-    assert not lease_file(tmp_path).exists()
 
 
 def test_a_lease_on_a_new_directory_leaves_nothing_behind(tmp_path):

@@ -1,12 +1,10 @@
 """A store written before checksums covered every byte (schema 1, recorded by the replay of commit 5bc7809
-and kept in tests/data) still opens, reads, replays bit for bit and names a corrupted tensor; its run is not
-continued in the new format."""
+and kept in tests/data: the `schema1` fixture, tests/store/conftest.py) still opens, reads and names a
+corrupted tensor; its run is not continued in the new format (it replays: test_schema1_integration.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,20 +13,11 @@ from replay.errors import ChecksumError
 from replay.store import RunStore
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
-SCHEMA1 = Path(__file__).resolve().parents[1] / "data" / "schema1-run"
-
 
 def _as_recorded(now: dict, recorded: dict) -> dict:
     """The config as read now, restricted to the keys the old store recorded (settings added since are
     left out; the test checks their defaults apart)."""
     return {k: _as_recorded(now[k], v) if isinstance(v, dict) else now[k] for k, v in recorded.items()}
-
-
-@pytest.fixture
-def schema1(tmp_path) -> Path:
-    store = tmp_path / "old"
-    shutil.copytree(SCHEMA1, store)
-    return store
 
 
 def test_it_opens_and_reads_as_recorded(schema1):
@@ -43,13 +32,6 @@ def test_it_opens_and_reads_as_recorded(schema1):
     assert state["model"]["transformer.wte.weight"].shape == (256, 32) and state["optimizer"]["state"]
     info = json.loads(replay_cli("info", str(schema1), "--json").stdout)
     assert info["schema"] == 1 and info["steps_recorded"] == 4
-
-
-@pytest.mark.integration   # starts processes
-def test_a_window_replays_bit_for_bit(schema1):
-    result = replay_cli("run", str(schema1), "--from", "2", "--to", "3", "--verify")
-    assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
-    assert RunStore.open(schema1 / "replays/steps-2-3").schema == 2   # the replay itself: the current format
 
 
 def test_a_corrupted_tensor_is_named(schema1):

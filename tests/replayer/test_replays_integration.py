@@ -12,8 +12,6 @@ import torch
 from replay.store import RunStore
 from tests.conftest import corrupt_tensor, error_line, replay_cli, tree_snapshot
 
-pytestmark = pytest.mark.integration
-
 
 def _final_model(store: RunStore, step: int) -> dict[str, torch.Tensor]:
     return store.read_shard(step, 0)["state"]["replicated"]["model"]

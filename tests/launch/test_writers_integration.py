@@ -10,12 +10,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
-
-pytestmark = pytest.mark.integration
 
 
 def test_a_running_recording_is_the_only_writer_and_a_dead_one_is_taken_over(tmp_path):

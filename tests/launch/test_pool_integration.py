@@ -11,8 +11,6 @@ from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 
-pytestmark = pytest.mark.integration
-
 
 def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):
     with RankPool(2) as pool:

@@ -15,7 +15,6 @@ import torch
 from replay.lifeline import child_env
 from tests.conftest import BENCHMARKS, REPO
 
-pytestmark = pytest.mark.integration
 GPU_ONLY = {"bench_cuda_record.py"}   # says it skips on a machine without CUDA
 
 

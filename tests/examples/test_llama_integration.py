@@ -16,8 +16,6 @@ import pytest
 from replay.store import RunStore
 from tests.conftest import REPO, replay_cli
 
-pytestmark = pytest.mark.integration
-
 EXAMPLE = REPO / "examples" / "llama"
 N_HEAD, N_KV, HD = 4, 2, 8   # the example's shape: 4 query heads in 2 groups, n_embd 32
 

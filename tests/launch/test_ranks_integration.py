@@ -8,11 +8,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from replay.launch.local import wait_for_outcomes, wait_for_ranks
-
-pytestmark = pytest.mark.integration
 
 
 def _python(code: str) -> subprocess.Popen:

@@ -17,8 +17,6 @@ from replay.train.data import load_data
 from replay.train.model import build_model
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
-pytestmark = pytest.mark.integration
-
 D = 32   # head width of the tiny model: 64 wide, 2 heads
 
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 import random
 import shutil
 
-import pytest
-
 from replay.store import RunStore
 from tests.conftest import error_line, replay_cli, tree_snapshot
 from tests.soak import chained_kills, random_flips
 
-pytestmark = pytest.mark.integration
 SEED = 20261122
 
 

@@ -15,8 +15,6 @@ import pytest
 from replay.store import RunStore
 from tests.conftest import REPO, assert_gone, wait_for_descendants
 
-pytestmark = pytest.mark.integration
-
 
 def _start(*args: str) -> subprocess.Popen:
     """A `replay` command in its own process group (so that the test can kill the group)."""
@@ -34,7 +32,7 @@ def _kill_alone(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-# The whole process group killed: tests/launch/test_soak.py, whose every kill checks that nothing is left.
+# The whole process group killed: tests/launch/test_soak_integration.py, whose every kill checks that nothing is left.
 @pytest.mark.parametrize("moment", ["start-up", "training"])
 def test_ranks_die_with_their_record_killed_alone(tmp_path, moment):
     store = tmp_path / "run"

@@ -19,7 +19,6 @@ import pytest
 from results import golden, qiu_yao, story
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.integration
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

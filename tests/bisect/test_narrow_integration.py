@@ -20,8 +20,6 @@ from replay.store import RunStore
 from tests.bisect.conftest import DATA_SPIKE_STEP, DEFECT
 from tests.conftest import REPO, error_line, killed_by_fault, replay_cli, tree_snapshot
 
-pytestmark = pytest.mark.integration
-
 
 def _bisect(store, *args, env=None) -> dict:
     result = replay_cli("bisect", str(store), *args, "--json", env=env)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from replay.store import RunStore
 from tests.conftest import DS_ARGS, error_line, replay_cli
-
-pytestmark = pytest.mark.integration
 
 
 def test_zero1_optimizer_partitions_are_in_the_store(zero1_store):

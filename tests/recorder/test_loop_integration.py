@@ -57,7 +57,6 @@ def _step(loop, model, optimizer, step):
     return ids, loss
 
 
-@pytest.mark.integration   # starts processes
 def test_a_loop_records_its_steps_and_finds_the_attention(tmp_path):
     model, optimizer = _parts()
     with Loop(tmp_path / "run", model, optimizer, total_steps=6, checkpoint_every=3) as loop:
@@ -76,7 +75,6 @@ def test_a_loop_records_its_steps_and_finds_the_attention(tmp_path):
     assert "model       1 attention layers x 2 heads, fp32, layout none" in info
 
 
-@pytest.mark.integration   # starts processes
 def test_what_a_loop_cannot_do_is_refused_in_one_line_before_anything_is_written(tmp_path):
     model, optimizer = _parts()
     with Loop(tmp_path / "run", model, optimizer, total_steps=4, checkpoint_every=2) as loop:
@@ -95,7 +93,6 @@ def test_what_a_loop_cannot_do_is_refused_in_one_line_before_anything_is_written
     assert tree_snapshot(tmp_path / "run") == before
 
 
-@pytest.mark.integration   # starts processes
 @pytest.mark.parametrize("mistake, message", [
     ("no-log", "ended without loop.log"),
     ("no-ids", "drew no samples through loop.sample_ids"),
@@ -114,7 +111,6 @@ def test_a_step_without_its_calls_is_named(tmp_path, mistake, message):
                     loop.log(loss=1.0)
 
 
-@pytest.mark.integration   # starts processes
 def test_a_used_store_is_refused_untouched_without_resume(tmp_path):
     model, optimizer = _parts()
     with Loop(tmp_path / "run", model, optimizer, total_steps=2) as loop:
@@ -134,7 +130,7 @@ import sys
 import numpy as np
 import torch
 from replay.recorder import Loop
-from tests.recorder.test_loop import Tiny
+from tests.recorder.test_loop_integration import Tiny
 
 torch.manual_seed(0)
 model = Tiny()
@@ -170,7 +166,6 @@ def _record(tmp_path: Path, *flags: str) -> Path:
     return store
 
 
-@pytest.mark.integration
 def test_a_loader_with_unrecorded_randomness_is_caught_in_the_replay(tmp_path):
     store = _record(tmp_path, "--unrecorded")
     result = replay_cli("run", str(store), "--from", "5", "--to", "6")
@@ -179,10 +174,9 @@ def test_a_loader_with_unrecorded_randomness_is_caught_in_the_replay(tmp_path):
     assert "not the recorded RNG state" in result.stderr
 
 
-@pytest.mark.integration
 def test_a_replay_the_script_cannot_run_or_finish_is_an_error(tmp_path):
-    """--precision needs a forward under loop.autocast (tests/examples/test_nanogpt.py shows one that has it);
-    a script that leaves its loop before the window's end has not replayed the window."""
+    """--precision needs a forward under loop.autocast (tests/examples/test_nanogpt_integration.py shows one
+    that has it); a script that leaves its loop before the window's end has not replayed the window."""
     store = _record(tmp_path, "--break")
     refused = replay_cli("run", str(store), "--from", "5", "--to", "6", "--precision", "bf16")
     assert f"rank 0 exited with code {UsageError.exit_code}" in error_line(refused)
@@ -191,7 +185,6 @@ def test_a_replay_the_script_cannot_run_or_finish_is_an_error(tmp_path):
     assert "ended without an error after step 5, before the window 2..6 was done" in early
 
 
-@pytest.mark.integration
 def test_a_killed_replay_with_a_skip_resumes_to_the_uninterrupted_one(tmp_path):
     """After a skipped step the replay's RNG states are its own: resumed from its checkpoint, the loader draws
     what the replay would have drawn, and the resumed replay equals one that ran through."""

@@ -18,8 +18,6 @@ import pytest
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
 
-pytestmark = pytest.mark.integration
-
 EXAMPLE = REPO / "examples" / "nanogpt"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 

@@ -14,8 +14,6 @@ from replay.train.data import make_data
 from replay.train.model import build_model, lm_loss
 from tests.conftest import corrupt_tensor, error_line, replay_cli, tree_snapshot
 
-pytestmark = pytest.mark.integration
-
 
 def test_two_rank_store_array_by_array(two_rank_store):
     store = RunStore.open(two_rank_store)

@@ -9,7 +9,7 @@ import torch
 from replay.store import RunStore
 from tests.conftest import replay_cli
 
-pytestmark = [pytest.mark.integration, pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU: records on cuda:0 with nccl-free single-rank training")]
 

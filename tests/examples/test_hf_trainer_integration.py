@@ -1,0 +1,154 @@
+"""examples/hf_trainer: a transformers Trainer run of a Llama built from a config, recorded through
+TrainerRecorder in one process and under torchrun, and replayed by the product's commands through the
+recorded command (misuse of the callback: test_hf_trainer.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from replay.analysis.results import read_metrics
+from replay.store import RunStore
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+
+EXAMPLE = REPO / "examples" / "hf_trainer"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+BLOCK = 32
+
+
+def _train(workdir: Path, *args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([*(launcher or [sys.executable]), str(EXAMPLE / "train.py"), *args], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf_trainer")
+
+
+def _record(runs: Path, token_file: Path, name: str, *args: str, launcher: list[str] | None = None) -> Path:
+    store = runs / name
+    done = _train(runs, f"--data={token_file}", f"--store={store}", f"--output_dir={store}-out",
+                  "--max_steps=20", "--checkpoint_every=10", *args, launcher=launcher)
+    assert done.returncode == 0, done.stderr
+    return store
+
+
+@pytest.fixture(scope="module")
+def one_process(runs, token_file) -> Path:
+    return _record(runs, token_file, "one", "--save_steps=5")   # the Trainer's own checkpoints too
+
+
+def _first_step_loss(store: RunStore, token_file: Path) -> float:
+    """Step 0's loss recomputed: checkpoint 0's weights in transformers' own eager Llama, on every rank's
+    recorded samples of that step, as the mean token loss over all of them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BLOCK)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.load_state_dict(store.read_shard(0, 0)["state"]["replicated"]["model"], strict=False)
+    ids = store.read_steps(["sample_ids"])["sample_ids"][0].ravel()
+    x = torch.stack([torch.from_numpy(tokens[i * BLOCK:(i + 1) * BLOCK].astype(np.int64)) for i in ids])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[:, :-1]
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1)))
+
+
+def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_process, token_file):
+    """The step's loss is the model's mean token loss over the step's samples (both micro-batches), not
+    the Trainer's logged average."""
+    store = RunStore.open(one_process)
+    m = store.manifest
+    assert (m.status, m.world_size, m.layout["o"], m.config.model.attention) == \
+        ("complete", 1, "model.layers.{layer}.self_attn.o_proj.weight", "sdpa")
+    assert [c.step for c in store.checkpoints()] == [0, 10, 20]
+    steps = store.read_steps(["sample_ids", "loss"])
+    ids = steps["sample_ids"]
+    n_blocks = (token_file.stat().st_size // 2 - 1) // BLOCK
+    assert ids.shape == (20, 1, 2, 4) and ids.min() >= 0 and ids.max() < n_blocks
+    assert len(np.unique(ids[:3])) == 24   # a shuffled epoch: no sample twice
+    assert steps["loss"][0] == pytest.approx(_first_step_loss(store, token_file), rel=1e-5)
+    saved = sorted(p.name for p in Path(f"{one_process}-out").glob("checkpoint-*"))
+    assert saved == [f"checkpoint-{s}" for s in (10, 15, 20, 5)]
+
+
+def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_process):
+    """...and neither replay writes a checkpoint of the Trainer's own into the recording's output_dir."""
+    trainer_out = tree_snapshot(Path(f"{one_process}-out"))
+    result = replay_cli("run", str(one_process), "--from", "12", "--to", "15", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"] == {"steps": [10, 15], "bitwise": True, "divergence": None}
+    result = replay_cli("run", str(one_process), "--from", "12", "--to", "13", "--verify", "--json",
+                        "--attention", "fa2-emu:dtype=bf16", "--heads", "1.3")
+    assert result.returncode == 0, result.stderr
+    v = json.loads(result.stdout)["verification"]
+    assert not v["bitwise"] and v["divergence"]["step"] == 12
+    assert tree_snapshot(Path(f"{one_process}-out")) == trainer_out
+
+
+def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bit(runs, token_file):
+    store = _record(runs, token_file, "ddp", launcher=TORCHRUN)
+    m = RunStore.open(store).manifest
+    assert (m.world_size, m.command.launcher) == (2, "torchrun")
+    steps = RunStore.open(store).read_steps(["sample_ids", "loss"])
+    ids = steps["sample_ids"]
+    assert ids.shape == (20, 2, 2, 4)
+    assert all(np.intersect1d(ids[s, 0], ids[s, 1]).size == 0 for s in range(20))   # the ranks' shares
+    # each rank's loss is its share of the step's tokens over both ranks': their mean is the step's mean
+    assert steps["loss"][0] == pytest.approx(_first_step_loss(RunStore.open(store), token_file), rel=1e-5)
+    result = replay_cli("run", str(store), "--from", "11", "--to", "13", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"]["bitwise"] is True
+
+
+def test_a_skipped_step_runs_without_its_update_and_its_schedule_moves_on(one_process):
+    """The Trainer runs every step it fetches: --skip 10 leaves the weights after step 10 those before it
+    (the parent's checkpoint 10), while step 11 has the learning rate it had in the record."""
+    result = replay_cli("run", str(one_process), "--from", "10", "--to", "11", "--skip", "10", "--checkpoint-every",
+                        "1", "--json")
+    assert result.returncode == 0, result.stderr
+    replay, parent = RunStore.open(json.loads(result.stdout)["replay"]), RunStore.open(one_process)
+    after = replay.read_shard(11, 0)["state"]["replicated"]["model"]
+    before = parent.read_shard(10, 0)["state"]["replicated"]["model"]
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    ours = replay.read_steps(["lr", "loss"], start=11, stop=12)
+    theirs = parent.read_steps(["lr", "loss"], start=11, stop=12)
+    assert ours["lr"][0] == theirs["lr"][0] and ours["loss"][0] != theirs["loss"][0]
+
+
+def test_a_precision_change_is_refused_in_one_line_and_leaves_the_store_as_it_was(one_process):
+    """The Trainer's autocast is accelerate's: the script refuses --precision as it starts, and the replay
+    it never ran is not left in the store."""
+    before = tree_snapshot(one_process)
+    result = replay_cli("run", str(one_process), "--from", "12", "--to", "13", "--precision", "bf16")
+    assert "the training script failed" in error_line(result)
+    assert "rank 0: --precision: a Trainer run's autocast is accelerate's" in result.stderr
+    assert tree_snapshot(one_process) == before
+
+
+def test_compare_analyze_and_report_read_trainer_runs_as_any_other(one_process, runs, token_file, ray_local, tmp_path):
+    """Another seed's run, compared with this one (the weights' distances, checkpoint by checkpoint);
+    this one analysed (every checkpoint, the probe on its first batch) and reported."""
+    store = tmp_path / "one"
+    shutil.copytree(one_process, store)
+    other = _record(runs, token_file, "seed7", "--seed=7")
+    result = replay_cli("compare", str(other), str(store), "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["steps"] == [0, 10, 20] and max(out["relative"][0]) > 0.5   # another initialisation
+    result = replay_cli("analyze", str(store), "--json")
+    assert result.returncode == 0, result.stderr
+    table = read_metrics(store)
+    assert table["step"].tolist() == [0, 10, 20] and np.isfinite(table["max_logit"]).all()
+    assert replay_cli("report", str(store)).returncode == 0 and (store / "report.html").stat().st_size > 10_000

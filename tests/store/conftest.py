@@ -1,0 +1,15 @@
+"""The schema-1 store kept in tests/data, copied for each test that uses it."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+SCHEMA1 = Path(__file__).resolve().parents[1] / "data" / "schema1-run"
+
+
+@pytest.fixture
+def schema1(tmp_path) -> Path:
+    store = tmp_path / "old"
+    shutil.copytree(SCHEMA1, store)
+    return store
