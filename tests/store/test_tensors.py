@@ -84,3 +84,16 @@ def test_layout_segments_are_the_tensors_own_memory():
     assert not np.shares_memory(by_key["/t"], w.numpy()) and np.array_equal(
         by_key["/t"].view(np.float32).reshape(5, 6), w.t().numpy())
     assert lay.size == sum(-(-lay.index[k]["nbytes"] // 64) * 64 for k in lay.index)
+
+
+def test_the_gaps_between_packed_tensors_are_zero_not_leftover_memory():
+    tree = {f"t{i}": torch.full((3 + i,), 7, dtype=torch.uint8) for i in range(40)}   # 40 gaps before 64-byte marks
+    size = layout(tree).size
+    for _ in range(20):   # memory of that size that held ones, freed, for the allocator to hand out again
+        dirty = np.full(size, 0xFF, dtype=np.uint8)
+        del dirty
+        packed = pack(tree)
+        spans = np.zeros(size, dtype=bool)
+        for entry in packed.index.values():
+            spans[entry["offset"]: entry["offset"] + entry["nbytes"]] = True
+        assert not packed.buffer[~spans].any()
