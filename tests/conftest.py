@@ -20,17 +20,22 @@ import pytest
 import torch
 from filelock import FileLock
 
+from replay.launch.pool import RankPool
 from replay.lifeline import child_env, guarded
 from replay.processes import alive, descendants
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def replay_cli(*args: str, env: dict | None = None, timeout: float = 600,
-               process: bool = False) -> subprocess.CompletedProcess:
+def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, process: bool = False,
+               ranks: RankPool | None = None) -> subprocess.CompletedProcess:
     """Run `replay ARGS` as a user would: in this process (click's own test runner, the output captured at
     the file descriptors, so the ranks' output too), or in a fresh process (`process=True`, and whenever a
-    fault is armed: a fault kills the process it fires in), which ends with the test run if that dies."""
+    fault is armed: a fault kills the process it fires in), which ends with the test run if that dies.
+    `ranks`: in this process, local 2-rank runs go to those warm ranks (the `rank_pool` fixture)."""
+    if ranks is not None:
+        with ranks.activated():
+            return replay_cli(*args, env=env, timeout=timeout, process=process)
     if process or (env and "REPLAY_FAULT" in env):
         full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))
         return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
@@ -52,7 +57,7 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600,
 # fails (`_refuse_processes`), so the tiers cannot drift apart.
 INTEGRATION_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local",
                         "planted_data", "planted_layer", "two_node_cluster", "other_seed", "interpreted",
-                        "token_file", "replayed_store", "analysed_store"}
+                        "token_file", "replayed_store", "analysed_store", "rank_pool", "on_rank_pool"}
 
 
 def pytest_collection_modifyitems(items):
@@ -122,6 +127,25 @@ def made_once(tmp_path_factory, name: str, make: Callable[[Path], T]) -> T:
         value = make(folder)
         done.write_bytes(pickle.dumps(value))
         return value
+
+
+@pytest.fixture(scope="session")
+def rank_pool() -> Iterator[RankPool]:
+    """Two warm ranks for this worker (launch/pool.py), started at their first use. Nothing runs on them
+    unless it asks: the shared recordings are made on them (how a fixture's ranks start is no test's
+    subject), and so are the in-process runs of a module that says so with
+    `pytestmark = pytest.mark.usefixtures("on_rank_pool")`. Every other run starts its ranks as the
+    user's command does."""
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def on_rank_pool(rank_pool) -> Iterator[None]:
+    """The test's in-process local 2-rank runs go to the worker's warm ranks."""
+    with rank_pool.activated():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -195,9 +219,10 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 TWO_RANK_ARGS = ["--steps", "30", "--nproc", "2", "--checkpoint-every", "10"]
 
 
-def _recorded(tmp_path_factory, name: str, *args: str) -> Path:
+def _recorded(tmp_path_factory, request, name: str, *args: str) -> Path:
     def record(folder: Path) -> Path:
-        result = replay_cli("record", "--store", str(folder / "run"), *args)
+        result = replay_cli("record", "--store", str(folder / "run"), *args,
+                            ranks=request.getfixturevalue("rank_pool"))
         assert result.returncode == 0, result.stderr
         return folder / "run"
 
@@ -205,14 +230,14 @@ def _recorded(tmp_path_factory, name: str, *args: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def two_rank_store(tmp_path_factory) -> Path:
-    return _recorded(tmp_path_factory, "two_rank", *TWO_RANK_ARGS)
+def two_rank_store(tmp_path_factory, request) -> Path:
+    return _recorded(tmp_path_factory, request, "two_rank", *TWO_RANK_ARGS)
 
 
 @pytest.fixture(scope="session")
-def spike_store(tmp_path_factory) -> Path:
+def spike_store(tmp_path_factory, request) -> Path:
     """The `spike` preset on 2 ranks (400 steps, about 25 s): a real recorded loss spike."""
-    return _recorded(tmp_path_factory, "spike", "--preset", "spike", "--nproc", "2")
+    return _recorded(tmp_path_factory, request, "spike", "--preset", "spike", "--nproc", "2")
 
 
 # The reference DeepSpeed recording (ZeRO-1, 2 ranks): its own tests read it, the replay test replays a copy.
@@ -220,8 +245,8 @@ DS_ARGS = ["--steps", "12", "--nproc", "2", "--launcher", "deepspeed", "--zero-s
 
 
 @pytest.fixture(scope="session")
-def zero1_store(tmp_path_factory) -> Path:
-    return _recorded(tmp_path_factory, "zero1", *DS_ARGS)
+def zero1_store(tmp_path_factory, request) -> Path:
+    return _recorded(tmp_path_factory, request, "zero1", *DS_ARGS)
 
 
 @pytest.fixture(scope="session")
@@ -236,7 +261,7 @@ def reported_spike(spike_store, tmp_path_factory, request) -> Path:
         shutil.copytree(spike_store, store)
         spike = int(RunStore.open(store).spikes[0]["step"])
         result = replay_cli("run", str(store), "--from", str(spike - 20), "--to", str(spike - 1),
-                            "--checkpoint-every", "2", "--verify")
+                            "--checkpoint-every", "2", "--verify", ranks=request.getfixturevalue("rank_pool"))
         assert result.returncode == 0 and "bit for bit" in result.stdout, result.stderr
         for args in (("analyze", str(store), "--workers", "2"), ("report", str(store))):
             result = replay_cli(*args)

@@ -16,11 +16,13 @@ a test session).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from replay.errors import ReplayError
@@ -143,6 +145,16 @@ class RankPool:
         for fd in self._replies:
             os.close(fd)
         self._procs, self._replies = [], []
+
+    @contextlib.contextmanager
+    def activated(self) -> Iterator[RankPool]:
+        """Active for the block (see above), and still up after it: for a caller that keeps one pool
+        across several blocks and closes it itself."""
+        _active.append(self)
+        try:
+            yield self
+        finally:
+            _active.remove(self)
 
     def __enter__(self) -> RankPool:
         _active.append(self)

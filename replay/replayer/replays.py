@@ -119,13 +119,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
         assert recorded.command is not None
         check_unchanged(recorded.command, "replaying it")
     if req.overrides.drop:
-        ids = parent.read_steps(["sample_ids"])["sample_ids"]
-        for step, sample in req.overrides.drop:
-            if sample not in ids[step]:
-                raise UsageError(f"--drop {step}:{sample}: sample {sample} was not trained on at step {step} "
-                                 f"(`replay batch {store_path} --step {step}` lists that step's samples)")
-            if set(np.asarray(ids[step]).ravel()) <= {s for t, s in req.overrides.drop if t == step}:
-                raise UsageError(f"--drop leaves no sample of step {step}; skip the step with --skip {step}")
+        _check_drops(parent, req.overrides.drop, store_path)
     for rank in range(recorded.world_size):   # a corrupted checkpoint is named before anything is written
         parent.verify_shard(ckpt.step, rank)
 
@@ -135,26 +129,51 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
                       lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head))
     path = Path(store_path) / "replays" / replay_id(req)
     if (path / "zarr.json").exists():
-        existing = RunStore.open(path)
-        m = existing.manifest
-        same = lambda r: (r.start, r.stop, r.start_checkpoint, r.overrides)   # noqa: E731 (what names a replay)
-        if same(m.replay) != same(spec):
-            raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; "
-                             "choose another --name")
-        if m.status == "complete":
-            return path, cfg, False, False
-        if req.resume and existing.checkpoints():
-            existing = RunStore.open(path, mode="a")
-            assert resume_run(existing, recorded.world_size) is not None, "it has a committed checkpoint"
-            return path, cfg, True, True
-        if not (req.resume or req.discard):
-            raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted (it reached step "
-                             f"{existing.end_step - 1}): pass --resume to continue it or --discard to start it anew")
-        shutil.rmtree(path)   # discarded, or nothing committed to resume from: run it anew
+        kept = _existing(path, spec, req, store_path, recorded.world_size)
+        if kept is not None:
+            return path, cfg, *kept
     RunStore.create(path, Manifest(kind="replay", config=cfg, world_size=recorded.world_size,
                                    launcher=recorded.launcher, data=recorded.data, created=time.time(), replay=spec,
                                    command=recorded.command, layout=recorded.layout), first_step=ckpt.step)
     return path, cfg, True, False
+
+
+def _check_drops(parent: RunStore, drop: list[list[int]], store_path: str | Path) -> None:
+    """Every dropped sample was trained on at its step, and no step loses all of its samples."""
+    ids = parent.read_steps(["sample_ids"])["sample_ids"]
+    for step, sample in drop:
+        if sample not in ids[step]:
+            raise UsageError(f"--drop {step}:{sample}: sample {sample} was not trained on at step {step} "
+                             f"(`replay batch {store_path} --step {step}` lists that step's samples)")
+        if set(np.asarray(ids[step]).ravel()) <= {s for t, s in drop if t == step}:
+            raise UsageError(f"--drop leaves no sample of step {step}; skip the step with --skip {step}")
+
+
+def _existing(path: Path, spec: ReplaySpec, req: ReplayRequest, store_path: str | Path,
+              world_size: int) -> tuple[bool, bool] | None:
+    """A replay of this name made before: (whether it still has to run, whether it resumes) when it is kept,
+    None when it is removed to run anew (discarded, or nothing committed to resume from)."""
+    existing = RunStore.open(path)
+    m = existing.manifest
+    assert m.replay is not None, "a store under replays/ is a replay"
+    if _identity(m.replay) != _identity(spec):
+        raise UsageError(f"a different replay named {replay_id(req)!r} exists in {store_path}; choose another --name")
+    if m.status == "complete":
+        return False, False
+    if req.resume and existing.checkpoints():
+        resumed_from = resume_run(RunStore.open(path, mode="a"), world_size)
+        assert resumed_from is not None, "it has a committed checkpoint"
+        return True, True
+    if not (req.resume or req.discard):
+        raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted (it reached step "
+                         f"{existing.end_step - 1}): pass --resume to continue it or --discard to start it anew")
+    shutil.rmtree(path)
+    return None
+
+
+def _identity(spec: ReplaySpec) -> tuple[Any, ...]:
+    """What names a replay: two specs with the same name must agree on it."""
+    return spec.start, spec.stop, spec.start_checkpoint, spec.overrides
 
 
 def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,

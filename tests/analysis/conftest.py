@@ -15,11 +15,11 @@ DIVERGING_REPLAY = ["--from", "10", "--to", "19", "--lr-scale", "2", "--name", "
 
 
 @pytest.fixture(scope="session")
-def replayed_store(two_rank_store, tmp_path_factory) -> Path:
+def replayed_store(two_rank_store, tmp_path_factory, request) -> Path:
     """The 2-rank recording plus one diverging replay (not analysed)."""
     def replay(folder: Path) -> Path:
         shutil.copytree(two_rank_store, folder / "run")
-        result = replay_cli("run", str(folder / "run"), *DIVERGING_REPLAY)
+        result = replay_cli("run", str(folder / "run"), *DIVERGING_REPLAY, ranks=request.getfixturevalue("rank_pool"))
         assert result.returncode == 0, result.stderr
         return folder / "run"
 

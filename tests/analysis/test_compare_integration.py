@@ -10,6 +10,10 @@ import pytest
 from replay.store import RunStore
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
+# Its in-process 2-rank runs use the worker's warm ranks (tests/conftest.py): its subject is
+# the distances between what they record, not how ranks start, which tests/launch checks with fresh ones.
+pytestmark = pytest.mark.usefixtures("on_rank_pool")
+
 
 @pytest.fixture(scope="module")
 def other_seed(tmp_path_factory):

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from replay.analysis.jobs import analyze
 from replay.analysis.results import METRICS, read_distances, read_metrics
 from tests.conftest import error_line, killed_by_fault, replay_cli, tree_snapshot
+
+# Its in-process 2-rank runs use the worker's warm ranks (tests/conftest.py): its subject is
+# the analysis of what they record, not how ranks start, which tests/launch checks with fresh ones.
+pytestmark = pytest.mark.usefixtures("on_rank_pool")
 
 
 def _same_results(a, b) -> None:

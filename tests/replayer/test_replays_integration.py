@@ -12,6 +12,10 @@ import torch
 from replay.store import RunStore
 from tests.conftest import corrupt_tensor, error_line, replay_cli, tree_snapshot
 
+# Its in-process 2-rank runs use the worker's warm ranks (tests/conftest.py): its subject is
+# what a replay computes and stores, not how ranks start, which tests/launch checks with fresh ones.
+pytestmark = pytest.mark.usefixtures("on_rank_pool")
+
 
 def _final_model(store: RunStore, step: int) -> dict[str, torch.Tensor]:
     return store.read_shard(step, 0)["state"]["replicated"]["model"]
