@@ -166,6 +166,23 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], caps: Capabilit
     """The replay's config: the recorded one with the overrides folded in (validated against the model and
     against what the recorded run can do)."""
     cfg = RunConfig.from_dict(cfg.to_dict())
+    scope = _scope(cfg, o, caps)
+    if o.touches_attention:
+        cfg.model.attention = _attention(cfg, o, scope, caps)
+    if o.precision is not None:
+        if o.precision not in PRECISIONS:
+            raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {o.precision!r}")
+        if o.precision != cfg.precision and caps.precision_refusal:
+            raise UsageError(caps.precision_refusal)
+        cfg.precision = o.precision
+    _check_steps(o, window, caps)
+    if o.lr_scale is not None and not o.lr_scale > 0:
+        raise UsageError(f"--lr-scale must be > 0, got {o.lr_scale}")
+    return cfg
+
+
+def _scope(cfg: RunConfig, o: Overrides, caps: Capabilities) -> list[tuple[int, int]]:
+    """The (layer, head) pairs `--layers`/`--heads` select, checked against the model."""
     if o.heads is not None and o.layers is None:
         raise UsageError("--heads needs --layers: heads are numbered within a layer (or give layer.head pairs)")
     if o.units is not None and (o.layers is not None or o.heads is not None):
@@ -184,31 +201,33 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], caps: Capabilit
             raise UsageError(f"layer {layer} head {head} is out of range: the model has layers "
                              f"0..{cfg.model.n_layer - 1} "
                              f"with heads 0..{cfg.model.n_head - 1}")
-    if o.touches_attention:
-        try:
-            plan = AttentionPlan.parse(cfg.model.attention)
-        except UsageError:
-            if caps.attention_refusal is None:
-                raise
-            raise UsageError(caps.attention_refusal) from None
-        new = BackendSpec.parse(o.attention) if o.attention else None
-        heads = dict(plan.heads)
-        for layer, head in scope:
-            spec = new or plan.backend_for(layer, head)
-            if o.fix is not None or o.hp_delta:
-                spec = _with_options(spec, o)
-            heads[(layer, head)] = spec
-        plan = _simplify(AttentionPlan(plan.default, dict(plan.layers), heads), cfg.model.n_layer, cfg.model.n_head)
-        plan.validate(cfg.model.n_layer, cfg.model.n_head)
-        if cfg.numerics:
-            check_numerics(plan, cfg.model.n_layer, cfg.model.n_head)
-        cfg.model.attention = plan.canonical()
-    if o.precision is not None:
-        if o.precision not in PRECISIONS:
-            raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {o.precision!r}")
-        if o.precision != cfg.precision and caps.precision_refusal:
-            raise UsageError(caps.precision_refusal)
-        cfg.precision = o.precision
+    return scope
+
+
+def _attention(cfg: RunConfig, o: Overrides, scope: list[tuple[int, int]], caps: Capabilities) -> str:
+    """The replay's attention plan: the recorded one with the override on `scope`, in canonical form."""
+    try:
+        plan = AttentionPlan.parse(cfg.model.attention)
+    except UsageError:
+        if caps.attention_refusal is None:
+            raise
+        raise UsageError(caps.attention_refusal) from None
+    new = BackendSpec.parse(o.attention) if o.attention else None
+    heads = dict(plan.heads)
+    for layer, head in scope:
+        spec = new or plan.backend_for(layer, head)
+        if o.fix is not None or o.hp_delta:
+            spec = _with_options(spec, o)
+        heads[(layer, head)] = spec
+    plan = _simplify(AttentionPlan(plan.default, dict(plan.layers), heads), cfg.model.n_layer, cfg.model.n_head)
+    plan.validate(cfg.model.n_layer, cfg.model.n_head)
+    if cfg.numerics:
+        check_numerics(plan, cfg.model.n_layer, cfg.model.n_head)
+    return plan.canonical()
+
+
+def _check_steps(o: Overrides, window: tuple[int, int], caps: Capabilities) -> None:
+    """Skipped steps and dropped samples lie in the window, each step in one of them, drops where they can be."""
     outside = [s for s in o.skip if not window[0] <= s <= window[1]]
     if outside:
         raise UsageError(f"--skip step {outside[0]} is outside the window {window[0]}..{window[1]}")
@@ -220,9 +239,6 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], caps: Capabilit
     both = sorted({s for s, _ in o.drop} & set(o.skip))
     if both:
         raise UsageError(f"step {both[0]} is both skipped and has samples dropped; give it to one of --skip, --drop")
-    if o.lr_scale is not None and not o.lr_scale > 0:
-        raise UsageError(f"--lr-scale must be > 0, got {o.lr_scale}")
-    return cfg
 
 
 def _with_options(spec: BackendSpec, o: Overrides) -> BackendSpec:
