@@ -200,8 +200,8 @@ def _coerce(name: str, value: Any, typ: type) -> Any:
         try:
             return typ(value)
         except ValueError:
-            raise UsageError(f"config key {name!r} expects one of {', '.join(m.value for m in typ)}, "
-                             f"got {value!r}") from None
+            accepted = [m.value for m in typ if m is not Launcher.CUSTOM]   # a config's runs are the built-in trainer's
+            raise UsageError(f"config key {name!r} expects one of {', '.join(accepted)}, got {value!r}") from None
     if isinstance(value, str) and typ is bool:
         if value.strip().lower() not in _BOOLS:
             raise UsageError(f"config key {name!r} expects true or false, got {value!r}")

@@ -12,7 +12,7 @@ from replay.errors import UsageError
 @pytest.mark.parametrize("sets, match", [
     (["steps=0"], "steps must be >= 1, got 0"),
     (["precision=fp16"], "precision must be one of fp32, bf16, got 'fp16'"),
-    (["launcher=slurm"], "config key 'launcher' expects one of local, deepspeed, custom, got 'slurm'"),
+    (["launcher=slurm"], "config key 'launcher' expects one of local, deepspeed, got 'slurm'"),
     (["launcher=deepspeed", "zero_stage=3"], "zero stage must be 0, 1 or 2, got 3"),
     (["device=tpu"], "device must be auto, cpu or cuda, got 'tpu'"),
     (["nproc=0"], "nproc must be >= 1, got 0"),

@@ -134,7 +134,7 @@ class BaselineResult(PhaseResult):
 
     checkpoint: int
     bitwise: bool
-    spike_at: int | None
+    spike_at: int                        # where the plain replay spiked
     probe: str                           # its replay id
 
 

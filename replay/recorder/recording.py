@@ -83,7 +83,7 @@ class Recording:
     def _rewind(self, path: str) -> None:
         store = RunStore.open(path, mode="a")
         m = store.manifest
-        if m.kind != "run" or not store.capabilities.relaunches_script:
+        if m.kind != "run" or store.capabilities.builtin or not store.capabilities.relaunches_script:
             raise UsageError(f"Loop(resume=True): {path} was not recorded by a Loop")
         assert m.command is not None, "a script's run keeps its command"
         if m.world_size != self.world:
