@@ -49,14 +49,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from, as a storable tree."""
+def cpu_rng_state() -> dict[str, Any]:
+    """Python's, numpy's and torch's CPU generators, as a storable tree."""
     version, mt, gauss = random.getstate()
-    state = {
+    return {
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
         "numpy": dict(zip(("kind", "keys", "pos", "has_gauss", "cached_gaussian"), np.random.get_state(), strict=True)),
         "torch": torch.get_rng_state(),
     }
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from, as a storable tree."""
+    state = cpu_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -41,12 +41,13 @@ import torch
 import torch.distributed as dist
 
 from replay.config import RunConfig, SpikeConfig
-from replay.errors import UsageError
+from replay.errors import ReplayError, UsageError
 from replay.kernels.plan import AttentionPlan
 from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder.environment import configure_determinism, fingerprint
+from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, decide, one_line_errors
 from replay.recorder.recorder import Recorder, TrainState
 from replay.recorder.recording import Recording
@@ -59,12 +60,20 @@ from replay.store.manifest import ReplaySpec
 
 
 @dataclass
+class _Draw:
+    """A training micro-batch the script drew: its sample ids, and the loader batch it is (loop.loader)."""
+
+    ids: np.ndarray
+    batch: Batch | None = None
+
+
+@dataclass
 class _Step:
     """The step being trained: what the script has handed the loop of it so far."""
 
     number: int
     skipping: bool                                         # one the replay skips (yielded with yield_skipped=True)
-    ids: list[np.ndarray] = field(default_factory=list)   # each micro-batch's sample ids
+    draws: list[_Draw] = field(default_factory=list)      # its micro-batches, then any drawn ahead for the next
     logged: bool = False
     autocast: bool = False                                 # a forward ran under loop.autocast(...)
 
@@ -117,11 +126,17 @@ class Loop:
         configure_determinism(self.cfg.threads)
         self.recorder = Recorder(start.store, state or TorchTrainState(model, optimizer, scheduler, scaler),
                                  cfg=self._mode.recorder_config, rank=self.rank, world_size=self.world,
-                                 resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease)
+                                 resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease,
+                                 extra=self._checkpointed)
         self.store = self.recorder.store
         self._skipped_numerics, self._yield_skipped = skipped_numerics, yield_skipped
         self._current: _Step | None = None
-        self._shape: tuple[int, ...] | None = None   # of every step's sample ids
+        self._started = False
+        self._ahead: list[_Draw] = []   # drawn ahead of the step that trains on them (a prefetch)
+        self._lookahead = 0             # how many: as many as were drawn before the first step
+        self._evaluating = 0
+        self._loader: RecordedLoader | None = None
+        self._restored = self.recorder.restored_extra()   # a resumed run's or a replay's checkpoint: its draws ahead
         self._unfinished: tuple[int, SpikeEvent | None] | None = None   # a step ended whose checkpoint is due
         if self.rank == 0:
             note_environment(self.store, fingerprint(next(model.parameters()).device), resumed=start.resume)
@@ -169,11 +184,18 @@ class Loop:
         """The steps to train: from 0 (or the restored checkpoint) to the end; in a replay, from the
         parent's checkpoint at or before the window to its last step. Steps a replay skips are not
         yielded (their schedule moves on). Call `log` once in every step."""
+        self._lookahead = len(self._ahead)
+        self._check_lookahead()
         start = self.recorder.start()
+        self._started = True
         self._mode.started(start)
         for step in range(start, self._mode.recorder_config.total_steps):
             self._finish()   # the last step's checkpoint, which its log left due
-            self._current = _Step(step, skipping=self._mode.begin(step))
+            skipping = self._mode.begin(step)
+            if skipping and not self._yield_skipped:   # its batches, drawn ahead, are the next trained step's
+                self._current = _Step(step, skipping=True)
+            else:
+                self._current, self._ahead = _Step(step, skipping=skipping, draws=self._ahead), []
             if self._current.skipping and not self._yield_skipped:
                 self._skip(step_scheduler=True)
                 continue
@@ -188,19 +210,132 @@ class Loop:
 
     def sample_ids(self, ids):
         """This micro-batch's sample ids as the loader drew them (a tensor, array or list: random offsets,
-        indices into a dataset); call it for every training micro-batch. Returns them unchanged in a
-        recording; in a replay, the recorded ids (as the same type), after checking that the loader drew
-        the same ones, which it does when its randomness comes from the recorded RNG states."""
+        indices into a dataset); call it for every training micro-batch, in the step that trains on it or
+        ahead of it (a prefetch: ids drawn before the first step, and as many at the end of each step, belong
+        to the next step). Returns them unchanged in a recording; in a replay, the recorded ids (as the same
+        type), after checking that the loader drew the same ones, which it does when its randomness comes
+        from the recorded RNG states. Evaluation draws (the model in eval(), under torch.no_grad(), or in
+        `with loop.evaluating():`) are returned as they are, neither recorded nor replaced."""
+        if self._is_evaluating():
+            return ids
+        if self._loader is not None:
+            raise UsageError("loop.sample_ids(...) and loop.loader(...) in one loop: pass the training batches "
+                             "through one of them")
         drawn = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
-        if self._current is None:
-            raise UsageError("loop.sample_ids(...) is called inside `for step in loop.steps()`")
-        recorded = self._mode.sample(self._current.number, len(self._current.ids), drawn)
-        self._current.ids.append(drawn if recorded is None else recorded)
+        recorded = self._draw(_Draw(drawn))
         if recorded is None:
             return ids
         if isinstance(ids, torch.Tensor):
             return torch.as_tensor(recorded, dtype=ids.dtype, device=ids.device)
         return recorded.tolist() if isinstance(ids, list) else recorded.astype(np.asarray(ids).dtype)
+
+    def loader(self, dataloader: torch.utils.data.DataLoader) -> RecordedLoader:
+        """The training batches from a `DataLoader` over a map-style dataset (any sampler, batch sampler,
+        worker processes, prefetch, persistent workers): each batch the script takes is recorded by its
+        dataset indices, and a replay or a resumed run continues the loader's stream where the checkpoint
+        left it (recorder/loader.py). An endless stream: iterate it with next() or a for loop; it starts each
+        epoch itself, calling the sampler's set_epoch(epoch) when it has one."""
+        if self._loader is not None:
+            raise UsageError("loop.loader(...) is called once: one training loader per loop")
+        restored = (self._restored or {}).get("loader")
+        if self._restored is not None and restored is None:
+            raise UsageError("loop.loader(...): the checkpoint this run starts from was recorded without a loader "
+                             "(its batches went through loop.sample_ids): run the script as it was recorded")
+        self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed())
+        if restored is not None:
+            self._loader.restore(restored, self._schedule())
+        return self._loader
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Draws in this block are not training: neither recorded nor replaced (the model in eval() mode or
+        torch.no_grad() say the same)."""
+        self._evaluating += 1
+        try:
+            yield
+        finally:
+            self._evaluating -= 1
+
+    def _is_evaluating(self) -> bool:
+        return bool(self._evaluating) or not torch.is_grad_enabled() or not self.model.training
+
+    def _took(self, batch: Batch) -> None:
+        if self._is_evaluating():
+            raise UsageError("a batch of the training loader (loop.loader) was taken for an evaluation: its stream "
+                             "is the training's; evaluate with a DataLoader of its own")
+        self._draw(_Draw(batch.ids, batch))
+
+    def _draw(self, draw: _Draw) -> np.ndarray | None:
+        """Note a training micro-batch where it belongs (this step's, or the next's when drawn ahead); returns the
+        ids a replay trains on instead, or None."""
+        if self._current is None and self._started:
+            raise UsageError("a training batch is drawn after the loop's last step: draw them inside "
+                             "`for step in loop.steps()`, or just before it")
+        where: int | None = None if self._current is None else self._current.number
+        draws = self._ahead if self._current is None else self._current.draws   # ahead of the first step, or in it
+        step, micro = self._belongs(where, len(draws))
+        check = where is not None   # drawn before the first step: before its checkpoint's RNG states are restored
+        draws.append(draw)
+        if draw.batch is not None:   # its ids are the loader's, checked against the record where it sampled them
+            if draw.batch.scheduled is not None and draw.batch.scheduled != (step, micro):
+                raise ReplayError(f"the script trains step {step}'s micro-batch {micro} on the loader's batch of "
+                                  f"step {draw.batch.scheduled[0]}'s micro-batch {draw.batch.scheduled[1]}: it "
+                                  "does not take as many batches per step as it did in the record")
+            return None
+        if where is None and self._restored is not None and not self.replaying:   # a resumed run's prefetch
+            carried = self._restored.get("ahead", [])
+            if micro >= len(carried):
+                raise UsageError(f"the script draws {micro + 1} batch(es) before the first step; the run it resumes "
+                                 f"drew {len(carried)}: run the script as it was recorded")
+            draw.ids = np.asarray(carried[micro])
+            return draw.ids
+        recorded = self._mode.sample(step, micro, draw.ids, check=check)
+        if recorded is not None:
+            draw.ids = recorded
+        return recorded
+
+    def _belongs(self, step: int | None, index: int) -> tuple[int, int]:
+        """A replay: the recorded (step, micro-batch) that the `index`-th draw of `step` (None: ahead of the
+        first step) trains. Draws past a step's micro-batches (a prefetch) are the next trained step's first.
+        In a recording the count of a step's micro-batches is known at `log` only: (step, index) as drawn."""
+        window = self._mode.window
+        if window is None:
+            return (-1 if step is None else step), index
+        if step is None:
+            step = window.start_checkpoint
+        else:
+            trained = len(self._mode.recorded_batches(step))
+            if index < trained:
+                return step, index
+            step, index = step + 1, index - trained
+        while step in window.skip:
+            step += 1
+        return step, index
+
+    def _check_lookahead(self) -> None:
+        if self._restored is None or self._loader is not None:
+            return
+        ahead = len(self._restored.get("ahead", []))
+        if len(self._ahead) != ahead:
+            raise UsageError(f"the script drew {len(self._ahead)} batch(es) before the first step; the checkpoint it "
+                             f"starts from has {ahead} drawn ahead: run the script as it was recorded")
+
+    def _schedule(self) -> list[Scheduled]:
+        """A replay: the record's batches from its start checkpoint to its window's end, in stream order."""
+        window = self._mode.window
+        if window is None:
+            return []
+        return [Scheduled(step, micro, ids, step in window.skip)
+                for step in range(window.start_checkpoint, window.stop + 1)
+                for micro, ids in enumerate(self._mode.recorded_batches(step))]
+
+    def _checkpointed(self) -> dict[str, Any]:
+        """What every checkpoint keeps of the loop: the draws ahead of the step it starts (a prefetch), and the
+        training loader's position for that step."""
+        out: dict[str, Any] = {"ahead": [d.ids for d in self._ahead if d.batch is None]}
+        if self._loader is not None:
+            out["loader"] = self._loader.position(self._ahead[0].batch if self._ahead else None)
+        return out
 
     def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0,
             numerics: dict[str, np.ndarray] | None = None) -> SpikeEvent | None:
@@ -210,20 +345,17 @@ class Loop:
         now = self._current
         if now is None or now.logged:
             raise UsageError("loop.log(...) is called once in every step of `for step in loop.steps()`")
-        if not now.ids:
-            raise UsageError(f"step {now.number} drew no samples through loop.sample_ids(...): pass every "
-                             "training micro-batch's sample ids through it")
+        trained = len(now.draws) - self._lookahead   # the last ones drawn are the next step's (a prefetch)
+        if trained < 1:
+            raise UsageError(f"step {now.number} drew no training batch: pass every training micro-batch's sample ids "
+                             "through loop.sample_ids(...), or take its batches from loop.loader(...)")
         self._mode.check_step(autocast_used=now.autocast)
         lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
         now.logged = True
-        if len({a.shape for a in now.ids}) > 1 or (self._shape is not None and self._shape != np.shape(now.ids)):
-            raise UsageError(f"step {now.number} drew micro-batches of {[a.shape for a in now.ids]} sample ids; "
-                             f"every step must draw the same ({self._shape or 'as its first micro-batch'}): one "
-                             "loop.sample_ids(...) call per training micro-batch, each of the batch size")
-        self._shape = np.shape(now.ids)
-        event = self.recorder.record_step(now.number, sample_ids=np.stack(now.ids), loss=_number(loss),
-                                          grad_norm=_number(grad_norm), lr=float(lr), tokens=int(tokens),
-                                          numerics=numerics, finish=False)
+        self._ahead = now.draws[trained:]
+        event = self.recorder.record_step(now.number, sample_ids=[d.ids.reshape(-1) for d in now.draws[:trained]],
+                                          loss=_number(loss), grad_norm=_number(grad_norm), lr=float(lr),
+                                          tokens=int(tokens), numerics=numerics, finish=False)
         # checkpointed when the next step begins (or at close): it must hold what the script does after log
         self._unfinished = (now.number, event)
         return event

@@ -68,8 +68,9 @@ class Mode(Protocol):
     def begin(self, step: int) -> bool:
         """`step` begins; returns whether it is one the replay skips."""
 
-    def sample(self, step: int, call: int, drawn: np.ndarray) -> np.ndarray | None:
-        """The ids micro-batch `call` of `step` trains on, when not the `drawn` ones (a replay's recorded ids)."""
+    def sample(self, step: int, micro: int, drawn: np.ndarray, check: bool) -> np.ndarray | None:
+        """The ids micro-batch `micro` of `step` trains on, when not the `drawn` ones (a replay's recorded ids,
+        checked against the drawn ones when `check`: drawn from the restored RNG states)."""
 
     def skip(self, step: int) -> np.ndarray:
         """`step` is skipped: this rank's recorded ids of it."""
@@ -84,7 +85,10 @@ class Mode(Protocol):
         """Whether the current step is in a replay's window (its overrides apply)."""
 
     def recorded_ids(self, step: int) -> np.ndarray:
-        """A replay: the ids the record has for `step` (rank, micro-batch, sample)."""
+        """A replay: the ids the record has for `step` (rank, micro-batch, sample), padded with -1."""
+
+    def recorded_batches(self, step: int) -> list[np.ndarray]:
+        """A replay: this rank's micro-batches of `step` in the record."""
 
     def close(self) -> None:
         """Take back what the mode put into the model, the optimizer or the store's lease."""

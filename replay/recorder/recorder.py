@@ -90,7 +90,7 @@ class Recorder:
 
     def __init__(self, store_path: str, state: TrainState, cfg: RecorderConfig, rank: int = 0,
                  world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None,
-                 lease: str | None = None):
+                 lease: str | None = None, extra: Callable[[], dict[str, Any]] | None = None):
         self._lease = None
         guard: Callable[[], None] | None
         if lease is not None:
@@ -116,6 +116,9 @@ class Recorder:
         self._last_time = time.perf_counter()
         self.spikes: list[SpikeEvent] = []
         self.last_loss = float("nan")
+        self._extra = extra   # what the caller keeps in every checkpoint besides the state (recorder/loop.py)
+        self._ids_shape: tuple[int, int] | None = None   # (micro, sample) of every step's ids, padded
+        self._shard: tuple[int, dict[str, Any]] | None = None   # the checkpoint `start` restores, read ahead
 
     # -- start and stop ----------------------------------------------------------------------------
 
@@ -123,24 +126,44 @@ class Recorder:
         """The step to train next: 0 for a new run (checkpoint 0 is written); on resume, the last committed
         checkpoint's step, with the state restored from it; for a replay, the step of the parent
         checkpoint it starts from (`start_from`), with the state restored from the parent."""
-        if self.start_from is not None:
-            parent, step = self.start_from
-            self._restore(parent, step)
-            return step
-        committed = self.store.checkpoints() if self.resume else []
-        if not committed:   # a new run, or one stopped before its first commit: from the start
+        source = self._source()
+        if source is None:   # a new run, or one stopped before its first commit: from the start
             self._checkpoint(0, "regular")
             self._last_time = time.perf_counter()
             return 0
-        self._restore(self.store, committed[-1].step)
-        return committed[-1].step
+        self._restore(*source)
+        return source[1]
+
+    def _source(self) -> tuple[RunStore, int] | None:
+        """The checkpoint `start` restores: a replay's parent's, a resumed run's last committed, or none."""
+        if self.start_from is not None:
+            return self.start_from
+        committed = self.store.checkpoints() if self.resume else []
+        return (self.store, committed[-1].step) if committed else None
+
+    def restored_extra(self) -> dict[str, Any] | None:
+        """What the caller kept (`extra`) in the checkpoint `start` will restore; None for a new run. Read
+        ahead of `start`, for a caller that needs it before (a prefetched batch, a data loader's position)."""
+        source = self._source()
+        if source is None:
+            return None
+        return dict(self._read_own(*source).get("loop") or {})
+
+    def _read_own(self, store: RunStore, step: int) -> dict[str, Any]:
+        if self._shard is None or self._shard[0] != step:
+            self._shard = (step, store.read_shard(step, self.rank))
+        return self._shard[1]
 
     def _restore(self, store: RunStore, step: int) -> None:
-        own = store.read_shard(step, self.rank)
+        own = self._read_own(store, step)
+        self._shard = None
         shared = own if self.rank == 0 else store.read_shard(step, 0)
         self.state.load_state_dict(shared["state"]["replicated"], own["state"]["local"],
                                    lambda r: store.read_shard(step, r)["state"]["local"])
         set_rng_state(own["rng"])
+        recorded = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"]
+        if recorded.ndim == 4:   # the run's shape of a step's ids, for the steps from here on
+            self._ids_shape = (int(recorded.shape[2]), int(recorded.shape[3]))
         losses = store.read_steps(["loss"])["loss"][: step - store.first_step]
         for i, loss in enumerate(losses):   # the detector's memory, as it was at that step
             self.detector.update(store.first_step + i, float(loss))
@@ -165,16 +188,19 @@ class Recorder:
 
     # -- per step ----------------------------------------------------------------------------------
 
-    def record_step(self, step: int, *, sample_ids: np.ndarray, loss: float, grad_norm: float, lr: float,
-                    tokens: int, numerics: dict[str, np.ndarray] | None = None,
+    def record_step(self, step: int, *, sample_ids: np.ndarray | list[np.ndarray], loss: float, grad_norm: float,
+                    lr: float, tokens: int, numerics: dict[str, np.ndarray] | None = None,
                     finish: bool = True) -> SpikeEvent | None:
-        """Record optimizer step `step` (its state is now the one *after* the step). `numerics`: this
+        """Record optimizer step `step` (its state is now the one *after* the step). `sample_ids`: this rank's
+        micro-batches' ids, (micro, sample) or a list of micro-batches of any sizes; every rank must train on
+        as many micro-batches and samples as every other (checked: one line on every rank otherwise). Stored
+        padded with -1 to the run's first step's shape. `numerics`: this
         rank's per-layer attention numerics (replay.kernels.numerics), stored from rank 0 when given.
         `finish=False` leaves the step's checkpoint cadence (and a spike's snapshots) to `finish_step`,
         for a caller whose state may still change after it records the step's metrics."""
         now = time.perf_counter()
         step_time, self._last_time = now - self._last_time, now
-        sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        sample_ids = self._agree(step, [np.asarray(a, dtype=np.int64).reshape(-1) for a in sample_ids])
         rank_loss, all_ids, all_tokens = self._gather(loss, sample_ids, tokens)
         global_loss = self.last_loss = float(np.mean(rank_loss))
         if self.coordinator:
@@ -209,7 +235,8 @@ class Recorder:
             self._last_time = time.perf_counter()
             self._rows.append({"loss": np.nan, "rank_loss": np.full(self.world, np.nan), "grad_norm": np.nan,
                                "lr": float(lr), "tokens": 0, "step_time": 0.0,
-                               "sample_ids": np.full((self.world, *np.shape(sample_ids)), -1), **(numerics or {})})
+                               "sample_ids": np.full((self.world, *self._skipped_shape(sample_ids)), -1),
+                               **(numerics or {})})
         if finish:
             self.finish_step(step, None)
 
@@ -227,6 +254,38 @@ class Recorder:
     def _clear_ring(self) -> None:
         while self.ring:
             self._give_back(self.ring.popleft()[1])
+
+    def _agree(self, step: int, micro: list[np.ndarray]) -> np.ndarray:
+        """This rank's micro-batches as the run's (micro, sample) array, padded with -1, once every rank has
+        seen that all ranks drew as many (one small collective before the ids' own: never a mismatch)."""
+        mine = (len(micro), sum(len(a) for a in micro), max((len(a) for a in micro), default=0))
+        if self.world > 1:
+            counts = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            out = [c.to(device) for c in counts]
+            dist.all_gather(out, torch.tensor(mine, dtype=torch.int64, device=device))
+            rows = [tuple(int(x) for x in c.cpu()) for c in out]
+        else:
+            rows = [mine]
+        if len({r[:2] for r in rows}) > 1:
+            drew = ", ".join(f"rank {r}: {n} micro-batch(es), {k} samples" for r, (n, k, _) in enumerate(rows))
+            raise UsageError(f"step {step}: the ranks drew different training batches ({drew}); every rank must "
+                             "pass as many training micro-batches through the loop, and evaluation draws must run "
+                             "in model.eval(), under torch.no_grad() or in `with loop.evaluating():`")
+        shape = (max(r[0] for r in rows), max(r[2] for r in rows))
+        if self._ids_shape is None:
+            self._ids_shape = shape
+        elif shape[0] > self._ids_shape[0] or shape[1] > self._ids_shape[1]:
+            raise UsageError(f"step {step} trains on {shape[0]} micro-batch(es) of up to {shape[1]} samples; the run's "
+                             f"first step trained on {self._ids_shape[0]} of {self._ids_shape[1]}: later steps may "
+                             "train on fewer or smaller micro-batches, never more or larger")
+        padded = np.full(self._ids_shape, -1, dtype=np.int64)
+        for i, a in enumerate(micro):
+            padded[i, :len(a)] = a
+        return padded
+
+    def _skipped_shape(self, sample_ids: np.ndarray) -> tuple[int, ...]:
+        return self._ids_shape if self._ids_shape is not None else np.shape(sample_ids)
 
     def _gather(self, loss: float, ids: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         if self.world == 1:
@@ -246,7 +305,10 @@ class Recorder:
         buffer is one a finished write gave back, when there is one: its memory is mapped already, and
         the copy (the time the training thread is blocked) runs at memory speed."""
         spare = self._spare.pop() if self._spare else None
-        return pack({"state": self.state.state_dict(self.rank), "rng": rng_state()}, into=spare)
+        tree = {"state": self.state.state_dict(self.rank), "rng": rng_state()}
+        if self._extra is not None:
+            tree["loop"] = self._extra()
+        return pack(tree, into=spare)
 
     def _give_back(self, packed: Packed) -> None:
         self._spare.append(whole_buffer(packed.buffer))

@@ -127,7 +127,7 @@ class Recording:
     def begin(self, step: int) -> bool:
         return False
 
-    def sample(self, step: int, call: int, drawn: np.ndarray) -> np.ndarray | None:
+    def sample(self, step: int, micro: int, drawn: np.ndarray, check: bool) -> np.ndarray | None:
         return None
 
     def skip(self, step: int) -> np.ndarray:
@@ -143,6 +143,9 @@ class Recording:
         return False
 
     def recorded_ids(self, step: int) -> np.ndarray:
+        raise AssertionError("a recording has no recorded ids to read")
+
+    def recorded_batches(self, step: int) -> list[np.ndarray]:
         raise AssertionError("a recording has no recorded ids to read")
 
     def close(self) -> None:

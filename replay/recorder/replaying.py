@@ -18,6 +18,7 @@ from replay.recorder.overrides import ReplayOverrides
 from replay.recorder.recorder import RecorderConfig
 from replay.store import RunStore
 from replay.store.manifest import ReplaySpec
+from replay.store.run_store import micro_batches
 
 
 class Replaying:
@@ -59,16 +60,21 @@ class Replaying:
     def recorded_ids(self, step: int) -> np.ndarray:
         return self._ids[step - self._spec.start_checkpoint]
 
-    def sample(self, step: int, call: int, drawn: np.ndarray) -> np.ndarray:
-        recorded_step = self.recorded_ids(step)[self._rank]
-        if call >= len(recorded_step) or recorded_step[call].shape != drawn.shape:
-            raise ReplayError(f"step {step}: the script draws micro-batch {call} of shape {drawn.shape}, the "
-                              f"record has {len(recorded_step)} of shape {recorded_step[0].shape}: it does not run "
-                              "as recorded")
-        recorded = recorded_step[call]
-        if self._check_draws and not np.array_equal(recorded, drawn):
-            raise ReplayError(f"step {step}, rank {self._rank}: the loader drew samples {drawn[:4].tolist()}..., "
-                              f"the record has {recorded[:4].tolist()}...: its randomness is not the recorded RNG "
+    def recorded_batches(self, step: int) -> list[np.ndarray]:
+        return micro_batches(self.recorded_ids(step)[self._rank])
+
+    def sample(self, step: int, micro: int, drawn: np.ndarray, check: bool) -> np.ndarray:
+        if step > self._spec.stop:   # drawn ahead for a step past the window: never trained
+            return drawn
+        batches = self.recorded_batches(step)
+        if micro >= len(batches) or batches[micro].size != drawn.size:
+            raise ReplayError(f"step {step}: the script draws micro-batch {micro} of {drawn.size} samples, the record "
+                              f"has {len(batches)} of {[len(b) for b in batches]}: it does not run as recorded")
+        recorded = batches[micro].reshape(drawn.shape)
+        if check and self._check_draws and not np.array_equal(recorded, drawn):
+            raise ReplayError(f"step {step}, rank {self._rank}: the loader drew samples "
+                              f"{drawn.reshape(-1)[:4].tolist()}..., the record has "
+                              f"{recorded.reshape(-1)[:4].tolist()}...: its randomness is not the recorded RNG "
                               "state's (an unrecorded generator, or a changed script)")
         return recorded
 

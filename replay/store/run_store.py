@@ -71,7 +71,8 @@ def _ckpt_name(step: int) -> str:
 
 
 # Per-step record fields: name -> (dtype, dimension names). "rank" fields have one column per rank;
-# sample_ids keeps every micro-batch of every rank: (step, rank, micro, sample).
+# sample_ids keeps every micro-batch of every rank: (step, rank, micro, sample), padded with -1 where a step
+# trains on fewer or smaller micro-batches than the run's first (a data loader's last batch of an epoch).
 STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "loss": ("float64", ("step",)),
     "rank_loss": ("float64", ("step", "rank")),
@@ -89,6 +90,11 @@ STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wq_tied_err_cos": ("float64", ("step", "layer")),
 }
 NUMERICS_FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
+
+
+def micro_batches(ids: np.ndarray) -> list[np.ndarray]:
+    """One rank's sample ids of one step, (micro, sample) padded with -1, as the micro-batches it trained on."""
+    return [row[row >= 0] for row in np.asarray(ids) if (row >= 0).any()]
 
 
 @dataclass

@@ -1,0 +1,344 @@
+"""A torch `DataLoader`'s batches, recorded by their dataset indices and replayed: `loop.loader(dataloader)`.
+
+The loader's sampler runs in the training process (with worker processes too: the workers only fetch), so
+the indices are taken where the sampler yields them: the DataLoader's batch sampler is replaced by a tap
+that notes every batch in a queue. The DataLoader prefetches (workers, `prefetch_factor`) but hands its
+batches out in the order they were sampled, so the batch the script takes next is always the queue's
+head: the step a batch belongs to is the step that takes it, never the one that sampled it.
+
+What makes a stream replayable from any checkpoint:
+- **The sampler's randomness is the loader's own.** Every draw the sampler makes (RandomSampler's seed,
+  WeightedRandomSampler's multinomial) runs with the loader's own RNG states swapped in for the global ones,
+  so the training's RNG (dropout) does not depend on when the DataLoader samples ahead, and a checkpoint can
+  say where the loader's stream stands: its pass (epoch), the position in it, and the loader's RNG states
+  at the pass's start. A replay or a resumed run samples that pass again from those states and skips to
+  the position (indices only: nothing is fetched), so the sampler's own order carries on as recorded.
+- **Each fetch is seeded by its place in the stream.** A dataset that draws random numbers in `__getitem__`
+  (augmentation), or a collate that does (masking), draws them from seeds made of the loader's seed and the
+  batch's number in the stream, in a worker or in this process alike; a worker restarted in the middle of
+  an epoch (a replay) fetches the same bits.
+- **`set_epoch(n)`** is called on the sampler at the start of the loader's n-th pass, when it has one
+  (DistributedSampler), as accelerate does: the loader, not the script, numbers the passes.
+
+The loader is an endless stream: `iter(loop.loader(dl))` passes over the data again and again, starting
+each pass itself; `len()` and every other attribute are the DataLoader's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from replay.errors import ReplayError, UsageError
+from replay.recorder.environment import cpu_rng_state, set_rng_state
+
+
+@dataclass
+class Batch:
+    """A batch the tap sampled: its indices and where it stands in the loader's stream."""
+
+    ids: np.ndarray
+    number: int           # in the stream since the run began (the record's numbering, in a replay too)
+    pass_no: int
+    position: int         # in its pass
+    pass_start: dict[str, Any]   # the loader's RNG states at its pass's start
+    scheduled: tuple[int, int] | None = None   # a replay: the recorded (step, micro-batch) it is
+
+
+@dataclass
+class Scheduled:
+    """A replay's next batch, as the record has it."""
+
+    step: int
+    micro: int
+    ids: np.ndarray
+    skipped: bool   # of a step the replay skips: sampled past, never handed out
+
+
+class RecordedLoader:
+    """`loop.loader(dataloader)`; `take` is told of every batch the script takes (recorder/loop.py)."""
+
+    def __init__(self, dataloader: DataLoader, take: Callable[[Batch], None], seed: int):
+        _check(dataloader)
+        self._dl, self._take = dataloader, take
+        self._batched = dataloader.batch_sampler is not None
+        self._inner: Any = dataloader.batch_sampler if self._batched else dataloader.sampler
+        self._rng = _OwnRng(seed)
+        self._seed = seed
+        self._queue: deque[Batch] = deque()
+        self._pass_no, self._position, self._number = 0, 0, 0   # the next batch the tap samples
+        self._pass_start = self._rng.state   # the loader's RNG states at the start of pass `_pass_no`
+        self._skip_to = 0                     # a restored pass: positions sampled past before the first yield
+        self._schedule: deque[Scheduled] = deque()   # a replay's recorded batches, in stream order
+        self._it: Iterator[Any] | None = None
+        tap = _Tap(self._inner, self._sample_pass)
+        object.__setattr__(dataloader, "batch_sampler" if self._batched else "sampler", tap)   # past its guard:
+        object.__setattr__(dataloader, "dataset", _SeededDataset(dataloader.dataset))        # never iterated yet
+        dataloader.collate_fn = _SeededCollate(dataloader.collate_fn)
+
+    # -- what the checkpoint keeps, and a restore from it --------------------------------------------
+
+    def restore(self, state: dict[str, Any], schedule: list[Scheduled]) -> None:
+        """Continue the stream from a checkpoint's `state` (`position`, below); a replay hands out the
+        record's batches from there (`schedule`), checking that the sampler draws them too."""
+        if self._it is not None:
+            raise UsageError("loop.loader(...): the loader was iterated before the run's first step restored its "
+                             "checkpoint; take its first batch inside `for step in loop.steps()` or just before it")
+        self._seed = int(state["seed"])
+        self._rng = _OwnRng(self._seed)
+        self._pass_no, self._skip_to, self._number = int(state["pass"]), int(state["position"]), int(state["number"])
+        self._pass_start = state["pass_start"]
+        self._rng.state = state["pass_start"]
+        self._schedule = deque(schedule)
+
+    def position(self, first_unfinished: Batch | None) -> dict[str, Any]:
+        """Where the stream stands for the step that begins: at `first_unfinished`, a batch the script took
+        ahead of it (a prefetch), else at the next batch it takes."""
+        if first_unfinished is not None:
+            b = first_unfinished
+            return {"seed": self._seed, "pass": b.pass_no, "position": b.position, "number": b.number,
+                    "pass_start": b.pass_start}
+        head = self._queue[0] if self._queue else None
+        if head is not None:
+            return {"seed": self._seed, "pass": head.pass_no, "position": head.position, "number": head.number,
+                    "pass_start": head.pass_start}
+        return {"seed": self._seed, "pass": self._pass_no, "position": self._position, "number": self._number,
+                "pass_start": self._pass_start}
+
+    # -- the stream ----------------------------------------------------------------------------------
+
+    def __iter__(self) -> RecordedLoader:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            if self._it is None:
+                self._begin_pass()
+            assert self._it is not None, "a pass is under way"
+            try:
+                data = next(self._it)
+            except StopIteration:
+                self._it = None
+                self._pass_no, self._position, self._skip_to = self._pass_no + 1, 0, 0
+                self._pass_start = self._rng.state   # the sampler's draws of the pass are all made
+                continue
+            batch = self._queue.popleft()
+            self._take(batch)
+            return data
+
+    def __len__(self) -> int:
+        return len(self._dl)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._dl, name)
+
+    def _begin_pass(self) -> None:
+        if hasattr(self._dl.sampler, "set_epoch") and not isinstance(self._dl.sampler, _Tap):
+            self._dl.sampler.set_epoch(self._pass_no)
+        elif self._batched and hasattr(getattr(self._inner, "sampler", None), "set_epoch"):
+            self._inner.sampler.set_epoch(self._pass_no)
+        self._position = 0
+        self._queue.clear()
+        with _training_rng_kept():   # the DataLoader draws its workers' base seed from the global generator
+            self._it = iter(self._dl)
+
+    def _sample_pass(self) -> Iterator[Any]:
+        """The tap's pass: the inner sampler's batches, noted (and, in a replay, checked against the record's)."""
+        inner: Iterator[Any] | None = None
+        pass_no, pass_start = self._pass_no, self._pass_start
+        while True:
+            with self._rng.active():
+                if inner is None:
+                    inner = iter(self._inner)
+                    for _ in range(self._skip_to):   # a restored pass: on to the checkpoint's position
+                        if next(inner, None) is None:
+                            return
+                    self._position = self._skip_to
+                scheduled = self._sample_past_skipped(inner)
+                sampled = next(inner, None)
+            if sampled is None:
+                return
+            ids = _indices(sampled)
+            if scheduled is not None:
+                self._schedule.popleft()
+                if not np.array_equal(ids, scheduled.ids):
+                    raise ReplayError(f"step {scheduled.step}, micro-batch {scheduled.micro}: the loader's sampler "
+                                      f"yields samples {ids[:4].tolist()}..., the record has "
+                                      f"{scheduled.ids[:4].tolist()}...: it is not the recorded sampler, or its "
+                                      "randomness is not the loader's own (a generator of its own?)")
+            batch = Batch(ids, self._number, pass_no, self._position, pass_start,
+                          None if scheduled is None else (scheduled.step, scheduled.micro))
+            self._queue.append(batch)
+            self._number += 1
+            self._position += 1
+            yield _tagged(sampled, self._seed, batch.number, self._batched)
+
+    def _sample_past_skipped(self, inner: Iterator[Any]) -> Scheduled | None:
+        """A replay: the record's next batch to hand out, after sampling past those of the steps it skips (as
+        the record took them: the stream's numbering and the sampler stay the record's)."""
+        while self._schedule and self._schedule[0].skipped:
+            entry = self._schedule.popleft()
+            if next(inner, None) is None:
+                raise ReplayError(f"step {entry.step}: the batches of a skipped step reach past the end of the "
+                                  "loader's epoch; skip steps within one epoch")
+            self._number += 1
+            self._position += 1
+        return self._schedule[0] if self._schedule else None
+
+
+class _Tap(torch.utils.data.Sampler):
+    """What the DataLoader iterates instead of its (batch) sampler."""
+
+    def __init__(self, inner: Any, sample_pass: Callable[[], Iterator[Any]]):
+        self.inner, self._sample_pass = inner, sample_pass
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._sample_pass()
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _check(dataloader: Any) -> None:
+    if not isinstance(dataloader, DataLoader):
+        raise UsageError(f"loop.loader(...) takes a torch.utils.data.DataLoader, not a {type(dataloader).__name__}")
+    if isinstance(dataloader.dataset, IterableDataset):
+        raise UsageError("loop.loader(...) records a sampler's indices; an IterableDataset has no sampler: pass "
+                         "each batch's sample ids through loop.sample_ids(...) instead")
+    if not getattr(dataloader, "in_order", True):
+        raise UsageError("loop.loader(...) needs the DataLoader's batches in the order they were sampled: "
+                         "leave in_order=True")
+    if getattr(dataloader, "_iterator", None) is not None:
+        raise UsageError("loop.loader(...) takes a DataLoader that has not been iterated yet: wrap it first")
+
+
+def _indices(sampled: Any) -> np.ndarray:
+    ids = np.asarray(sampled.tolist() if isinstance(sampled, torch.Tensor) else sampled)
+    if ids.dtype.kind not in "iu":
+        raise UsageError(f"loop.loader(...) records integer dataset indices; the sampler yields {sampled!r}")
+    return ids.astype(np.int64).reshape(-1)
+
+
+# -- fetches seeded by their place in the stream ------------------------------------------------------
+
+def fetch_seed(seed: int, number: int, k: int) -> int:
+    """The seed of sample `k` of the stream's batch `number` (k = -1: the batch's collate)."""
+    digest = hashlib.blake2b(f"{seed}:{number}:{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+def _tagged(sampled: Any, seed: int, number: int, batched: bool) -> Any:
+    if not batched:
+        return _Tagged(int(sampled), fetch_seed(seed, number, 0), fetch_seed(seed, number, -1))
+    return [_Tagged(int(i), fetch_seed(seed, number, k), fetch_seed(seed, number, -1)) for k, i in enumerate(sampled)]
+
+
+@dataclass(frozen=True)
+class _Tagged:
+    index: int
+    seed: int
+    collate_seed: int
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Python's, numpy's and torch's CPU generators seeded for one fetch, and put back after it."""
+    saved = cpu_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
+
+
+class _SeededDataset(torch.utils.data.Dataset):
+    """The user's dataset, each sample fetched under its own seed; then the collate's seed stays set."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: Any) -> Any:
+        if not isinstance(item, _Tagged):   # a read of the script's own (a length grouping): as it was
+            return self.dataset[item]
+        with _seeded(item.seed):
+            return _Collated(self.dataset[item.index], item.collate_seed)
+
+    def __getitems__(self, items: list[Any]) -> list[Any]:
+        return [self[item] for item in items]
+
+    def __getattr__(self, name: str) -> Any:   # unpickled in a worker: no attribute yet
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+@dataclass
+class _Collated:
+    sample: Any
+    collate_seed: int
+
+
+class _SeededCollate:
+    """The DataLoader's collate function, run under the batch's seed."""
+
+    def __init__(self, collate: Callable[[Any], Any]):
+        self.collate = collate
+
+    def __call__(self, samples: Any) -> Any:
+        if isinstance(samples, _Collated):   # no automatic batching: one sample is the batch
+            with _seeded(samples.collate_seed):
+                return self.collate(samples.sample)
+        if not samples or not isinstance(samples[0], _Collated):
+            return self.collate(samples)
+        with _seeded(samples[0].collate_seed):
+            return self.collate([s.sample for s in samples])
+
+
+# -- the loader's own RNG --------------------------------------------------------------------------
+
+class _OwnRng:
+    """The loader's RNG states (Python's, numpy's, torch's CPU generator), swapped in while it samples."""
+
+    def __init__(self, seed: int):
+        with _seeded(seed):
+            self.state = cpu_rng_state()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        saved = cpu_rng_state()
+        set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = cpu_rng_state()
+            set_rng_state(saved)
+
+
+@contextmanager
+def _training_rng_kept() -> Iterator[None]:
+    saved = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved)
