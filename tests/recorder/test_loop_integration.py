@@ -95,7 +95,7 @@ def test_what_a_loop_cannot_do_is_refused_in_one_line_before_anything_is_written
 
 @pytest.mark.parametrize("mistake, message", [
     ("no-log", "ended without loop.log"),
-    ("no-ids", "drew no samples through loop.sample_ids"),
+    ("no-ids", "drew no training batch: pass every training micro-batch"),
     ("twice", "loop.log(...) is called once in every step"),
 ])
 def test_a_step_without_its_calls_is_named(tmp_path, mistake, message):
