@@ -165,10 +165,10 @@ class RecordedLoader:
                         if next(inner, None) is None:
                             return
                     self._position = self._skip_to
-                scheduled = self._sample_past_skipped(inner)
-                sampled = next(inner, None)
+                sampled = self._sample_past_skipped(inner)
             if sampled is None:
                 return
+            scheduled = self._schedule[0] if self._schedule else None
             ids = _indices(sampled)
             if scheduled is not None:
                 self._schedule.popleft()
@@ -184,17 +184,17 @@ class RecordedLoader:
             self._position += 1
             yield _tagged(sampled, self._seed, batch.number, self._batched)
 
-    def _sample_past_skipped(self, inner: Iterator[Any]) -> Scheduled | None:
-        """A replay: the record's next batch to hand out, after sampling past those of the steps it skips (as
-        the record took them: the stream's numbering and the sampler stay the record's)."""
-        while self._schedule and self._schedule[0].skipped:
-            entry = self._schedule.popleft()
-            if next(inner, None) is None:
-                raise ReplayError(f"step {entry.step}: the batches of a skipped step reach past the end of the "
-                                  "loader's epoch; skip steps within one epoch")
+    def _sample_past_skipped(self, inner: Iterator[Any]) -> Any:
+        """The sampler's next batch to hand out (None at the pass's end); in a replay, past the batches of the
+        steps it skips, sampled as the record took them (the stream's numbering and the sampler stay the
+        record's; a skipped step's batches left at a pass's end are the next pass's first)."""
+        sampled = next(inner, None)
+        while sampled is not None and self._schedule and self._schedule[0].skipped:
+            self._schedule.popleft()
             self._number += 1
             self._position += 1
-        return self._schedule[0] if self._schedule else None
+            sampled = next(inner, None)
+        return sampled
 
 
 class _Tap(torch.utils.data.Sampler):

@@ -1,0 +1,165 @@
+"""`loop.loader(dataloader)` in process (recorder/loader.py): the indices each step trained on, epoch after epoch;
+the stream continued by a replay and a resumed run from a checkpoint in the middle of an epoch. Worker
+processes: tests/recorder/test_loader_integration.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+
+from replay.errors import ReplayError, UsageError
+from replay.recorder import Loop
+from replay.replayer.overrides import Overrides
+from replay.replayer.replays import ReplayRequest, prepare, replay_id
+from replay.store import RunStore
+from replay.store.lease import writing
+from replay.store.run_store import micro_batches
+
+N, BATCH, ACCUM = 10, 3, 2   # an epoch: batches of 3, 3, 3 and 1
+
+
+class Numbers(Dataset):
+    """Sample i is (i, a random augmentation): a batch says which samples it holds, whatever the store says."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), float(torch.rand(()))])
+
+
+def _parts():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def _loader(sampler=None):
+    data = Numbers()
+    return DataLoader(data, batch_size=BATCH, sampler=sampler if sampler is not None else RandomSampler(data))
+
+
+def _train(loop, model, optimizer, dl, stop_after=None, ahead=False):
+    """Steps as a script runs them; returns per step the samples and augmentations it trained on, and its loss."""
+    seen, batches = {}, iter(loop.loader(dl))
+    pending = next(batches) if ahead else None   # a prefetch: the first batch taken before the first step
+    for step in loop.steps():
+        micro, total = [], 0.0
+        for _ in range(ACCUM):
+            x = next(batches) if pending is None else pending
+            pending = next(batches) if ahead else None
+            loss = model(x / N).pow(2).mean() / ACCUM
+            loss.backward()
+            total += loss.item()
+            micro.append(x)
+        optimizer.step()
+        optimizer.zero_grad()
+        loop.log(loss=total)
+        seen[step] = ([x[:, 0].long().tolist() for x in micro], torch.cat(micro)[:, 1].tolist(), total)
+        if step == stop_after:
+            break
+    loop.close()
+    return seen
+
+
+def _stored(path) -> list[list[list[int]]]:
+    return [[b.tolist() for b in micro_batches(step[0])] for step in RunStore.open(path).read_steps()["sample_ids"]]
+
+
+def test_each_step_holds_the_indices_it_trained_on_epoch_after_epoch(tmp_path):
+    model, optimizer = _parts()
+    seen = _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer,
+                  _loader())
+    assert _stored(tmp_path / "run") == [seen[s][0] for s in range(8)]
+    batches = [b for s in range(8) for b in seen[s][0]]
+    assert [len(b) for b in batches] == [3, 3, 3, 1] * 4   # the epoch's last batch is smaller, as the loader's
+    epochs = [sorted(sum(batches[e * 4:(e + 1) * 4], [])) for e in range(4)]
+    assert all(e == list(range(N)) for e in epochs)   # every sample once an epoch
+    orders = {tuple(sum(batches[e * 4:(e + 1) * 4], [])) for e in range(4)}
+    assert len(orders) == 4   # reshuffled every epoch
+    assert RunStore.open(tmp_path / "run").read_steps()["sample_ids"].shape[1:] == (1, ACCUM, BATCH)
+
+
+def test_a_distributed_sampler_is_told_the_epoch_by_the_loader(tmp_path):
+    model, optimizer = _parts()
+    sampler = DistributedSampler(Numbers(), num_replicas=2, rank=1, shuffle=True, seed=5)   # rank 1 of 2, no group
+    _train(Loop(tmp_path / "run", model, optimizer, total_steps=6, checkpoint_every=3), model, optimizer,
+           _loader(sampler))
+    expected = []   # 5 samples a rank: an epoch is a batch of 3 and one of 2
+    for epoch in range(6):
+        mine = DistributedSampler(range(N), num_replicas=2, rank=1, shuffle=True, seed=5)
+        mine.set_epoch(epoch)
+        order = list(mine)
+        expected += [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+    stored = [b for step in _stored(tmp_path / "run") for b in step]
+    assert stored == expected
+
+
+def _replay(run, req, dl_sampler=None, draw_ahead=False):
+    path = run / "replays" / replay_id(req)
+    with writing(path, "a test's replay") as lease:   # as `replay run` prepares the replay's store
+        prepare(run, req)
+        model, optimizer = _parts()   # untrained: the checkpoint restores it
+        loop = Loop(path, model, optimizer, total_steps=8, lease=lease.spec)
+        return _train(loop, model, optimizer, _loader(dl_sampler), ahead=draw_ahead), path
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "prefetched"])
+def test_a_replay_continues_the_stream_from_a_checkpoint_inside_an_epoch(tmp_path, ahead):
+    model, optimizer = _parts()
+    recorded = _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model,
+                      optimizer, _loader(), ahead=ahead)
+    replayed, _ = _replay(tmp_path / "run", ReplayRequest(start=4, stop=7), draw_ahead=ahead)
+    assert sorted(replayed) == [3, 4, 5, 6, 7]   # from checkpoint 3: the middle of the second epoch
+    assert all(replayed[s] == recorded[s] for s in replayed)   # samples, augmentations, losses: bit for bit
+
+
+def test_a_replay_that_skips_a_step_trains_the_next_one_on_its_own_batches(tmp_path):
+    model, optimizer = _parts()
+    recorded = _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model,
+                      optimizer, _loader())
+    replayed, path = _replay(tmp_path / "run", ReplayRequest(start=3, stop=7, overrides=Overrides(skip=[4])))
+    assert sorted(replayed) == [3, 5, 6, 7]
+    assert all(replayed[s][:2] == recorded[s][:2] for s in replayed)   # each step's own samples and augmentations
+    assert replayed[5][2] != recorded[5][2]   # trained without step 4's update
+    assert (RunStore.open(path).read_steps()["sample_ids"][1] == -1).all()
+
+
+def test_a_replay_whose_sampler_draws_other_batches_is_refused(tmp_path):
+    model, optimizer = _parts()
+    _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer, _loader())
+    other = RandomSampler(Numbers(), generator=torch.Generator().manual_seed(123))   # a generator of its own
+    with pytest.raises(ReplayError, match="micro-batch 0: the loader's sampler yields samples"):
+        _replay(tmp_path / "run", ReplayRequest(start=4, stop=7), dl_sampler=other)
+
+
+def test_a_resumed_run_continues_the_stream_as_the_uninterrupted_run_did(tmp_path):
+    model, optimizer = _parts()
+    whole = _train(Loop(tmp_path / "whole", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer,
+                   _loader())
+    model, optimizer = _parts()
+    _train(Loop(tmp_path / "cut", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer, _loader(),
+           stop_after=4)   # stopped after step 4: its last checkpoint is 3, inside the second epoch
+    model, optimizer = _parts()
+    resumed = _train(Loop(tmp_path / "cut", model, optimizer, total_steps=8, checkpoint_every=3, resume=True),
+                     model, optimizer, _loader())
+    assert sorted(resumed) == [3, 4, 5, 6, 7]
+    assert all(resumed[s] == whole[s] for s in resumed)
+    a, b = (RunStore.open(tmp_path / p).read_steps() for p in ("whole", "cut"))
+    assert np.array_equal(a["sample_ids"], b["sample_ids"]) and np.array_equal(a["loss"], b["loss"])
+
+
+@pytest.mark.parametrize("misuse, message", [
+    (lambda loop, dl: (loop.loader(dl), loop.loader(dl)), "loop.loader\\(...\\) is called once"),
+    (lambda loop, dl: loop.loader([1, 2, 3]), "takes a torch.utils.data.DataLoader, not a list"),
+    (lambda loop, dl: (iter(dl), loop.loader(dl)), "has not been iterated yet"),
+])
+def test_a_loader_misused_is_refused_in_one_line(tmp_path, misuse, message):
+    model, optimizer = _parts()
+    dl = DataLoader(Numbers(), batch_size=BATCH, num_workers=0, persistent_workers=False)
+    if "iterated" in message:   # a DataLoader keeps its iterator only with persistent workers: note one by hand
+        dl._iterator = object()
+    with Loop(tmp_path / "run", model, optimizer, total_steps=2) as loop, pytest.raises(UsageError, match=message):
+        misuse(loop, dl)
