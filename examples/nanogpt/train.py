@@ -151,15 +151,18 @@ ctx = loop.autocast(device_type)    # replay (was: nullcontext() or torch.autoca
 
 
 @torch.no_grad()
-def estimate_loss():
+def estimate_loss():   # evaluation draws (eval mode, no_grad): the loop neither records nor replaces them
     model.eval()
-    losses = torch.zeros(eval_iters)
-    for k in range(eval_iters):
-        x, y = get_batch("val")
-        with ctx:
-            losses[k] = model(x, y).item()
+    out = {}
+    for split in ("train", "val"):
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            x, y = get_batch(split)
+            with ctx:
+                losses[k] = model(x, y).item()
+        out[split] = losses.mean().item()
     model.train()
-    return losses.mean().item()
+    return out
 
 
 def get_lr(it):
@@ -170,21 +173,23 @@ def get_lr(it):
 
 
 # -- training ------------------------------------------------------------------------------------------
+x, y = get_batch("train")            # the first batch, fetched ahead of the first step (as nanoGPT does)
 t0 = time.time()
 with loop:                                          # replay
     for iter_num in loop.steps():                   # replay (was: while True, counting iter_num)
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if iter_num % eval_interval == 0 and rank == 0:
-            print(f"step {iter_num}: val loss {estimate_loss():.4f}", file=sys.stderr)
+        if iter_num % eval_interval == 0 and rank == 0:   # rank 0 only: its draws are not training
+            losses = estimate_loss()
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", file=sys.stderr)
         total = 0.0
         for micro_step in range(gradient_accumulation_steps):
-            x, y = get_batch("train")
             if ddp:
                 model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
             with ctx:
                 loss = model(x, y) / gradient_accumulation_steps
+            x, y = get_batch("train")   # the next micro-batch, fetched while this one trains (a prefetch)
             scaler.scale(loss).backward()
             total += loss.item()
         scaler.unscale_(optimizer)

@@ -274,7 +274,9 @@ class Loop:
         where: int | None = None if self._current is None else self._current.number
         draws = self._ahead if self._current is None else self._current.draws   # ahead of the first step, or in it
         step, micro = self._belongs(where, len(draws))
-        check = where is not None   # drawn before the first step: before its checkpoint's RNG states are restored
+        # what the record drew here, from the same RNG states (no skipped step passed yet); none before the first
+        # step, whose draws come before its checkpoint's RNG states are restored
+        drawn_as = None if where is None else self._belongs(where, len(draws), skipping=False)
         draws.append(draw)
         if draw.batch is not None:   # its ids are the loader's, checked against the record where it sampled them
             if draw.batch.scheduled is not None and draw.batch.scheduled != (step, micro):
@@ -289,15 +291,16 @@ class Loop:
                                  f"drew {len(carried)}: run the script as it was recorded")
             draw.ids = np.asarray(carried[micro])
             return draw.ids
-        recorded = self._mode.sample(step, micro, draw.ids, check=check)
+        recorded = self._mode.sample(step, micro, draw.ids, drawn_as)
         if recorded is not None:
             draw.ids = recorded
         return recorded
 
-    def _belongs(self, step: int | None, index: int) -> tuple[int, int]:
+    def _belongs(self, step: int | None, index: int, skipping: bool = True) -> tuple[int, int]:
         """A replay: the recorded (step, micro-batch) that the `index`-th draw of `step` (None: ahead of the
-        first step) trains. Draws past a step's micro-batches (a prefetch) are the next trained step's first.
-        In a recording the count of a step's micro-batches is known at `log` only: (step, index) as drawn."""
+        first step) trains. Draws past a step's micro-batches (a prefetch) are the next trained step's first
+        (`skipping`: past the steps the replay skips). In a recording the count of a step's micro-batches is
+        known at `log` only: (step, index) as drawn."""
         window = self._mode.window
         if window is None:
             return (-1 if step is None else step), index
@@ -308,7 +311,7 @@ class Loop:
             if index < trained:
                 return step, index
             step, index = step + 1, index - trained
-        while step in window.skip:
+        while skipping and step in window.skip:
             step += 1
         return step, index
 

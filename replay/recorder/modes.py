@@ -68,9 +68,10 @@ class Mode(Protocol):
     def begin(self, step: int) -> bool:
         """`step` begins; returns whether it is one the replay skips."""
 
-    def sample(self, step: int, micro: int, drawn: np.ndarray, check: bool) -> np.ndarray | None:
-        """The ids micro-batch `micro` of `step` trains on, when not the `drawn` ones (a replay's recorded ids,
-        checked against the drawn ones when `check`: drawn from the restored RNG states)."""
+    def sample(self, step: int, micro: int, drawn: np.ndarray,
+               drawn_as: tuple[int, int] | None) -> np.ndarray | None:
+        """The ids micro-batch `micro` of `step` trains on, when not the `drawn` ones (a replay's recorded ids);
+        `drawn_as`: the record's micro-batch drawn from the same RNG states, which the drawn ids must equal."""
 
     def skip(self, step: int) -> np.ndarray:
         """`step` is skipped: this rank's recorded ids of it."""

@@ -127,7 +127,8 @@ class Recording:
     def begin(self, step: int) -> bool:
         return False
 
-    def sample(self, step: int, micro: int, drawn: np.ndarray, check: bool) -> np.ndarray | None:
+    def sample(self, step: int, micro: int, drawn: np.ndarray,
+               drawn_as: tuple[int, int] | None) -> np.ndarray | None:
         return None
 
     def skip(self, step: int) -> np.ndarray:

@@ -63,20 +63,22 @@ class Replaying:
     def recorded_batches(self, step: int) -> list[np.ndarray]:
         return micro_batches(self.recorded_ids(step)[self._rank])
 
-    def sample(self, step: int, micro: int, drawn: np.ndarray, check: bool) -> np.ndarray:
+    def sample(self, step: int, micro: int, drawn: np.ndarray, drawn_as: tuple[int, int] | None) -> np.ndarray:
         if step > self._spec.stop:   # drawn ahead for a step past the window: never trained
             return drawn
         batches = self.recorded_batches(step)
         if micro >= len(batches) or batches[micro].size != drawn.size:
             raise ReplayError(f"step {step}: the script draws micro-batch {micro} of {drawn.size} samples, the record "
                               f"has {len(batches)} of {[len(b) for b in batches]}: it does not run as recorded")
-        recorded = batches[micro].reshape(drawn.shape)
-        if check and self._check_draws and not np.array_equal(recorded, drawn):
-            raise ReplayError(f"step {step}, rank {self._rank}: the loader drew samples "
-                              f"{drawn.reshape(-1)[:4].tolist()}..., the record has "
-                              f"{recorded.reshape(-1)[:4].tolist()}...: its randomness is not the recorded RNG "
-                              "state's (an unrecorded generator, or a changed script)")
-        return recorded
+        if drawn_as is not None and self._check_draws and drawn_as[0] <= self._spec.stop:
+            as_drawn = self.recorded_batches(drawn_as[0])
+            expected = as_drawn[drawn_as[1]] if drawn_as[1] < len(as_drawn) else np.zeros(0, np.int64)
+            if not np.array_equal(expected.reshape(-1), drawn.reshape(-1)):
+                raise ReplayError(f"step {drawn_as[0]}, rank {self._rank}: the loader drew samples "
+                                  f"{drawn.reshape(-1)[:4].tolist()}..., the record has "
+                                  f"{expected[:4].tolist()}...: its randomness is not the recorded RNG state's (an "
+                                  "unrecorded generator, or a changed script)")
+        return batches[micro].reshape(drawn.shape)
 
     def skip(self, step: int) -> np.ndarray:
         self._check_draws = False   # the loader's randomness no longer follows the record's

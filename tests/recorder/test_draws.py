@@ -10,6 +10,7 @@ import torch
 
 from replay.errors import UsageError
 from replay.recorder import Loop
+from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
 from replay.store.lease import writing
@@ -84,6 +85,20 @@ def test_a_replay_and_a_resumed_run_restore_the_ids_drawn_ahead_of_their_first_s
     assert sorted(resumed) == [2, 3, 4, 5] and all(resumed[s] == whole[s] for s in resumed)
     a, b = (RunStore.open(tmp_path / p).read_steps() for p in ("run", "cut"))
     assert np.array_equal(a["sample_ids"], b["sample_ids"]) and np.array_equal(a["loss"], b["loss"])
+
+
+def test_a_replay_that_skips_a_step_hands_its_prefetched_successor_the_successors_ids(tmp_path):
+    model, optimizer = _parts()
+    whole = _prefetching(Loop(tmp_path / "run", model, optimizer, total_steps=6, checkpoint_every=2), model,
+                         optimizer)
+    req = ReplayRequest(start=2, stop=5, overrides=Overrides(skip=[3]))
+    path = tmp_path / "run" / "replays" / replay_id(req)
+    with writing(path, "a test's replay") as lease:
+        prepare(tmp_path / "run", req)
+        model, optimizer = _parts()
+        replayed = _prefetching(Loop(path, model, optimizer, total_steps=6, lease=lease.spec), model, optimizer)
+    assert sorted(replayed) == [2, 4, 5]   # step 2's prefetch was drawn for step 3: step 4 trains on its own ids
+    assert [replayed[s][0] for s in (2, 4, 5)] == [whole[s][0] for s in (2, 4, 5)]
 
 
 @pytest.mark.parametrize("how", ["eval-mode", "no-grad", "evaluating"])
