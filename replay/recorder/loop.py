@@ -281,8 +281,9 @@ class Loop:
         if draw.batch is not None:   # its ids are the loader's, checked against the record where it sampled them
             if draw.batch.scheduled is not None and draw.batch.scheduled != (step, micro):
                 raise ReplayError(f"the script trains step {step}'s micro-batch {micro} on the loader's batch of "
-                                  f"step {draw.batch.scheduled[0]}'s micro-batch {draw.batch.scheduled[1]}: it "
-                                  "does not take as many batches per step as it did in the record")
+                                  f"step {draw.batch.scheduled[0]}'s micro-batch {draw.batch.scheduled[1]}: it does "
+                                  "not take as many batches per step as it did in the record: run the script and "
+                                  "settings it was recorded with (`replay info` shows them)")
             return None
         if where is None and self._restored is not None and not self.replaying:   # a resumed run's prefetch
             carried = self._restored.get("ahead", [])
@@ -366,7 +367,8 @@ class Loop:
     def log_skipped(self) -> None:
         """End a step the replay skips, which the driver ran without its update (`yield_skipped=True`)."""
         if self._current is None or self._current.logged or not self._current.skipping:
-            raise UsageError("loop.log_skipped() ends a step the replay skips (loop.skipping), once")
+            raise UsageError("loop.log_skipped() ends a step the replay skips: call it once, in a step where "
+                             "loop.skipping is true, instead of loop.log(...)")
         self._skip(step_scheduler=False)
 
     def _skip(self, step_scheduler: bool) -> None:

@@ -66,7 +66,8 @@ class ReplayOverrides:
     def check_step(self, autocast_used: bool) -> None:
         if self.active and self.precision and not autocast_used:
             raise UsageError("--precision: this script does not run its forward under loop.autocast(...), so a "
-                             "replay cannot change its precision")
+                             "replay cannot change its precision: run the forward under loop.autocast(device_type), or "
+                             "leave --precision out")
 
     def close(self) -> None:
         self._exits.close()

@@ -84,7 +84,8 @@ class Recording:
         store = RunStore.open(path, mode="a")
         m = store.manifest
         if m.kind != "run" or store.capabilities.builtin or not store.capabilities.relaunches_script:
-            raise UsageError(f"Loop(resume=True): {path} was not recorded by a Loop")
+            raise UsageError(f"Loop(resume=True): {path} was not recorded by a Loop: choose a new store, or resume "
+                            "a run of the built-in trainer with `replay record --resume`")
         assert m.command is not None, "a script's run keeps its command"
         if m.world_size != self.world:
             raise UsageError(f"Loop(resume=True) with {self.world} ranks, but {path} was recorded with "

@@ -69,15 +69,17 @@ class Replaying:
         batches = self.recorded_batches(step)
         if micro >= len(batches) or batches[micro].size != drawn.size:
             raise ReplayError(f"step {step}: the script draws micro-batch {micro} of {drawn.size} samples, the record "
-                              f"has {len(batches)} of {[len(b) for b in batches]}: it does not run as recorded")
+                              f"has {len(batches)} of {[len(b) for b in batches]}: run the script and settings it was "
+                              "recorded with (`replay info` shows them)")
         if drawn_as is not None and self._check_draws and drawn_as[0] <= self._spec.stop:
             as_drawn = self.recorded_batches(drawn_as[0])
             expected = as_drawn[drawn_as[1]] if drawn_as[1] < len(as_drawn) else np.zeros(0, np.int64)
             if not np.array_equal(expected.reshape(-1), drawn.reshape(-1)):
                 raise ReplayError(f"step {drawn_as[0]}, rank {self._rank}: the loader drew samples "
                                   f"{drawn.reshape(-1)[:4].tolist()}..., the record has "
-                                  f"{expected[:4].tolist()}...: its randomness is not the recorded RNG state's (an "
-                                  "unrecorded generator, or a changed script)")
+                                  f"{expected[:4].tolist()}...: its randomness is not the recorded RNG states' (a "
+                                  "generator of its own, or a changed script): draw from Python's, numpy's or "
+                                  "torch's global generators, and run the recorded script")
         return batches[micro].reshape(drawn.shape)
 
     def skip(self, step: int) -> np.ndarray:
