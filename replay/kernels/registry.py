@@ -13,7 +13,7 @@ that head's attention only, and its group's keys and values stay shared with the
 Attention dropout reaches every backend: `eager` and `sdpa` get it as transformers passes it (their own
 masks), ours apply it themselves (kernels/dropout.py), plugins that take a `dropout` argument get it. Each
 group of heads draws its own mask, in the order of the groups, so a layer split between backends is
-deterministic; only a layer whose every head is on one transformers backend draws what the model would.
+deterministic; a layer whose every head is on one transformers backend runs (and draws) as the model would.
 """
 
 from __future__ import annotations

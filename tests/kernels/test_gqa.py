@@ -133,11 +133,12 @@ def test_llama_with_attention_dropout_runs_deterministically_through_the_interfa
     assert not torch.equal(_logits_and_grads(model, x, 3)[0], first[0])
 
 
-def test_under_dropout_sdpa_through_the_interface_is_the_models_own_sdpa():
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_under_dropout_the_models_own_implementation_through_the_interface_is_bitwise_itself(attn):
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    model = _model("llama", "sdpa", attention_dropout=0.2).train()
+    model = _model("llama", attn, attention_dropout=0.2).train()
     own = _logits_and_grads(model, x, 3)
     assert not _equal(own, _logits_and_grads(model, x, 4))
-    apply_plan(model, AttentionPlan.parse("sdpa;0.0=sdpa"))   # a head named: the interface runs it
+    apply_plan(model, AttentionPlan.parse(f"{attn};0.0={attn}"))   # a head named: the interface runs it
     assert model.config._attn_implementation == "replay"
     assert _equal(_logits_and_grads(model, x, 3), own)
