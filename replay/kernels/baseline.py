@@ -3,14 +3,17 @@
 Where it rounds, for a low-precision `dtype` (BF16, FP16): the inputs are cast to `dtype`; `S = Q K^T`
 accumulates in FP32 and is rounded to `dtype` (PyTorch's matmul); `S * scale` is rounded again; the
 softmax runs in FP32 inside PyTorch's kernel and its output P is rounded to `dtype`; `O = P V`
-accumulates in FP32 and is rounded once. The backward is PyTorch autograd through the same ops, so every
-gradient tensor is rounded to `dtype` as it is produced. In FP64 every step is FP64: the golden value
-of Golden et al.'s microbenchmark.
+accumulates in FP32 and is rounded once. With attention dropout (kernels/dropout.py) the dropped P are
+zeroed and the kept ones multiplied by 1 / (1 - p), rounded once more, before P V. The backward is
+PyTorch autograd through the same ops, so every gradient tensor is rounded to `dtype` as it is produced.
+In FP64 every step is FP64: the golden value of Golden et al.'s microbenchmark.
 """
 
 from __future__ import annotations
 
 import torch
+
+from replay.kernels.dropout import keep_mask
 
 
 def causal_mask(n_q: int, n_k: int, device=None) -> torch.Tensor:
@@ -21,8 +24,10 @@ def causal_mask(n_q: int, n_k: int, device=None) -> torch.Tensor:
 
 def baseline_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
                        causal: bool = True, scale: float | None = None,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q, k, v: [..., N, d]; `mask` (bool, True = attend) broadcasts to [..., N, M]. Returns [..., N, d]."""
+                       mask: torch.Tensor | None = None, dropout: float = 0.0,
+                       kept: torch.Tensor | None = None) -> torch.Tensor:
+    """q, k, v: [..., N, d]; `mask` (bool, True = attend) broadcasts to [..., N, M]. Returns [..., N, d].
+    `dropout`: attention dropout's probability; the mask is drawn (`keep_mask`) unless `kept` gives it."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     s = (q @ k.transpose(-1, -2)) * scale
@@ -32,6 +37,9 @@ def baseline_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype:
     p = torch.softmax(s, dim=-1)
     if keep is not None:   # rows with nothing to attend to give 0, not NaN
         p = torch.nan_to_num(p, nan=0.0)
+    if dropout:
+        kept = keep_mask(p.shape, dropout, p.device) if kept is None else kept
+        p = torch.where(kept, p * (1.0 / (1.0 - dropout)), 0.0)
     return p @ v
 
 

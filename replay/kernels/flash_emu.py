@@ -23,6 +23,17 @@ BF16/FP16 inputs:
   update rounded; O = acc / l rounded; the backward in low-precision tensors (D, P, dP, dS and the
   running dQ, dK, dV, each rounded as produced).
 
+Attention dropout (kernels/dropout.py; one mask over the whole [..., N, M] per call, drawn before the
+tiling, so it does not depend on the tiles), where CUDA FA2 applies it:
+  `fa2`     forward: the row sum l accumulates the undropped FP32 Pbar; the dropped entries of the
+            low-precision Pbar are zeroed before Pbar @ V; 1 / (1 - p) is folded into the final scaling,
+            O = round(acc * ((1 / l) * rp)) with rp = 1 / (1 - p) in FP32. backward: D scaled by 1 - p;
+            dV from the dropped P; dS = P * (dP - D) with dP zeroed where dropped; dV_acc * rp and
+            dQ_acc, dK_acc * (scale * rp) before rounding.
+  `reference` forward as `fa2`, with O = round(round(acc / l) * rp); backward as autograd through
+            O = (Z * P * rp) V in low-precision tensors: dV from round(Z * P * rp), dP zeroed where dropped and
+            times rp, dS = P * (dP - D).
+
 Options: the safe-softmax fix (per tile, forward only), `hp_delta` (D from an FP32 O: the FA2
 accumulator before rounding, or for `reference` an FP32 recomputation), `hp_pv` (Pbar @ V and the O
 accumulator in FP32, Pbar not rounded first).
@@ -37,6 +48,7 @@ import torch
 from replay.errors import UsageError
 from replay.kernels import numerics
 from replay.kernels.baseline import attended, baseline_attention, causal_mask
+from replay.kernels.dropout import fp32_scales, keep_mask
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
 
@@ -45,30 +57,35 @@ LOG2E = math.log2(math.e)
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions = AttentionOptions(),
                     causal: bool = True, scale: float | None = None, mask: torch.Tensor | None = None,
-                    site: tuple[int, list[int]] | None = None) -> torch.Tensor:
+                    site: tuple[int, list[int]] | None = None, dropout: float = 0.0) -> torch.Tensor:
     """q: [..., N, d], k and v: [..., M, d]; `mask` (bool, True = attend) broadcasts to [..., N, M].
-    `site`: (layer, heads) of a GPT-2's [B, H, N, d] inputs, reported to an active numerics probe."""
+    `site`: (layer, heads) of a GPT-2's [B, H, N, d] inputs, reported to an active numerics probe.
+    `dropout`: attention dropout's probability (see the module docstring)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _FlashEmulation.apply(q, k, v, opts, causal, scale, mask, site)
+    kept = keep_mask((*q.shape[:-1], k.shape[-2]), dropout, q.device) if dropout else None
+    return _FlashEmulation.apply(q, k, v, opts, causal, scale, mask, site, dropout, kept)
 
 
 class _FlashEmulation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, mask, site):
+    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, mask, site, dropout: float, kept):
         in_dtype, lead = q.dtype, q.shape[:-2]
         lp = DTYPES[opts.dtype] if opts.dtype else in_dtype
         q3, k3, v3 = (t.to(lp).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
         n, m = q.shape[-2], k.shape[-2]
         mask3 = None if mask is None else mask.expand(*lead, n, m).reshape(-1, n, m)
+        kept3 = None if kept is None else kept.reshape(-1, n, m)
         forward = _fa2_forward if opts.placement == "fa2" else _reference_forward
-        out, lse, o_hp = forward(q3, k3, v3, opts, causal, scale, mask3)
+        out, lse, o_hp = forward(q3, k3, v3, opts, causal, scale, mask3, dropout, kept3)
         probe = numerics.active() if site is not None else None
         o_fp32 = None
         if (opts.hp_delta and o_hp is None) or probe:   # O in FP32 from the same low-precision inputs
-            o_fp32 = baseline_attention(q3.float(), k3.float(), v3.float(), torch.float32, causal, scale, mask3)
+            o_fp32 = baseline_attention(q3.float(), k3.float(), v3.float(), torch.float32, causal, scale, mask3,
+                                        dropout, kept3)
             o_hp = o_fp32 if opts.hp_delta and o_hp is None else o_hp
-        ctx.save_for_backward(q3, k3, v3, out, lse, o_hp, mask3)
+        ctx.save_for_backward(q3, k3, v3, out, lse, o_hp, mask3, kept3)
         ctx.opts, ctx.causal, ctx.scale, ctx.in_dtype, ctx.shapes = opts, causal, scale, in_dtype, (q.shape, k.shape)
+        ctx.dropout = dropout
         ctx.probe = None
         if probe:
             keep = attended(q3.shape[1], k3.shape[1], causal, mask3, q.device)
@@ -80,16 +97,17 @@ class _FlashEmulation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q3, k3, v3, out, lse, o_hp, mask3 = ctx.saved_tensors
+        q3, k3, v3, out, lse, o_hp, mask3, kept3 = ctx.saved_tensors
         do3 = dout.to(q3.dtype).reshape(out.shape)
         backward = _fa2_backward if ctx.opts.placement == "fa2" else _reference_backward
-        dq, dk, dv, delta = backward(q3, k3, v3, out, lse, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, mask3)
+        dq, dk, dv, delta = backward(q3, k3, v3, out, lse, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, mask3,
+                                     ctx.dropout, kept3)
         if ctx.probe:
             delta_hp = (do3.float() * ctx.o_fp32).sum(-1)
             ctx.probe.delta_error(*ctx.site, ctx.lead, q3, k3, ctx.keep, ctx.scale, delta, delta_hp, ctx.tied)
         q_shape, k_shape = ctx.shapes
         return (dq.reshape(q_shape).to(ctx.in_dtype), dk.reshape(k_shape).to(ctx.in_dtype),
-                dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None)
+                dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None, None, None)
 
 
 # -- shared tile helpers ---------------------------------------------------------------------------
@@ -108,6 +126,11 @@ def _tile_keep(r0, r1, c0, c1, n, m, causal, mask, device) -> torch.Tensor | Non
 def _mask_tile(s, r0, r1, c0, c1, n, m, causal, mask) -> torch.Tensor:
     keep = _tile_keep(r0, r1, c0, c1, n, m, causal, mask, s.device)
     return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def _drop(x: torch.Tensor, kept: torch.Tensor | None, r0, r1, c0, c1) -> torch.Tensor:
+    """`x`, one tile (rows r0:r1, columns c0:c1), with the entries dropout drops zeroed (exact)."""
+    return x if kept is None else x.masked_fill(~kept[:, r0:r1, c0:c1], 0.0)
 
 
 def _running_offset(s: torch.Tensor, m: torch.Tensor, fix: SafeSoftmaxFix | None, scale: float) -> torch.Tensor:
@@ -149,7 +172,7 @@ def _safe_offset(s: torch.Tensor, row_max: torch.Tensor, fix: SafeSoftmaxFix, sc
 
 # -- the fa2 placement -----------------------------------------------------------------------------
 
-def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
+def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask, dropout=0.0, kept=None):
     lp = q.dtype
     G, N, d = q.shape
     M = k.shape[1]
@@ -175,11 +198,12 @@ def _fa2_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             p = torch.exp2(s * c - (m_use * c)[..., None])
             alpha = torch.exp2(m * c - m_use * c)
             row_sum = alpha * row_sum + p.sum(-1)
-            pv = p if opts.hp_pv else p.to(lp).float()
+            pv = _drop(p if opts.hp_pv else p.to(lp).float(), kept, r0, r1, c0, c1)
             acc = alpha[..., None] * acc + pv @ vf[:, c0:c1]
             m = torch.where(attended, m_use, m)   # as CUDA FA2: -inf until the row sees a key
         _check_underflow(row_sum, attended, opts.fix)
-        o = torch.where(row_sum[..., None] > 0, acc * (1.0 / row_sum)[..., None], torch.zeros_like(acc))   # as CUDA FA2
+        inv = 1.0 / row_sum if kept is None else (1.0 / row_sum) * fp32_scales(dropout, scale)[1]
+        o = torch.where(row_sum[..., None] > 0, acc * inv[..., None], torch.zeros_like(acc))   # as CUDA FA2
         out[:, r0:r1] = o.to(lp)
         lse2[:, r0:r1] = torch.where(row_sum > 0, m * c + torch.log2(row_sum), torch.full_like(row_sum, float("inf")))
         if o_hp is not None:
@@ -193,13 +217,16 @@ def _key_tiles(last_col: int, opts: AttentionOptions) -> range:
     return tiles[::-1] if opts.key_order == "decreasing" else tiles
 
 
-def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal, scale, mask):
+def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal, scale, mask, dropout=0.0, kept=None):
     lp = q.dtype
     G, N, d = q.shape
     M = k.shape[1]
     c = torch.tensor(scale * LOG2E, dtype=torch.float32).item()
     qf, dof = q.float(), dout.float()
     D = (dof * (o_hp if opts.hp_delta else out.float())).sum(-1)
+    keep, rp, scale_rp = fp32_scales(dropout, scale)
+    D_used = D if kept is None else D * keep   # as CUDA FA2: D * (1 - p), and rp folded into the final scalings
+    grad_scale = scale if kept is None else scale_rp
     dq_acc = torch.zeros(G, N, d, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     for c0 in range(0, M, opts.block_c):
@@ -212,19 +239,19 @@ def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal
             s = qf[:, r0:r1] @ kj.transpose(1, 2)
             s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
             p = torch.exp2(s * c - lse2[:, r0:r1, None])
-            dv_acc += p.to(lp).float().transpose(1, 2) @ dof[:, r0:r1]
-            dp = dof[:, r0:r1] @ vj.transpose(1, 2)
-            ds = (p * (dp - D[:, r0:r1, None])).to(lp).float()
+            dv_acc += _drop(p, kept, r0, r1, c0, c1).to(lp).float().transpose(1, 2) @ dof[:, r0:r1]
+            dp = _drop(dof[:, r0:r1] @ vj.transpose(1, 2), kept, r0, r1, c0, c1)
+            ds = (p * (dp - D_used[:, r0:r1, None])).to(lp).float()
             dq_acc[:, r0:r1] += ds @ kj
             dk_acc += ds.transpose(1, 2) @ qf[:, r0:r1]
-        dk[:, c0:c1] = (dk_acc * scale).to(lp)
-        dv[:, c0:c1] = dv_acc.to(lp)
-    return (dq_acc * scale).to(lp), dk, dv, D
+        dk[:, c0:c1] = (dk_acc * grad_scale).to(lp)
+        dv[:, c0:c1] = (dv_acc if kept is None else dv_acc * rp).to(lp)
+    return (dq_acc * grad_scale).to(lp), dk, dv, D
 
 
 # -- the reference placement -----------------------------------------------------------------------
 
-def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
+def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask, dropout=0.0, kept=None):
     lp = q.dtype
     G, N, d = q.shape
     M = k.shape[1]
@@ -248,17 +275,21 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask):
             p = torch.exp(s - m_use[..., None])
             alpha = torch.exp(m - m_use)
             row_sum = alpha * row_sum + p.sum(-1)
+            p = _drop(p, kept, r0, r1, c0, c1)
             pv = p.float() @ v[:, c0:c1].float() if opts.hp_pv else p @ v[:, c0:c1]
             acc = alpha[..., None].to(acc_dtype) * acc + pv
             m = m_use
         _check_underflow(row_sum, attended, opts.fix)
         o = torch.where(row_sum[..., None] > 0, acc / row_sum[..., None].to(acc_dtype), torch.zeros_like(acc))
+        if kept is not None:
+            o = o * (1.0 / (1.0 - dropout))
         out[:, r0:r1] = o.to(lp)
         lse[:, r0:r1] = torch.where(row_sum > 0, m + torch.log(row_sum), torch.full_like(row_sum, float("inf")))
     return out, lse, None
 
 
-def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, causal, scale, mask):
+def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, causal, scale, mask,
+                        dropout=0.0, kept=None):
     G, N, d = q.shape
     M = k.shape[1]
     D = (dout.float() * o_hp).sum(-1) if opts.hp_delta else (dout * out).sum(-1)
@@ -273,10 +304,15 @@ def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, c
             s = (q[:, r0:r1] @ kj.transpose(1, 2)) * scale
             s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
             p = torch.exp(s - lse[:, r0:r1, None])
-            dv_j = dv_j + p.transpose(1, 2) @ dout[:, r0:r1]
-            dp = dout[:, r0:r1] @ vj.transpose(1, 2)
+            dv_j = dv_j + _dropped_scaled(p, kept, r0, r1, c0, c1, dropout).transpose(1, 2) @ dout[:, r0:r1]
+            dp = _dropped_scaled(dout[:, r0:r1] @ vj.transpose(1, 2), kept, r0, r1, c0, c1, dropout)
             ds = (p * (dp - D[:, r0:r1, None])).to(q.dtype)
             dq[:, r0:r1] = dq[:, r0:r1] + (ds @ kj) * scale
             dk_j = dk_j + (ds.transpose(1, 2) @ q[:, r0:r1]) * scale
         dk[:, c0:c1], dv[:, c0:c1] = dk_j, dv_j
     return dq, dk, dv, D
+
+
+def _dropped_scaled(x: torch.Tensor, kept: torch.Tensor | None, r0, r1, c0, c1, dropout: float) -> torch.Tensor:
+    """A tile with dropout applied as its autograd would: dropped entries zeroed, kept ones times 1 / (1 - p)."""
+    return x if kept is None else _drop(x * (1.0 / (1.0 - dropout)), kept, r0, r1, c0, c1)

@@ -189,9 +189,11 @@ _loaded: set[str] = set()
 
 def register_backend(name: str, fn: Callable) -> None:
     """Add an attention backend that plans can name: `fn(q, k, v, scaling)` computes causal attention on
-    [batch, heads, seq, head_dim] tensors. Modules listed in REPLAY_PLUGINS (comma-separated) are imported
-    before the first plan is read, in every process of a command (its ranks inherit the variable), so a
-    backend of your own can be recorded, replayed and bisected like the built-in ones."""
+    [batch, heads, seq, head_dim] tensors; one that also takes a `dropout` argument (the probability,
+    passed only when the model asks for attention dropout) can run under it. Modules listed in
+    REPLAY_PLUGINS (comma-separated) are imported before the first plan is read, in every process of a
+    command (its ranks inherit the variable), so a backend of your own can be recorded, replayed and
+    bisected like the built-in ones."""
     if name in NAMES:
         raise UsageError(f"attention backend {name!r} exists already")
     PLUGINS[name] = fn

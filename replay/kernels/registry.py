@@ -9,10 +9,16 @@ That works for every transformers model whose attention modules call the interfa
 Mistral, ...). A head is a query head: with grouped-query attention (fewer key/value heads than query
 heads), query head h reads key/value head h // (heads / key-value heads), so overriding one head changes
 that head's attention only, and its group's keys and values stay shared with the other heads.
+
+Attention dropout reaches every backend: `eager` and `sdpa` get it as transformers passes it (their own
+masks), ours apply it themselves (kernels/dropout.py), plugins that take a `dropout` argument get it. Each
+group of heads draws its own mask, in the order of the groups, so a layer split between backends is
+deterministic; a layer whose every head is on one transformers backend runs (and draws) as the model would.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -36,18 +42,19 @@ class LayerAttention:
         self.groups = [(spec, heads) for spec, heads in groups.items()]
         self.layer, self.n_head = layer, n_head
 
-    def __call__(self, module, q, k, v, keep: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def __call__(self, module, q, k, v, keep: torch.Tensor | None, scaling: float,
+                 dropout: float = 0.0) -> torch.Tensor:
         """q: [B, H, N, d]; k, v: [B, H_kv, M, d] (H_kv divides H); `keep`: bool [B, 1, N, M] (True = attend)
-        or None for plain causal."""
+        or None for plain causal; `dropout`: attention dropout's probability."""
         if len(self.groups) == 1:   # the module's own keys and values: a transformers backend runs as it would
             spec, heads = self.groups[0]
-            return _run(spec, module, q, k, v, keep, scaling, (self.layer, heads))
+            return _run(spec, module, q, k, v, keep, scaling, (self.layer, heads), dropout)
         k, v, module = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1]), _Ungrouped(module)
         out = torch.empty_like(q)
         for spec, heads in self.groups:
             idx = torch.tensor(heads, device=q.device)
             out[:, idx] = _run(spec, module, q[:, idx], k[:, idx], v[:, idx], keep, scaling,
-                               (self.layer, heads)).to(out.dtype)
+                               (self.layer, heads), dropout).to(out.dtype)
         return out
 
 
@@ -90,34 +97,43 @@ def eager_function(module) -> Callable:
     return eager_attention_forward
 
 
-def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, list[int]]) -> torch.Tensor:
+def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, list[int]],
+         dropout: float) -> torch.Tensor:
     n, m = q.shape[-2], k.shape[-2]
     if spec.name == "eager":
         keep = causal_mask(n, m, q.device) if keep is None else keep
         additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)   # transformers' eager_mask
-        return eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=0.0)[0].transpose(1, 2)
+        return eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=dropout)[0].transpose(1, 2)
     if spec.name == "sdpa":
         # lazy: transformers (see eager_function), and triton (0.3 s) for the triton-fa2 backend only
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        out = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=scaling, is_causal=keep is None)[0]
+        out = sdpa_attention_forward(module, q, k, v, keep, dropout=dropout, scaling=scaling, is_causal=keep is None)[0]
         return out.transpose(1, 2)
     k, v = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1])
     if spec.name in PLUGINS:
         if keep is not None:
             raise UsageError(f"attention backend {spec.name!r} (a plugin) takes no padding masks")
-        return PLUGINS[spec.name](q, k, v, scaling)
+        fn = PLUGINS[spec.name]
+        if not dropout:
+            return fn(q, k, v, scaling)
+        if "dropout" not in inspect.signature(fn).parameters:
+            raise UsageError(f"attention backend {spec.name!r} (a plugin) takes no attention dropout: give its "
+                             "function a `dropout` argument, or set the model's attention dropout to 0")
+        return fn(q, k, v, scaling, dropout=dropout)
     with torch.autocast(q.device.type, enabled=False):   # our backends round where they say, nowhere else
         if spec.name == "baseline":
             dtype = DTYPES[spec.dtype] if spec.dtype else q.dtype
-            return baseline_attention(q, k, v, dtype, causal=True, scale=scaling, mask=keep).to(q.dtype)
+            return baseline_attention(q, k, v, dtype, causal=True, scale=scaling, mask=keep,
+                                      dropout=dropout).to(q.dtype)
         assert spec.options is not None, "the emulated and Triton backends always have options (kernels/plan.py)"
         if spec.name == "triton-fa2":
             from replay.kernels.triton_fa2 import triton_flash_attention  # lazy: triton (0.3 s), when a plan names it
 
             return triton_flash_attention(q, k, v, spec.options, causal=True, scale=scaling, defer_checks=True,
-                                          mask=keep)
-        return flash_attention(q, k, v, spec.options, causal=True, scale=scaling, mask=keep, site=site)
+                                          mask=keep, dropout=dropout)
+        return flash_attention(q, k, v, spec.options, causal=True, scale=scaling, mask=keep, site=site,
+                               dropout=dropout)
 
 
 def raise_deferred() -> None:
@@ -129,9 +145,8 @@ def raise_deferred() -> None:
 
 
 def _replay_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' attention-function signature; returns ([B, N, H, d], None)."""
-    if dropout:
-        raise UsageError("replay's attention backends do not apply attention dropout; set model.dropout=0")
+    """transformers' attention-function signature; returns ([B, N, H, d], None). transformers passes
+    `dropout` > 0 only in training."""
     layer_attention: LayerAttention = module.replay_attention
     keep = attention_mask
     if keep is not None:
@@ -139,7 +154,8 @@ def _replay_attention(module, query, key, value, attention_mask, dropout: float 
         if torch.equal(keep, causal_mask(n, m, keep.device).expand_as(keep)):
             keep = None   # plain causal: the emulation can skip tiles right of the diagonal
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return layer_attention(module, query, key, value, keep, scaling).transpose(1, 2).contiguous(), None
+    out = layer_attention(module, query, key, value, keep, scaling, dropout)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _replay_mask(*args, **kwargs):

@@ -13,8 +13,9 @@ to that layer's backends
 and layers whose every head is `sdpa`, run PyTorch's own kernel untouched.
 
 The backends compute causal attention, so a call must be causal (`is_causal=True`, or a boolean mask
-that allows no future key: padding on top of causal). Dropout inside attention, additive float masks
-other than 0 / -inf, and grouped-query attention with fewer key heads are refused with a clear error.
+that allows no future key: padding on top of causal). Additive float masks other than 0 / -inf and
+grouped-query attention with fewer key heads are refused with a clear error. A call's `dropout_p` goes to
+every backend (kernels/dropout.py); a layer whose every head is `sdpa` draws exactly the model's own mask.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class _PlanMode(TorchFunctionMode):
         device = q.device.type
         if torch.is_autocast_enabled(device):   # SDPA under autocast computes in the autocast dtype
             q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
-        return attention(module, q, k, v, keep, scale)
+        return attention(module, q, k, v, keep, scale, bound.get("dropout_p", 0.0))
 
 
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -128,9 +129,6 @@ def _qkv(bound: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _causal_keep(layer: int, q, k, bound: dict) -> tuple[torch.Tensor | None, float]:
     """The call's mask as the backends take it (None: plain causal; else bool, True = attend), and its scale."""
-    if bound.get("dropout_p", 0.0):
-        raise UsageError(f"layer {layer} calls SDPA with dropout_p={bound['dropout_p']}: replay's attention "
-                         "backends apply no attention dropout; set the model's attention dropout to 0")
     mask, causal = bound.get("attn_mask"), bool(bound.get("is_causal", False))
     scale = bound.get("scale") or q.shape[-1] ** -0.5
     n, m = q.shape[-2], k.shape[-2]

@@ -21,6 +21,13 @@ backward, deterministic (no atomics), three kernels:
   dQ kernel, one program per (row tile, head), column tiles in increasing order, recomputing the same P
   and dS: dQ += dS K, then dQ = round(dQ_acc * scale).
 
+Attention dropout (kernels/dropout.py), where CUDA FA2 applies it and as the `fa2` emulation does: one
+seed per call from torch's generator; entry (slice, row, column) is kept when Philox's uniform at
+(seed, (slice * N + row) * M + column) is >= p, the same in every kernel and for every tiling. Forward: l
+from the undropped Pbar, dropped entries of round(Pbar) zeroed before @ V, O = round(acc * ((1 / l) * rp));
+backward: D * (1 - p), dP zeroed where dropped, dV from the dropped P, dV_acc * rp and dQ_acc, dK_acc *
+(scale * rp) before rounding (rp = 1 / (1 - p), all FP32).
+
 Two modes, one kernel source:
   GPU (CUDA): BF16/FP16 tensors; round() is `.to(tl.bfloat16)` / `.to(tl.float16)`; tl.dot on tensor
   cores; FP32 multiply-adds contracted to FMA (`enable_fp_fusion`, as nvcc does for CUDA FA2).
@@ -43,6 +50,7 @@ LSE and converts it back in the backward: the same P up to an FP32 ulp).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,6 +58,7 @@ import triton.language as tl
 
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
+from replay.kernels.dropout import check, draw_seed, fp32_scales
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.options import AttentionOptions
 
@@ -81,15 +90,23 @@ def available() -> tuple[bool, str]:
 def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            opts: AttentionOptions = AttentionOptions(), causal: bool = True,
                            scale: float | None = None, defer_checks: bool = False,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
+                           mask: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
     """q: [..., N, d], k and v: [..., M, d]. Causal means query i is the (M - N + i)-th key. `mask` (bool,
-    True = attend; padding) broadcasts to [..., N, M] and is combined with the causal mask.
+    True = attend; padding) broadcasts to [..., N, M] and is combined with the causal mask. `dropout`:
+    attention dropout's probability (see the module docstring).
 
     With the fix, a beta whose probabilities underflow is an error (`_check_underflow`). Checking waits
     for the GPU; `defer_checks` instead notes the failure on the GPU and `raise_deferred()` raises it (the
     trainer calls it once per step, after the loss has made the host wait anyway)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _TritonFlash.apply(q, k, v, opts, causal, scale, defer_checks and not INTERPRETED, mask)
+    drop = _Dropout(check(dropout), draw_seed(q.device)) if dropout else None
+    return _TritonFlash.apply(q, k, v, opts, causal, scale, defer_checks and not INTERPRETED, mask, drop)
+
+
+@dataclass(frozen=True)
+class _Dropout:
+    p: float
+    seed: torch.Tensor   # int64 [1], on the inputs' device
 
 
 _underflowed: dict[torch.device, tuple[torch.Tensor, set[float]]] = {}   # device -> (flag on it, the betas checked)
@@ -133,16 +150,17 @@ def _check_underflow(out, lse2, causal: bool, n: int, m: int, fix, defer: bool, 
 
 class _TritonFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, defer_checks: bool, mask):
+    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, defer_checks: bool, mask,
+                drop: _Dropout | None):
         lp = _check(q, k, v, opts)
         in_dtype, q_shape, k_shape = q.dtype, q.shape, k.shape
         q3, k3, v3 = (_kernel_layout(t, lp) for t in (q, k, v))
         mask4 = _mask_layout(mask, q.shape[:-2], q.shape[-2], k.shape[-2], q3.device)
-        out, lse2, o_hp = _forward(q3, k3, v3, mask4, opts, causal, scale, _is_bf16(lp))
+        out, lse2, o_hp = _forward(q3, k3, v3, mask4, opts, causal, scale, _is_bf16(lp), drop)
         if opts.fix is not None:
             _check_underflow(out, lse2, causal, q3.shape[1], k3.shape[1], opts.fix, defer_checks, mask4)
         ctx.save_for_backward(q3, k3, v3, out, lse2, o_hp)
-        ctx.mask4 = mask4
+        ctx.mask4, ctx.drop = mask4, drop
         ctx.opts, ctx.causal, ctx.scale, ctx.lp, ctx.in_dtype = opts, causal, scale, lp, in_dtype
         ctx.shapes = q_shape, k_shape
         return out.to(lp).reshape(q_shape).to(in_dtype)
@@ -153,10 +171,10 @@ class _TritonFlash(torch.autograd.Function):
         q3, k3, v3, out, lse2, o_hp = ctx.saved_tensors
         do3 = _kernel_layout(dout, ctx.lp)
         dq, dk, dv = _backward(q3, k3, v3, out, lse2, o_hp, do3, ctx.mask4, ctx.opts, ctx.causal, ctx.scale,
-                               _is_bf16(ctx.lp))
+                               _is_bf16(ctx.lp), ctx.drop)
         q_shape, k_shape = ctx.shapes
         return (dq.to(ctx.lp).reshape(q_shape).to(ctx.in_dtype), dk.to(ctx.lp).reshape(k_shape).to(ctx.in_dtype),
-                dv.to(ctx.lp).reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None)
+                dv.to(ctx.lp).reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None, None)
 
 
 def _check(q, k, v, opts: AttentionOptions) -> torch.dtype:
@@ -225,8 +243,9 @@ def _launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_sta
                          "choose a smaller block_r or block_c") from error
 
 
-def _common_constexprs(opts: AttentionOptions, causal: bool, is_bf16: bool, d: int, mask4) -> dict:
-    return dict(CAUSAL=causal, MASKED=mask4 is not None, IS_BF16=is_bf16, EMULATE_LP=INTERPRETED,
+def _common_constexprs(opts: AttentionOptions, causal: bool, is_bf16: bool, d: int, mask4, drop) -> dict:
+    return dict(CAUSAL=causal, MASKED=mask4 is not None, DROPOUT=drop is not None, IS_BF16=is_bf16,
+                EMULATE_LP=INTERPRETED,
                 BLOCK_R=opts.block_r, BLOCK_C=opts.block_c, BLOCK_D=max(16, triton.next_power_of_2(d)))
 
 
@@ -237,6 +256,14 @@ def _mask_args(mask4, unused: torch.Tensor) -> tuple:
     return (mask4, *mask4.stride(), mask4.shape[1])
 
 
+def _dropout_args(drop: _Dropout | None, unused: torch.Tensor, scale: float) -> tuple:
+    """The seed's pointer, p, rp and scale * rp (FP32; `unused` and 1s when there is no dropout)."""
+    if drop is None:
+        return unused, 0.0, 1.0, _f32(scale)
+    _, rp, scale_rp = fp32_scales(drop.p, scale)
+    return drop.seed, _f32(drop.p), rp, scale_rp
+
+
 def _warps_and_stages(opts: AttentionOptions, forward: bool) -> tuple[int, int]:
     """Launch settings, chosen on an H100 (docs/gpu.md): large tiles want 8 warps, and the forward a
     third pipeline stage. They move no rounding point: the tiles and the loop orders are the options'."""
@@ -245,7 +272,8 @@ def _warps_and_stages(opts: AttentionOptions, forward: bool) -> tuple[int, int]:
     return 4, 2
 
 
-def _forward(q, k, v, mask4, opts: AttentionOptions, causal: bool, scale: float, is_bf16: bool):
+def _forward(q, k, v, mask4, opts: AttentionOptions, causal: bool, scale: float, is_bf16: bool,
+             drop: _Dropout | None = None):
     """q, k, v: [G, n, d] in kernel layout. Returns O (kernel layout), lse2 and the FP32 O (or None)."""
     G, N, d = q.shape
     M = k.shape[1]
@@ -254,9 +282,10 @@ def _forward(q, k, v, mask4, opts: AttentionOptions, causal: bool, scale: float,
     o_hp = torch.empty(G, N, d, dtype=torch.float32, device=q.device) if opts.hp_delta else None
     fix = opts.fix
     o_hp_or_unused = lse2 if o_hp is None else o_hp   # written only with HP_DELTA
-    args = (q, k, v, *_mask_args(mask4, lse2), out, o_hp_or_unused, lse2, N, M, d, _f32(scale * LOG2E),
-            _f32(scale), _f32(fix.beta if fix else 1.0), _f32(fix.tie_tol if fix else 0.0))
-    constexprs = _common_constexprs(opts, causal, is_bf16, d, mask4) | dict(
+    seed, p, rp, _ = _dropout_args(drop, lse2, scale)
+    args = (q, k, v, *_mask_args(mask4, lse2), seed, p, rp, out, o_hp_or_unused, lse2, N, M, d,
+            _f32(scale * LOG2E), _f32(scale), _f32(fix.beta if fix else 1.0), _f32(fix.tie_tol if fix else 0.0))
+    constexprs = _common_constexprs(opts, causal, is_bf16, d, mask4, drop) | dict(
         FIX=fix is not None, TIE_EXACT=not (fix and fix.tie_tol), HP_PV=opts.hp_pv, HP_DELTA=opts.hp_delta,
         DECREASING=opts.key_order == "decreasing")
     _launch(_fwd_kernel, (triton.cdiv(N, opts.block_r), G), args, constexprs, *_warps_and_stages(opts, forward=True))
@@ -264,22 +293,25 @@ def _forward(q, k, v, mask4, opts: AttentionOptions, causal: bool, scale: float,
 
 
 def _backward(q, k, v, out, lse2, o_hp, do, mask4, opts: AttentionOptions, causal: bool, scale: float,
-              is_bf16: bool):
+              is_bf16: bool, drop: _Dropout | None = None):
     """All in kernel layout. Returns dq, dk, dv in kernel layout."""
     G, N, d = q.shape
     M = k.shape[1]
     delta = torch.empty(G, N, dtype=torch.float32, device=q.device)
-    consts = _common_constexprs(opts, causal, is_bf16, d, mask4)
+    consts = _common_constexprs(opts, causal, is_bf16, d, mask4, drop)
     launch = _warps_and_stages(opts, forward=False)
     masking = _mask_args(mask4, lse2)
     _launch(_delta_kernel, (triton.cdiv(N, opts.block_r), G), (do, out if o_hp is None else o_hp, delta, N, d),
             dict(BLOCK_R=opts.block_r, BLOCK_D=consts["BLOCK_D"]), 4, 2)
+    if drop is not None:
+        delta.mul_(fp32_scales(drop.p, scale)[0])   # as CUDA FA2: D * (1 - p)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    c, scale = _f32(scale * LOG2E), _f32(scale)
+    seed, p, rp, grad_scale = _dropout_args(drop, lse2, scale)   # grad_scale: scale * rp, rp folded in as CUDA FA2
+    c = _f32(scale * LOG2E)
     _launch(_dkdv_kernel, (triton.cdiv(M, opts.block_c), G),
-            (q, k, v, *masking, do, lse2, delta, dk, dv, N, M, d, c, scale), consts, *launch)
+            (q, k, v, *masking, seed, p, rp, do, lse2, delta, dk, dv, N, M, d, c, grad_scale), consts, *launch)
     _launch(_dq_kernel, (triton.cdiv(N, opts.block_r), G),
-            (q, k, v, *masking, do, lse2, delta, dq, N, M, d, c, scale), consts, *launch)
+            (q, k, v, *masking, seed, p, do, lse2, delta, dq, N, M, d, c, grad_scale), consts, *launch)
     return dq, dk, dv
 
 
@@ -360,6 +392,22 @@ def _scores(q, k, rows, cols, N, M, mask, mask_sn, mask_sm, CAUSAL: tl.constexpr
 
 
 @triton.jit
+def _kept(seed, head, rows, cols, N, M, p):
+    """Which entries of the tile dropout keeps: Philox's uniform at (seed, (slice * N + row) * M + col) >= p,
+    so the mask does not depend on the tiling, and the backward's kernels regenerate the forward's."""
+    offsets = (head * N + rows[:, None]) * M + cols[None, :]
+    return tl.rand(seed, offsets) >= p
+
+
+@triton.jit
+def _load_seed(SEED, DROPOUT: tl.constexpr):
+    if DROPOUT:
+        return tl.load(SEED)
+    else:
+        return 0
+
+
+@triton.jit
 def _safe_offset(s, row_max, scale, beta, tie_tol, TIE_EXACT: tl.constexpr):
     """flash_emu._safe_offset: the row max, or with several ties beta * max (max > 0) or 0 (max < 0).
     Masked scores (-inf) never count as ties: they cannot equal a finite max, and a row with no finite
@@ -394,8 +442,9 @@ def _causal_row_start(c0, N, M, BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr):
 # -- kernels ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, OUT, O_HP, LSE2, N, M, HEAD_DIM, c,
-                scale, beta, tie_tol, CAUSAL: tl.constexpr, MASKED: tl.constexpr, FIX: tl.constexpr,
+def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, SEED, p_drop, rp, OUT, O_HP, LSE2, N, M,
+                HEAD_DIM, c, scale, beta, tie_tol, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+                FIX: tl.constexpr,
                 TIE_EXACT: tl.constexpr, HP_PV: tl.constexpr, HP_DELTA: tl.constexpr, DECREASING: tl.constexpr,
                 IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -405,6 +454,7 @@ def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, OUT,
     rows = r0 + tl.arange(0, BLOCK_R)
     q = _load_tile(Q + q_base, rows, N, HEAD_DIM, BLOCK_D)
     mask = _mask_base(MASK, head, mask_s0, mask_s1, mask_l1)
+    seed = _load_seed(SEED, DROPOUT)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -423,6 +473,8 @@ def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, OUT,
         p = tl.math.exp2(s * c - (m_use * c)[:, None])
         alpha = tl.math.exp2(m * c - m_use * c)
         row_sum = alpha * row_sum + tl.sum(p, 1)
+        if DROPOUT:   # l above is the undropped sum
+            p = tl.where(_kept(seed, head, rows, cols, N, M, p_drop), p, 0.0)
         if HP_PV:
             pv = _dot(p, v.to(tl.float32))
         else:
@@ -430,7 +482,10 @@ def _fwd_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, OUT,
         acc = alpha[:, None] * acc + pv
         m = m_new   # as CUDA FA2: -inf until the row sees a key
     l_safe = tl.where(row_sum > 0, row_sum, 1.0)   # l = 0: the row attends to nothing (its O is 0, its lse2 +inf)
-    o = tl.where(row_sum[:, None] > 0, acc * tl.math.div_rn(1.0, l_safe)[:, None], 0.0)   # CUDA FA2: acc * (1 / l)
+    inv = tl.math.div_rn(1.0, l_safe)
+    if DROPOUT:
+        inv = inv * rp
+    o = tl.where(row_sum[:, None] > 0, acc * inv[:, None], 0.0)   # CUDA FA2: acc * (1 / l), or * ((1 / l) * rp)
     _store_tile(OUT + q_base, rows, N, HEAD_DIM, _round_lp(o, IS_BF16, EMULATE_LP), BLOCK_D)
     if HP_DELTA:
         _store_tile(O_HP + q_base, rows, N, HEAD_DIM, o, BLOCK_D)
@@ -449,13 +504,21 @@ def _delta_kernel(DO, OUT, DELTA, N, HEAD_DIM, BLOCK_R: tl.constexpr, BLOCK_D: t
 
 
 @triton.jit
-def _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm,
-                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr):
-    """One tile of the backward: P = exp2(S*c - lse2) in FP32, and round(P * (dO V^T - D))."""
+def _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm, seed, head, p_drop,
+                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, IS_BF16: tl.constexpr,
+                  EMULATE_LP: tl.constexpr):
+    """One tile of the backward: P = exp2(S*c - lse2) in FP32 (zeroed where dropout dropped it), and
+    round(P * (dO V^T - D)) with dO V^T zeroed where dropped."""
     s = _scores(q, k, rows, cols, N, M, mask, mask_sn, mask_sm, CAUSAL, MASKED)
     p = tl.math.exp2(s * c - lse2[:, None])
     dp = _dot(do, tl.trans(v))
-    ds = _round_lp(p * (dp - delta[:, None]), IS_BF16, EMULATE_LP)
+    if DROPOUT:
+        kept = _kept(seed, head, rows, cols, N, M, p_drop)
+        dp = tl.where(kept, dp, 0.0)
+        ds = _round_lp(p * (dp - delta[:, None]), IS_BF16, EMULATE_LP)
+        p = tl.where(kept, p, 0.0)
+    else:
+        ds = _round_lp(p * (dp - delta[:, None]), IS_BF16, EMULATE_LP)
     return p, ds
 
 
@@ -467,12 +530,15 @@ def _load_row_stats(LSE2, DELTA, head, rows, N):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, DO, LSE2, DELTA, DK, DV, N, M,
-                 HEAD_DIM, c, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, IS_BF16: tl.constexpr,
-                 EMULATE_LP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dkdv_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, SEED, p_drop, rp, DO, LSE2, DELTA, DK,
+                 DV, N, M, HEAD_DIM, c, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+                 IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`scale`: the softmax scale, times rp under dropout."""
     c0 = tl.program_id(0) * BLOCK_C
     head = tl.program_id(1).to(tl.int64)
     mask = _mask_base(MASK, head, mask_s0, mask_s1, mask_l1)
+    seed = _load_seed(SEED, DROPOUT)
     q_base, kv_base = head * N * HEAD_DIM, head * M * HEAD_DIM
     cols = c0 + tl.arange(0, BLOCK_C)
     k = _load_tile(K + kv_base, cols, M, HEAD_DIM, BLOCK_D)
@@ -484,21 +550,26 @@ def _dkdv_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, DO,
         q = _load_tile(Q + q_base, rows, N, HEAD_DIM, BLOCK_D)
         do = _load_tile(DO + q_base, rows, N, HEAD_DIM, BLOCK_D)
         lse2, delta = _load_row_stats(LSE2, DELTA, head, rows, N)
-        p, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm, CAUSAL, MASKED,
-                              IS_BF16, EMULATE_LP)
+        p, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm, seed, head,
+                              p_drop, CAUSAL, MASKED, DROPOUT, IS_BF16, EMULATE_LP)
         dv = dv + _dot(tl.trans(_round_lp(p, IS_BF16, EMULATE_LP)), do)
         dk = dk + _dot(tl.trans(ds), q)
+    if DROPOUT:
+        dv = dv * rp
     _store_tile(DK + kv_base, cols, M, HEAD_DIM, _round_lp(dk * scale, IS_BF16, EMULATE_LP), BLOCK_D)
     _store_tile(DV + kv_base, cols, M, HEAD_DIM, _round_lp(dv, IS_BF16, EMULATE_LP), BLOCK_D)
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, DO, LSE2, DELTA, DQ, N, M, HEAD_DIM,
-               c, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
+def _dq_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, SEED, p_drop, DO, LSE2, DELTA, DQ, N, M,
+               HEAD_DIM, c, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+               IS_BF16: tl.constexpr, EMULATE_LP: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`scale`: the softmax scale, times rp under dropout."""
     r0 = tl.program_id(0) * BLOCK_R
     head = tl.program_id(1).to(tl.int64)
     mask = _mask_base(MASK, head, mask_s0, mask_s1, mask_l1)
+    seed = _load_seed(SEED, DROPOUT)
     q_base, kv_base = head * N * HEAD_DIM, head * M * HEAD_DIM
     rows = r0 + tl.arange(0, BLOCK_R)
     q = _load_tile(Q + q_base, rows, N, HEAD_DIM, BLOCK_D)
@@ -509,7 +580,7 @@ def _dq_kernel(Q, K, V, MASK, mask_s0, mask_s1, mask_sn, mask_sm, mask_l1, DO, L
         cols = c0 + tl.arange(0, BLOCK_C)
         k = _load_tile(K + kv_base, cols, M, HEAD_DIM, BLOCK_D)
         v = _load_tile(V + kv_base, cols, M, HEAD_DIM, BLOCK_D)
-        _, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm, CAUSAL, MASKED,
-                              IS_BF16, EMULATE_LP)
+        _, ds = _probs_and_ds(q, k, v, do, lse2, delta, rows, cols, N, M, c, mask, mask_sn, mask_sm, seed, head,
+                              p_drop, CAUSAL, MASKED, DROPOUT, IS_BF16, EMULATE_LP)
         dq = dq + _dot(ds, k)
     _store_tile(DQ + q_base, rows, N, HEAD_DIM, _round_lp(dq * scale, IS_BF16, EMULATE_LP), BLOCK_D)

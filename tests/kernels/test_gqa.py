@@ -13,11 +13,11 @@ N_HEAD, N_KV, HD = 4, 2, 8   # query heads 0, 1 read key/value head 0; heads 2, 
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
-def _model(family: str, attn: str = "sdpa"):
+def _model(family: str, attn: str = "sdpa", attention_dropout: float = 0.0):
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=N_HEAD * HD, intermediate_size=64,
                                num_hidden_layers=2, num_attention_heads=N_HEAD, num_key_value_heads=N_KV,
-                               max_position_embeddings=32)
+                               max_position_embeddings=32, attention_dropout=attention_dropout)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
 
 
@@ -103,3 +103,42 @@ def test_emulated_fa2_on_one_llama_head_is_close_to_exact_attention():
     out, _ = _attention_outputs(model, x, 1)
     assert torch.equal(out[:, :, [0, 1, 3]], exact[:, :, [0, 1, 3]])
     assert 0 < (out[:, :, 2] - exact[:, :, 2]).abs().max() < 1e-5   # tiled online softmax: not bitwise
+
+
+def _logits_and_grads(model, x, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=x).logits
+    logits.square().mean().backward()
+    return [logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_llama_with_attention_dropout_runs_deterministically_through_the_interface():
+    """A Llama with attention dropout 0.2 in training, heads on eager, the emulation and baseline (through
+    `_replay_attention`): the same RNG state gives the same logits and gradients, another state others, and
+    the dropout is really applied (without it, other logits)."""
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _model("llama", attention_dropout=0.2).train()
+    apply_plan(model, AttentionPlan.parse("eager;0.1-2=fa2-emu:br=8,bc=8;1=baseline;1.0=reference-emu:br=4,bc=8"))
+    assert model.config._attn_implementation == "replay"
+    first, again, other = (_logits_and_grads(model, x, seed) for seed in (3, 3, 4))
+    assert _equal(first, again) and not _equal(first, other)
+    model.config.attention_dropout = 0.0
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    assert not torch.equal(_logits_and_grads(model, x, 3)[0], first[0])
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_under_dropout_the_models_own_implementation_through_the_interface_is_bitwise_itself(attn):
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _model("llama", attn, attention_dropout=0.2).train()
+    own = _logits_and_grads(model, x, 3)
+    assert not _equal(own, _logits_and_grads(model, x, 4))
+    apply_plan(model, AttentionPlan.parse(f"{attn};0.0={attn}"))   # a head named: the interface runs it
+    assert model.config._attn_implementation == "replay"
+    assert _equal(_logits_and_grads(model, x, 3), own)

@@ -87,13 +87,13 @@ def _by_hand(model, idx, replace: dict[int, AttentionOptions], monkeypatch) -> l
 
     calls = iter(range(10 ** 6))
 
-    def patched(q, k, v, attn_mask=None, is_causal=False, **_):
+    def patched(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, **_):
         layer = next(calls) % len(model.transformer.h)
         if layer not in replace:
-            return SDPA(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+            return SDPA(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)
         with torch.autocast("cpu", enabled=False):
             mask = None if attn_mask is None else attn_mask & torch.ones_like(attn_mask).tril()
-            return flash_attention(q, k, v, replace[layer], causal=True, mask=mask)
+            return flash_attention(q, k, v, replace[layer], causal=True, mask=mask, dropout=dropout_p)
 
     monkeypatch.setattr(sys.modules[__name__].F, "scaled_dot_product_attention", patched)
     try:
@@ -165,13 +165,50 @@ def test_hooks_and_mode_are_gone_after_the_context():
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
+DROPOUT = dict(is_causal=True, dropout_p=0.2)   # nanoGPT's call in training, at shakespeare_char's dropout
+
+
+def _seeded(seed: int, model, idx) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    return _forward_backward(model, idx)
+
+
+def test_under_dropout_an_all_sdpa_plan_is_the_models_own_call_bit_for_bit():
+    model, idx = _model(DROPOUT)
+    plain = _seeded(5, model, idx)
+    assert not _equal(_seeded(6, model, idx), plain)   # the dropout is on: the RNG state matters
+    with sdpa_dispatch(model, AttentionPlan.parse("sdpa")):
+        assert _equal(_seeded(5, model, idx), plain)
+
+
+def test_under_dropout_a_layer_on_the_emulation_is_that_backend_with_dropout(monkeypatch):
+    """Layer 1 on the emulation, layer 0 on SDPA, dropout 0.2 in both: the bits of the model whose layer 1
+    calls `flash_attention(..., dropout=0.2)` in SDPA's place, from the same RNG state; the same bits twice,
+    others from another state."""
+    model, idx = _model(DROPOUT)
+    opts = AttentionOptions(block_r=16, block_c=16)
+    with sdpa_dispatch(model, AttentionPlan.parse("sdpa;1=fa2-emu:br=16,bc=16")):
+        got, again, other = _seeded(5, model, idx), _seeded(5, model, idx), _seeded(6, model, idx)
+    torch.manual_seed(5)
+    want = _by_hand(model, idx, {1: opts}, monkeypatch)
+    assert _equal(got, want) and _equal(got, again) and not _equal(got, other)
+    assert not _equal(got, _seeded(5, model, idx))   # the emulation ran: not SDPA's own result
+
+
+def test_under_dropout_heads_split_between_backends_are_deterministic():
+    model, idx = _model(DROPOUT)
+    with sdpa_dispatch(model, AttentionPlan.parse("sdpa;0.1-2=fa2-emu:br=16,bc=8;1.3=baseline")):
+        got, again, other = _seeded(5, model, idx), _seeded(5, model, idx), _seeded(6, model, idx)
+    assert _equal(got, again) and not _equal(got, other)
+    assert all(torch.isfinite(t).all() for t in got)
+
+
 @pytest.mark.parametrize("call, message", [
-    (dict(is_causal=True, dropout_p=0.1), "dropout_p=0.1"),
     ({}, "without is_causal=True or a mask"),
     (dict(attn_mask=torch.ones(32, 32, dtype=torch.bool)), "lets queries see later keys"),
     (dict(attn_mask=torch.zeros(32, 32).fill_diagonal_(0.5)), "additive mask"),
     (dict(attn_mask=torch.ones(2, 4, 32, 32, dtype=torch.bool).tril()), "one mask for all heads"),
-], ids=["dropout", "not-causal", "future-keys", "additive", "per-head-mask"])
+], ids=["not-causal", "future-keys", "additive", "per-head-mask"])
 def test_calls_the_backends_cannot_take_are_refused_in_one_line(call, message):
     model, idx = _model(call)
     with pytest.raises(UsageError, match=message):

@@ -15,10 +15,11 @@ import triton
 
 from replay.kernels import triton_fa2
 from replay.kernels.baseline import causal_mask
-from replay.kernels.flash_emu import flash_attention
+from replay.kernels.flash_emu import _FlashEmulation, flash_attention
 from replay.kernels.options import AttentionOptions, SafeSoftmaxFix
 from replay.kernels.triton_fa2 import triton_flash_attention
 from tests.conftest import REPO
+from tests.kernels import test_attention_dropout as dropout_checks
 from tests.kernels.test_triton_fa2 import (
     CASES,
     OUTPUTS,
@@ -112,7 +113,7 @@ TARGETS = {"sm_90": (90, 232_448), "sm_80": (80, 166_912)}   # compute capabilit
     ("sm_90", torch.bfloat16, AttentionOptions()),
     ("sm_80", torch.float16, AttentionOptions(block_r=64, block_c=64, fix=SafeSoftmaxFix(2.0, 1e-3),
                                               hp_pv=True, hp_delta=True)),
-], ids=["sm90-bf16-128x128", "sm80-fp16-64x64-all-options-padding-mask"])
+], ids=["sm90-bf16-128x128", "sm80-fp16-64x64-all-options-padding-mask-dropout"])
 def test_real_low_precision_path_compiles_for_the_gpu(monkeypatch, target, dtype, opts):
     """The GPU code path (EMULATE_LP off, BF16/FP16 tensors) through ptxas, without a GPU: every kernel
     the forward and backward launch, with their real arguments, fits in shared memory, uses tensor-core
@@ -121,7 +122,8 @@ def test_real_low_precision_path_compiles_for_the_gpu(monkeypatch, target, dtype
     from triton.compiler import ASTSource
 
     capability, shared_limit = TARGETS[target]
-    pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8"}
+    pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8",
+               torch.int64: "*i64"}
     compiled = {}
 
     def compile_instead(kernel, grid, args, constexprs, num_warps, num_stages):
@@ -135,8 +137,10 @@ def test_real_low_precision_path_compiles_for_the_gpu(monkeypatch, target, dtype
     monkeypatch.setattr(triton_fa2, "_launch", compile_instead)
     q = torch.empty(2, 256, 64, dtype=dtype, device="meta")
     mask4 = None if dtype == torch.bfloat16 else torch.ones(1, 2, 256, 256, dtype=torch.uint8, device="meta")
-    out, lse2, o_hp = triton_fa2._forward(q, q, q, mask4, opts, True, 0.125, dtype == torch.bfloat16)
-    triton_fa2._backward(q, q, q, out, lse2, o_hp, q, mask4, opts, True, 0.125, dtype == torch.bfloat16)
+    seed = torch.empty(1, dtype=torch.int64, device="meta")
+    drop = None if dtype == torch.bfloat16 else triton_fa2._Dropout(0.1, seed)
+    out, lse2, o_hp = triton_fa2._forward(q, q, q, mask4, opts, True, 0.125, dtype == torch.bfloat16, drop)
+    triton_fa2._backward(q, q, q, out, lse2, o_hp, q, mask4, opts, True, 0.125, dtype == torch.bfloat16, drop)
     assert set(compiled) == {"_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel"}
     lp = "bf16" if dtype == torch.bfloat16 else "f16"
     for name, kernel in compiled.items():
@@ -202,3 +206,38 @@ def _run_interpreted(script: str) -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def _triton(block_r: int, block_c: int) -> dropout_checks.Backend:
+    opts = AttentionOptions(block_r=block_r, block_c=block_c)
+    return lambda q, k, v, **kw: triton_flash_attention(q, k, v, opts, causal=True, **kw)
+
+
+def _dropout_main() -> None:
+    """Entry point of the subprocess (TRITON_INTERPRET=1): test_attention_dropout.py's checks on
+    triton-fa2, then the kernels against the fa2 emulation given the kernels' own mask."""
+    assert triton_fa2.INTERPRETED, "run with TRITON_INTERPRET=1 set before import"
+    a, b = _triton(16, 16), _triton(32, 16)
+    dropout_checks.check_same_rng_state_same_result(a)
+    dropout_checks.check_zero_dropout_is_the_undropped_path(a)
+    dropout_checks.check_expectation_and_drop_rate(a, draws=25)
+    dropout_checks.check_tiles_drop_the_same_entries(a, b)
+    q, k, v, do = dropout_checks.inputs(d=32)
+    torch.manual_seed(9)
+    kept = a(q, k, dropout_checks.identity_values(q), dropout=dropout_checks.P) != 0   # the mask seed 9 draws
+    got = dropout_checks.run(a, q, k, v, do, 9, dropout=dropout_checks.P)
+    opts = AttentionOptions(block_r=16, block_c=16)
+    want = dropout_checks.run(lambda *t: _FlashEmulation.apply(*t, opts, True, 32 ** -0.5, None, None,
+                                                               dropout_checks.P, kept), q, k, v, do, None)
+    for what, x, y in zip(OUTPUTS, got, want, strict=True):
+        _check_against_emulation(x, y, torch.zeros(()), f"dropout {what}")
+    print("ok")
+
+
+def test_interpreter_applies_attention_dropout():
+    """Under the interpreter, triton-fa2 with dropout: the same RNG state gives the same outputs and
+    gradients, another one others; p = 0 is the path without dropout; the mean over draws is the undropped
+    output and p of the probabilities drop; two tilings drop the same entries; and given the mask the kernels
+    drew (read off a V = I call), forward and backward are the fa2 emulation's with that mask (so the
+    backward regenerates the forward's mask)."""
+    _run_interpreted("from tests.kernels.test_triton_fa2_integration import _dropout_main; _dropout_main()")
