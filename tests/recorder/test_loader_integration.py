@@ -23,8 +23,8 @@ from tests.recorder.test_loader import BATCH, Numbers, _parts, _train
 
 def _workers(n: int) -> DataLoader:
     data = Numbers()
-    return DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data), num_workers=n, prefetch_factor=3 if n else None,
-                      persistent_workers=n > 0)
+    return DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data), num_workers=n,
+                      prefetch_factor=3 if n else None, persistent_workers=n > 0)
 
 
 def test_worker_processes_fetch_what_the_training_process_would_and_replay_it(tmp_path):
