@@ -55,6 +55,8 @@ class Replaying:
     def begin(self, step: int) -> bool:
         if step >= self.overrides.start and not self.overrides.active:
             self.overrides.begin(step, self._optimizer, self._scheduler, self._apply_attention)
+            if self.overrides.plan is not None:   # its backends draw their dropout masks their own way: the
+                self._check_draws = False          # global generators (a script's loader too) move on differently
         return self.overrides.skips(step)
 
     def recorded_ids(self, step: int) -> np.ndarray:
