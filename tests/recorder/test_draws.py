@@ -136,3 +136,65 @@ def test_a_resumed_script_that_draws_ahead_differently_is_refused(tmp_path):
                                          "from has 1 drawn ahead"):
         next(loop.steps())
     loop.close()
+
+
+class DropoutAttention(torch.nn.Module):
+    """Causal attention calling SDPA with dropout in training, as nanoGPT's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.n_head = torch.nn.Linear(8, 24), 2
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        q, k, v = (y.view(b, t, 2, 4).transpose(1, 2) for y in self.qkv(h).split(8, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0,
+                                                             is_causal=True)
+        return y.transpose(1, 2).reshape(b, t, 8)
+
+
+class OneBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn, self.head = torch.nn.Embedding(64, 8), DropoutAttention(), torch.nn.Linear(8, 64)
+
+    def forward(self, x):
+        return self.head(self.attn(self.emb(x)))
+
+
+def _attention_run(loop, model, optimizer):
+    """A prefetching loop whose data draws come from torch's global generator, as its dropout masks do."""
+    trained, x = {}, loop.sample_ids(torch.randint(64, (2, 8)))
+    for step in loop.steps():
+        loss = torch.nn.functional.cross_entropy(model(x).view(-1, 64), x.view(-1))
+        ids, x = x.tolist(), loop.sample_ids(torch.randint(64, (2, 8)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loop.log(loss=loss)
+        trained[step] = (ids, loss.item())
+    loop.close()
+    return trained
+
+
+def test_an_attention_counterfactual_under_dropout_trains_the_recorded_ids_and_runs_the_same_twice(tmp_path):
+    def parts():
+        torch.manual_seed(0)
+        model = OneBlock()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, optimizer = parts()
+    whole = _attention_run(Loop(tmp_path / "run", model, optimizer, total_steps=6, checkpoint_every=2), model,
+                           optimizer)
+    runs = []
+    for name in ("a", "b"):
+        req = ReplayRequest(start=3, stop=5, overrides=Overrides(attention="reference-emu:dtype=bf16"), name=name)
+        path = tmp_path / "run" / "replays" / replay_id(req)
+        with writing(path, "a test's replay") as lease:
+            prepare(tmp_path / "run", req)
+            model, optimizer = parts()
+            runs.append(_attention_run(Loop(path, model, optimizer, total_steps=6, lease=lease.spec), model,
+                                       optimizer))
+    assert runs[0] == runs[1]   # the emulation's dropout masks come from the restored RNG states
+    assert sorted(runs[0]) == [2, 3, 4, 5] and all(runs[0][s][0] == whole[s][0] for s in runs[0])   # the record's ids
+    assert runs[0][2][1] == whole[2][1] and all(runs[0][s][1] != whole[s][1] for s in (3, 4, 5))   # from --from on
