@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, WeightedRandomSampler
 
 from replay.errors import ReplayError, UsageError
 from replay.recorder import Loop
@@ -135,16 +135,25 @@ def test_a_replay_whose_sampler_draws_other_batches_is_refused(tmp_path):
         _replay(tmp_path / "run", ReplayRequest(start=4, stop=7), dl_sampler=other)
 
 
-def test_a_resumed_run_continues_the_stream_as_the_uninterrupted_run_did(tmp_path):
+SAMPLERS = {
+    "random": lambda: RandomSampler(Numbers()),
+    "with-replacement": lambda: RandomSampler(Numbers(), replacement=True, num_samples=7),   # minGPT's kind
+    "weighted": lambda: WeightedRandomSampler(torch.linspace(0.1, 1.0, N), num_samples=N),
+    "distributed": lambda: DistributedSampler(Numbers(), num_replicas=2, rank=0, shuffle=True, seed=1),
+}
+
+
+@pytest.mark.parametrize("kind", SAMPLERS)
+def test_a_resumed_run_continues_the_stream_as_the_uninterrupted_run_did(tmp_path, kind):
     model, optimizer = _parts()
     whole = _train(Loop(tmp_path / "whole", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer,
-                   _loader())
+                   _loader(SAMPLERS[kind]()))
     model, optimizer = _parts()
-    _train(Loop(tmp_path / "cut", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer, _loader(),
-           stop_after=4)   # stopped after step 4: its last checkpoint is 3, inside the second epoch
+    _train(Loop(tmp_path / "cut", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer,
+           _loader(SAMPLERS[kind]()), stop_after=4)   # stopped after step 4: its last checkpoint is 3, mid-epoch
     model, optimizer = _parts()
     resumed = _train(Loop(tmp_path / "cut", model, optimizer, total_steps=8, checkpoint_every=3, resume=True),
-                     model, optimizer, _loader())
+                     model, optimizer, _loader(SAMPLERS[kind]()))
     assert sorted(resumed) == [3, 4, 5, 6, 7]
     assert all(resumed[s] == whole[s] for s in resumed)
     a, b = (RunStore.open(tmp_path / p).read_steps() for p in ("whole", "cut"))
