@@ -18,6 +18,7 @@ from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import holder_of
+from replay.store.run_store import micro_batches
 from replay.train.data import load_data
 
 
@@ -175,8 +176,9 @@ def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, 
     data = load_data(m.config, run) if Capabilities.of(m).builtin else None
     rows = []
     for r in range(ids.shape[0]) if rank is None else [rank]:
-        for micro in range(ids.shape[1]):
-            for sid in ids[r, micro]:
+        trained = micro_batches(ids[r])   # a smaller last batch of an epoch is padded with -1 in the store
+        for micro, batch in enumerate(trained if trained else list(ids[r])):   # none: a step a replay skipped
+            for sid in batch:
                 text = ("(skipped: this step was not trained on)" if sid < 0 else
                         "(the data of a training loop of your own is not in the store)" if data is None else
                         data.describe(int(sid)))

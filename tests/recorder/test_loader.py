@@ -16,6 +16,7 @@ from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
 from replay.store.lease import writing
 from replay.store.run_store import micro_batches
+from replay.views import step_batch
 
 N, BATCH, ACCUM = 10, 3, 2   # an epoch: batches of 3, 3, 3 and 1
 
@@ -172,3 +173,11 @@ def test_a_loader_misused_is_refused_in_one_line(tmp_path, misuse, message):
         dl._iterator = object()
     with Loop(tmp_path / "run", model, optimizer, total_steps=2) as loop, pytest.raises(UsageError, match=message):
         misuse(loop, dl)
+
+
+def test_replay_batch_shows_an_epochs_smaller_last_batch_without_its_padding(tmp_path):
+    model, optimizer = _parts()
+    seen = _train(Loop(tmp_path / "run", model, optimizer, total_steps=2, checkpoint_every=3), model, optimizer,
+                  _loader())
+    rows = step_batch(str(tmp_path / "run"), 1)   # batches of 3 and 1: the epoch's last
+    assert [[r["sample_id"] for r in rows if r["micro"] == m] for m in (0, 1)] == seen[1][0]
