@@ -15,6 +15,7 @@ from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
 from replay.store.lease import writing
 from replay.store.run_store import micro_batches
+from tests.recorder.models import OneBlock
 
 DATA = torch.arange(64, dtype=torch.float32)
 
@@ -138,30 +139,6 @@ def test_a_resumed_script_that_draws_ahead_differently_is_refused(tmp_path):
     loop.close()
 
 
-class DropoutAttention(torch.nn.Module):
-    """Causal attention calling SDPA with dropout in training, as nanoGPT's does."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.n_head = torch.nn.Linear(8, 24), 2
-
-    def forward(self, h):
-        b, t, _ = h.shape
-        q, k, v = (y.view(b, t, 2, 4).transpose(1, 2) for y in self.qkv(h).split(8, dim=-1))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0,
-                                                             is_causal=True)
-        return y.transpose(1, 2).reshape(b, t, 8)
-
-
-class OneBlock(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.attn, self.head = torch.nn.Embedding(64, 8), DropoutAttention(), torch.nn.Linear(8, 64)
-
-    def forward(self, x):
-        return self.head(self.attn(self.emb(x)))
-
-
 def _attention_run(loop, model, optimizer):
     """A prefetching loop whose data draws come from torch's global generator, as its dropout masks do."""
     trained, x = {}, loop.sample_ids(torch.randint(64, (2, 8)))
@@ -180,7 +157,7 @@ def _attention_run(loop, model, optimizer):
 def test_an_attention_counterfactual_under_dropout_trains_the_recorded_ids_and_runs_the_same_twice(tmp_path):
     def parts():
         torch.manual_seed(0)
-        model = OneBlock()
+        model = OneBlock(64, dropout=0.3)
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
     model, optimizer = parts()

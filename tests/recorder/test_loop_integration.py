@@ -16,18 +16,7 @@ from replay.errors import ReplayError, UsageError
 from replay.recorder import Loop
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
-
-
-class SelfAttention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.n_head = torch.nn.Linear(8, 24), 2
-
-    def forward(self, h):
-        b, t, _ = h.shape
-        q, k, v = (y.view(b, t, 2, 4).transpose(1, 2) for y in self.qkv(h).split(8, dim=-1))
-        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return attended.transpose(1, 2).reshape(b, t, 8)
+from tests.recorder.models import SelfAttention
 
 
 class Tiny(torch.nn.Module):
