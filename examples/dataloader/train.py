@@ -30,11 +30,11 @@ store = "runs/dataloader"           # replay: where the run is recorded
 checkpoint_every = 10               # replay
 resume = False                      # replay: continue the run in `store`
 n_layer, n_head, n_embd, block_size = 2, 2, 32, 32
-n_blocks = 500                      # blocks of train.bin in the data set (0: all): a short run sees an epoch end
+n_blocks = 900                      # blocks of train.bin in the data set (0: all): 60 steps see an epoch end
 batch_size = 4                      # per rank and micro-batch
 gradient_accumulation_steps = 2     # per rank
 num_workers = 2                     # DataLoader worker processes per rank
-learning_rate, min_lr, warmup_iters = 3e-3, 3e-4, 10
+learning_rate, min_lr, warmup_iters, lr_decay_iters = 3e-3, 3e-4, 10, 60
 weight_decay, beta1, beta2, grad_clip = 0.1, 0.9, 0.95, 1.0
 max_iters, log_interval, eval_interval, eval_batches = 60, 10, 20, 4
 seed = 1337
@@ -145,7 +145,7 @@ def estimate_loss():
 def get_lr(it):
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
-    ratio = min(1.0, (it - warmup_iters) / max(1, max_iters - warmup_iters))
+    ratio = min(1.0, (it - warmup_iters) / (lr_decay_iters - warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
