@@ -62,12 +62,20 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention()
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), MLP()
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -129,8 +137,11 @@ optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=learning_rate, betas=(beta1, beta2))
 if ddp:
     model = DDP(model)
+layout = {"qkv": "h.{layer}.attn.c_attn.weight", "o": "h.{layer}.attn.c_proj.weight",  # replay: the weights
+          "fc": "h.{layer}.mlp.c_fc.weight", "proj": "h.{layer}.mlp.c_proj.weight",   # replay: `replay analyze`
+          "orientation": "out_in"}                                                    # replay: reads
 loop = Loop(store, model, optimizer, total_steps=max_iters, checkpoint_every=checkpoint_every,  # replay
-            layout="nanogpt", resume=resume)                                                 # replay
+            layout=layout, resume=resume)                                                    # replay
 batches = loop.loader(train_loader)  # replay (was: an iterator over train_loader, restarted at each epoch)
 
 

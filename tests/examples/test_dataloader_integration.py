@@ -102,11 +102,11 @@ def test_emulated_bf16_attention_on_layer_0_diverges_exactly_at_from(recorded):
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert not answer["verification"]["bitwise"] and answer["verification"]["divergence"]["step"] == 25
-    replayed = RunStore.open(answer["replay"]).read_steps(["loss"])
-    record = RunStore.open(recorded).read_steps(["loss"], start=20, stop=28)
+    replayed = RunStore.open(answer["replay"]).read_steps(["rank_loss"])
+    record = RunStore.open(recorded).read_steps(["rank_loss"], start=20, stop=28)
     assert replayed["step"].tolist() == list(range(20, 28))
-    assert np.array_equal(replayed["loss"][:5], record["loss"][:5])   # steps 20..24: as recorded
-    assert (replayed["loss"][5:] != record["loss"][5:]).all()         # 25..27: BF16 from --from on
+    assert np.array_equal(replayed["rank_loss"][:5], record["rank_loss"][:5])   # steps 20..24: as recorded
+    assert (replayed["rank_loss"][5:] != record["rank_loss"][5:]).all()         # 25..27: on both ranks
 
 
 def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(recorded, data_dir, tmp_path):
