@@ -123,13 +123,35 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(r
         tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
     tokens.flush()
     store = tmp_path / "spiked"
-    done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *SETTINGS, "--checkpoint_every=6")
+    done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *SETTINGS, "--checkpoint_every=6",
+                     "--max_iters=58")   # the learning rate's schedule is not the run's length: as recorded
     assert done.returncode == 0, done.stderr
     assert [e["step"] for e in RunStore.open(store).spikes] == [55]   # the recording's own detector saw it
     result = replay_cli("bisect", str(store), "--by", "data", "--json")
     assert result.returncode == 0, result.stderr
     verdict = json.loads(result.stdout)["verdict"]
     assert verdict["data_window"] == [54, 55] and verdict["batches"] == [55] and verdict["samples"] is None
+
+
+def test_analyze_reads_the_layout_the_script_declares(recorded):
+    """The per-head spectral norms of the analysis against an SVD of the stored weights, where the script's
+    layout mapping says they are: layer l's fused c_attn (out, in), head h's W_Q rows h*16:(h+1)*16 of its
+    first third; W_O the columns of c_proj."""
+    from replay.analysis import jobs, tasks
+    from replay.analysis.names import HEAD_MATRICES
+
+    items, _ = jobs.plan_metrics(RunStore.open(recorded, mode="a"))
+    values = tasks.compute_metrics(next(i for i in items if i.ckpt.step == STEPS))
+    model = RunStore.open(recorded).read_shard(STEPS, 0)["state"]["replicated"]["model"]
+    for layer in range(2):
+        w = model[f"h.{layer}.attn.c_attn.weight"].double().numpy()   # [3 * 32, 32]
+        o = model[f"h.{layer}.attn.c_proj.weight"].double().numpy()
+        for head in range(2):
+            rows = slice(head * 16, (head + 1) * 16)
+            expected = {"q": w[:32][rows], "k": w[32:64][rows], "v": w[64:][rows], "o": o[:, rows]}
+            for i, name in enumerate(HEAD_MATRICES):
+                sigma = np.linalg.svd(expected[name], compute_uv=False)[0]
+                assert values["spectral_head"][layer, i, head] == pytest.approx(sigma, rel=1e-5), (layer, name)
 
 
 def _committed(store: Path) -> list[int]:
