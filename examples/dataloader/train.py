@@ -125,12 +125,13 @@ rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp el
 torch.manual_seed(seed + rank)
 
 train_data = TokenBlocks(os.path.join(data_dir, "train.bin"), n_blocks)
-sampler = DistributedSampler(train_data, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+sampler: DistributedSampler[int] = DistributedSampler(train_data, num_replicas=world, rank=rank, shuffle=True,
+                                                      seed=seed)
 train_loader = DataLoader(train_data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                           persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None)
 val_loader = DataLoader(TokenBlocks(os.path.join(data_dir, "val.bin")), batch_size=batch_size)
 
-model = GPT(vocab_size=256)
+model: nn.Module = GPT(vocab_size=256)
 decay = [p for p in model.parameters() if p.dim() >= 2]
 no_decay = [p for p in model.parameters() if p.dim() < 2]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -170,7 +171,7 @@ with loop:                                          # replay
         total = 0.0
         for micro_step in range(gradient_accumulation_steps):
             x, y = next(batches)
-            if ddp:
+            if isinstance(model, DDP):
                 model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
             loss = model(x, y) / gradient_accumulation_steps
             loss.backward()

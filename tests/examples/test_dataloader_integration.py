@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from torch.utils.data import DistributedSampler
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
 
 from replay.errors import StoreError
 from replay.processes import descendants, start_time
@@ -57,7 +58,8 @@ def recorded(data_dir, tmp_path_factory) -> Path:
 def _expected_ids(rank: int) -> np.ndarray:
     """[step, micro-batch, sample] of `rank`, from torch's own DistributedSampler: epoch after epoch, each
     epoch's indices in batches of BATCH, the last one padded with -1."""
-    sampler = DistributedSampler(range(BLOCKS), num_replicas=2, rank=rank, shuffle=True, seed=SEED)
+    sampler: DistributedSampler[int] = DistributedSampler(TensorDataset(torch.arange(BLOCKS)), num_replicas=2,
+                                                          rank=rank, shuffle=True, seed=SEED)
     batches: list[np.ndarray] = []
     epoch = 0
     while len(batches) < STEPS * ACCUM:
@@ -165,7 +167,9 @@ def _kill_all(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun, its ranks and their DataLoader workers at once, as a machine going down does
     (torchrun starts each rank in a session of its own: killing torchrun's group alone leaves them
     running)."""
-    procs = {proc.pid: start_time(proc.pid), **descendants(proc.pid)}
+    start = start_time(proc.pid)
+    assert start is not None, "torchrun is running"
+    procs = {proc.pid: start, **descendants(proc.pid)}
     for pgid in {os.getpgid(pid) for pid in procs}:
         os.killpg(pgid, signal.SIGKILL)
     proc.wait()
