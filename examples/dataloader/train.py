@@ -1,0 +1,186 @@
+"""A GPT trained from a torch DataLoader (map-style dataset, DistributedSampler, worker processes), with
+replay's loop API added (the lines marked `# replay`).
+
+One process:          python train.py
+Two ranks (DDP):      torchrun --standalone --nproc-per-node 2 train.py
+Options are `--name=value` for any of the settings below. The token file is the one
+examples/nanogpt/prepare.py writes. Run as it is, the script records into --store;
+`replay run STORE --from A --to B` starts it again in replay mode (see README.md).
+"""
+
+import ast
+import math
+import os
+import sys
+from itertools import islice
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import destroy_process_group, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from replay.recorder import Loop  # replay
+
+# -- settings ------------------------------------------------------------------------------------------
+data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "nanogpt", "data")
+store = "runs/dataloader"           # replay: where the run is recorded
+checkpoint_every = 10               # replay
+resume = False                      # replay: continue the run in `store`
+n_layer, n_head, n_embd, block_size = 2, 2, 32, 32
+n_blocks = 900                      # blocks of train.bin in the data set (0: all): 60 steps see an epoch end
+batch_size = 4                      # per rank and micro-batch
+gradient_accumulation_steps = 2     # per rank
+num_workers = 2                     # DataLoader worker processes per rank
+learning_rate, min_lr, warmup_iters, lr_decay_iters = 3e-3, 3e-4, 10, 60
+weight_decay, beta1, beta2, grad_clip = 0.1, 0.9, 0.95, 1.0
+max_iters, log_interval, eval_interval, eval_batches = 60, 10, 20, 4
+seed = 1337
+for arg in sys.argv[1:]:            # --name=value, each checked against the settings above
+    name, _, value = arg.removeprefix("--").partition("=")
+    if name not in globals() or name.startswith("_"):
+        sys.exit(f"unknown setting --{name}")
+    current = globals()[name]
+    globals()[name] = value if isinstance(current, str) else type(current)(ast.literal_eval(value))
+
+
+# -- the model -----------------------------------------------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head = n_head
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                   for y in self.c_attn(x).split(n_embd, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention()
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(Block() for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight   # weight tying
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+# -- the data: block i of a token file is tokens i*block_size .. (i+1)*block_size, its targets one further
+class TokenBlocks(Dataset):
+    def __init__(self, path, limit=0):
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.n = (len(self.tokens) - 1) // block_size
+        self.n = min(self.n, limit) if limit else self.n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        chunk = torch.from_numpy(self.tokens[i * block_size:(i + 1) * block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+# -- distributed set-up --------------------------------------------------------------------------------
+ddp = int(os.environ.get("RANK", -1)) != -1
+if ddp:
+    init_process_group(backend="gloo")
+rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+torch.manual_seed(seed + rank)
+
+train_data = TokenBlocks(os.path.join(data_dir, "train.bin"), n_blocks)
+sampler: DistributedSampler[int] = DistributedSampler(train_data, num_replicas=world, rank=rank, shuffle=True,
+                                                      seed=seed)
+train_loader = DataLoader(train_data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                          persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None)
+val_loader = DataLoader(TokenBlocks(os.path.join(data_dir, "val.bin")), batch_size=batch_size)
+
+model: nn.Module = GPT(vocab_size=256)
+decay = [p for p in model.parameters() if p.dim() >= 2]
+no_decay = [p for p in model.parameters() if p.dim() < 2]
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=learning_rate, betas=(beta1, beta2))
+if ddp:
+    model = DDP(model)
+layout = {"qkv": "h.{layer}.attn.c_attn.weight", "o": "h.{layer}.attn.c_proj.weight",  # replay: the weights
+          "fc": "h.{layer}.mlp.c_fc.weight", "proj": "h.{layer}.mlp.c_proj.weight",   # replay: `replay analyze`
+          "orientation": "out_in"}                                                    # replay: reads
+loop = Loop(store, model, optimizer, total_steps=max_iters, checkpoint_every=checkpoint_every,  # replay
+            layout=layout, resume=resume)                                                    # replay
+batches = loop.loader(train_loader)  # replay (was: an iterator over train_loader, restarted at each epoch)
+
+
+@torch.no_grad()
+def estimate_loss():
+    model.eval()
+    losses = [model(x, y).item() for x, y in islice(val_loader, eval_batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    ratio = min(1.0, (it - warmup_iters) / (lr_decay_iters - warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+# -- training ------------------------------------------------------------------------------------------
+with loop:                                          # replay
+    for iter_num in loop.steps():                   # replay (was: for iter_num in range(max_iters))
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(iter_num)
+        if iter_num % eval_interval == 0 and rank == 0:
+            print(f"step {iter_num}: val loss {estimate_loss():.4f}", file=sys.stderr)
+        total = 0.0
+        for micro_step in range(gradient_accumulation_steps):
+            x, y = next(batches)
+            if isinstance(model, DDP):
+                model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
+            loss = model(x, y) / gradient_accumulation_steps
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loop.log(loss=total, grad_norm=norm)        # replay
+        if iter_num % log_interval == 0 and rank == 0:
+            print(f"iter {iter_num}: loss {total:.4f}", file=sys.stderr)
+if ddp:
+    destroy_process_group()

@@ -1,0 +1,201 @@
+"""examples/dataloader: a script that trains from a torch DataLoader (DistributedSampler, worker processes,
+persistent workers, prefetch) through `loop.loader`, recorded under torchrun (gloo, 2 ranks) and replayed,
+bisected and resumed by the product's commands, as its README says. Every run is a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from replay.errors import StoreError
+from replay.processes import descendants, start_time
+from replay.store import RunStore
+from tests.conftest import REPO, assert_gone, replay_cli
+
+EXAMPLE = REPO / "examples" / "dataloader" / "train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+BLOCKS, BATCH, ACCUM, SEED, STEPS = 900, 4, 2, 1337, 60   # 450 blocks a rank: 112 batches of 4, then one of 2
+SETTINGS = [f"--n_blocks={BLOCKS}", f"--batch_size={BATCH}", f"--gradient_accumulation_steps={ACCUM}",
+            f"--seed={SEED}", f"--max_iters={STEPS}", "--checkpoint_every=10"]
+
+
+def _torchrun(workdir: Path, *args: str, popen: bool = False):
+    """The example under torchrun, as its user starts it: from their own directory, not through replay."""
+    cmd = [*TORCHRUN, str(EXAMPLE), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if popen:
+        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def data_dir(token_file) -> Path:
+    """train.bin (90 000 tokens: 2 812 blocks of 33, of which the example reads the first 900) and val.bin."""
+    return token_file.parent
+
+
+@pytest.fixture(scope="module")
+def recorded(data_dir, tmp_path_factory) -> Path:
+    """60 steps on 2 ranks, checkpoints every 10: the reference the tests below replay and compare with."""
+    workdir = tmp_path_factory.mktemp("dataloader")
+    done = _torchrun(workdir, f"--data_dir={data_dir}", f"--store={workdir / 'run'}", *SETTINGS)
+    assert done.returncode == 0, done.stderr
+    return workdir / "run"
+
+
+def _expected_ids(rank: int) -> np.ndarray:
+    """[step, micro-batch, sample] of `rank`, from torch's own DistributedSampler: epoch after epoch, each
+    epoch's indices in batches of BATCH, the last one padded with -1."""
+    sampler: DistributedSampler[int] = DistributedSampler(TensorDataset(torch.arange(BLOCKS)), num_replicas=2,
+                                                          rank=rank, shuffle=True, seed=SEED)
+    batches: list[np.ndarray] = []
+    epoch = 0
+    while len(batches) < STEPS * ACCUM:
+        sampler.set_epoch(epoch)
+        order = np.array(list(sampler))
+        for i in range(0, len(order), BATCH):
+            chunk = order[i:i + BATCH]
+            batches.append(np.concatenate([chunk, np.full(BATCH - len(chunk), -1)]))
+        epoch += 1
+    return np.stack(batches[:STEPS * ACCUM]).reshape(STEPS, ACCUM, BATCH)
+
+
+def test_the_step_log_holds_each_ranks_sampler_shard_in_order(recorded):
+    store = RunStore.open(recorded)
+    assert store.manifest.status == "complete" and store.manifest.world_size == 2
+    assert store.manifest.command.launcher == "torchrun"
+    assert [c.step for c in store.checkpoints()] == [0, 10, 20, 30, 40, 50, 60]
+    ids = store.read_steps(["sample_ids"])["sample_ids"]
+    assert ids.shape == (STEPS, 2, ACCUM, BATCH)
+    for rank in range(2):
+        assert np.array_equal(ids[:, rank], _expected_ids(rank)), rank
+    # epoch 0 ends at step 56's first micro-batch, two samples and two pads; epoch 1 begins in its second
+    assert (ids[56, :, 0, 2:] == -1).all() and (ids[56, :, 0, :2] >= 0).all() and (ids[56, :, 1] >= 0).all()
+    assert (ids[np.arange(STEPS) != 56] >= 0).all()
+
+
+def test_a_window_across_the_epoch_end_replays_bit_for_bit(recorded):
+    """From checkpoint 50 (in the middle of epoch 0) over the step that ends it and begins epoch 1."""
+    result = replay_cli("run", str(recorded), "--from", "54", "--to", "58", "--verify")
+    assert result.returncode == 0, result.stderr
+    assert "steps 50..58" in result.stdout
+    assert "verify: every replayed step equals the record bit for bit" in result.stdout, result.stdout
+    replay = RunStore.open(recorded / "replays" / "steps-54-58").read_steps(["sample_ids"])
+    record = RunStore.open(recorded).read_steps(["sample_ids"], start=50, stop=59)
+    assert replay["step"].tolist() == list(range(50, 59))
+    assert np.array_equal(replay["sample_ids"], record["sample_ids"])
+
+
+def test_emulated_bf16_attention_on_layer_0_diverges_exactly_at_from(recorded):
+    result = replay_cli("run", str(recorded), "--from", "25", "--to", "27", "--verify", "--json",
+                        "--attention", "reference-emu:dtype=bf16", "--layers", "0")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert not answer["verification"]["bitwise"] and answer["verification"]["divergence"]["step"] == 25
+    replayed = RunStore.open(answer["replay"]).read_steps(["rank_loss"])
+    record = RunStore.open(recorded).read_steps(["rank_loss"], start=20, stop=28)
+    assert replayed["step"].tolist() == list(range(20, 28))
+    assert np.array_equal(replayed["rank_loss"][:5], record["rank_loss"][:5])   # steps 20..24: as recorded
+    assert (replayed["rank_loss"][5:] != record["rank_loss"][5:]).all()         # 25..27: on both ranks
+
+
+def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(recorded, data_dir, tmp_path):
+    """Write random bytes above 127 (never in Python source) over every block step 55 drew (read from the
+    recording), record again (the sampler draws the same blocks): its loss jumps there, and a data bisect
+    of the window from checkpoint 54 names that step's batches. Step 55 is in epoch 0: its blocks were
+    never trained on before."""
+    poisoned = tmp_path / "data"
+    shutil.copytree(data_dir, poisoned)
+    ids = RunStore.open(recorded).read_steps(["sample_ids"])["sample_ids"]
+    tokens = np.memmap(poisoned / "train.bin", dtype=np.uint16, mode="r+")
+    noise = np.random.default_rng(0)
+    for block in ids[55].ravel():
+        tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
+    tokens.flush()
+    store = tmp_path / "spiked"
+    done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *SETTINGS, "--checkpoint_every=6",
+                     "--max_iters=58")   # the learning rate's schedule is not the run's length: as recorded
+    assert done.returncode == 0, done.stderr
+    assert [e["step"] for e in RunStore.open(store).spikes] == [55]   # the recording's own detector saw it
+    result = replay_cli("bisect", str(store), "--by", "data", "--json")
+    assert result.returncode == 0, result.stderr
+    verdict = json.loads(result.stdout)["verdict"]
+    assert verdict["data_window"] == [54, 55] and verdict["batches"] == [55] and verdict["samples"] is None
+
+
+def test_analyze_reads_the_layout_the_script_declares(recorded):
+    """The per-head spectral norms of the analysis against an SVD of the stored weights, where the script's
+    layout mapping says they are: layer l's fused c_attn (out, in), head h's W_Q rows h*16:(h+1)*16 of its
+    first third; W_O the columns of c_proj."""
+    from replay.analysis import jobs, tasks
+    from replay.analysis.names import HEAD_MATRICES
+
+    items, _ = jobs.plan_metrics(RunStore.open(recorded, mode="a"))
+    values = tasks.compute_metrics(next(i for i in items if i.ckpt.step == STEPS))
+    model = RunStore.open(recorded).read_shard(STEPS, 0)["state"]["replicated"]["model"]
+    for layer in range(2):
+        w = model[f"h.{layer}.attn.c_attn.weight"].double().numpy()   # [3 * 32, 32]
+        o = model[f"h.{layer}.attn.c_proj.weight"].double().numpy()
+        for head in range(2):
+            rows = slice(head * 16, (head + 1) * 16)
+            expected = {"q": w[:32][rows], "k": w[32:64][rows], "v": w[64:][rows], "o": o[:, rows]}
+            for i, name in enumerate(HEAD_MATRICES):
+                sigma = np.linalg.svd(expected[name], compute_uv=False)[0]
+                assert values["spectral_head"][layer, i, head] == pytest.approx(sigma, rel=1e-5), (layer, name)
+
+
+def _committed(store: Path) -> list[int]:
+    try:
+        return [c.step for c in RunStore.open(store).checkpoints()]
+    except StoreError:   # not created yet
+        return []
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun, its ranks and their DataLoader workers at once, as a machine going down does
+    (torchrun starts each rank in a session of its own: killing torchrun's group alone leaves them
+    running)."""
+    start = start_time(proc.pid)
+    assert start is not None, "torchrun is running"
+    procs = {proc.pid: start, **descendants(proc.pid)}
+    for pgid in {os.getpgid(pid) for pid in procs}:
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+    assert_gone(procs)
+
+
+def test_a_recording_killed_mid_run_resumes_to_the_uninterrupted_one(recorded, data_dir, tmp_path):
+    store = tmp_path / "cut"
+    args = [f"--data_dir={data_dir}", f"--store={store}", *SETTINGS]
+    proc = _torchrun(tmp_path, *args, popen=True)
+    deadline = time.monotonic() + 120
+    while not any(step >= 20 for step in _committed(store)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the recording ended before it was killed"
+        time.sleep(0.02)
+    _kill_all(proc)
+    cut = RunStore.open(store)
+    last = cut.checkpoints()[-1].step
+    assert cut.manifest.status != "complete" and 20 <= last < STEPS
+    resumed = _torchrun(tmp_path, *args, "--resume=True")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = RunStore.open(recorded), RunStore.open(store)
+    assert b.manifest.status == "complete" and [r.from_step for r in b.manifest.resumes] == [last]
+    for name in ("sample_ids", "loss", "grad_norm"):
+        assert np.array_equal(a.read_steps([name])[name], b.read_steps([name])[name]), name
+    final_a = a.read_shard(STEPS, 0)["state"]["replicated"]["model"]   # rank 0 keeps the replicated state
+    final_b = b.read_shard(STEPS, 0)["state"]["replicated"]["model"]
+    assert final_a.keys() == final_b.keys()
+    for key, tensor in final_a.items():
+        assert tensor.equal(final_b[key]), key
