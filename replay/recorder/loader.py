@@ -13,10 +13,10 @@ What makes a stream replayable from any checkpoint:
   say where the loader's stream stands: its pass (epoch), the position in it, and the loader's RNG states
   at the pass's start. A replay or a resumed run samples that pass again from those states and skips to
   the position (indices only: nothing is fetched), so the sampler's own order carries on as recorded.
-- **Each fetch is seeded by its place in the stream.** A dataset that draws random numbers in `__getitem__`
-  (augmentation), or a collate that does (masking), draws them from seeds made of the loader's seed and the
-  batch's number in the stream, in a worker or in this process alike; a worker restarted in the middle of
-  an epoch (a replay) fetches the same bits.
+- **Each batch is fetched under a seed of its place in the stream.** A dataset that draws random numbers
+  in `__getitem__` (augmentation), or a collate that does (masking), draws them from a seed made of the
+  loader's seed and the batch's number in the stream, in a worker or in this process alike; a worker
+  restarted in the middle of an epoch (a replay) fetches the same bits.
 - **`set_epoch(n)`** is called on the sampler at the start of the loader's n-th pass, when it has one
   (DistributedSampler), as accelerate does: the loader, not the script, numbers the passes.
 
@@ -50,7 +50,7 @@ class Batch:
     number: int           # in the stream since the run began (the record's numbering, in a replay too)
     pass_no: int
     position: int         # in its pass
-    pass_start: dict[str, Any]   # the loader's RNG states at its pass's start
+    pass_start: Raw               # the loader's RNG states at its pass's start
     scheduled: tuple[int, int] | None = None   # a replay: the recorded (step, micro-batch) it is
 
 
@@ -96,8 +96,7 @@ class RecordedLoader:
         self._seed = int(state["seed"])
         self._rng = _OwnRng(self._seed)
         self._pass_no, self._skip_to, self._number = int(state["pass"]), int(state["position"]), int(state["number"])
-        self._pass_start = state["pass_start"]
-        self._rng.state = state["pass_start"]
+        self._pass_start = self._rng.state = from_storable(state["pass_start"])
         self._schedule = deque(schedule)
 
     def position(self, first_unfinished: Batch | None) -> dict[str, Any]:
@@ -106,13 +105,13 @@ class RecordedLoader:
         if first_unfinished is not None:
             b = first_unfinished
             return {"seed": self._seed, "pass": b.pass_no, "position": b.position, "number": b.number,
-                    "pass_start": b.pass_start}
+                    "pass_start": storable(b.pass_start)}
         head = self._queue[0] if self._queue else None
         if head is not None:
             return {"seed": self._seed, "pass": head.pass_no, "position": head.position, "number": head.number,
-                    "pass_start": head.pass_start}
+                    "pass_start": storable(head.pass_start)}
         return {"seed": self._seed, "pass": self._pass_no, "position": self._position, "number": self._number,
-                "pass_start": self._pass_start}
+                "pass_start": storable(self._pass_start)}
 
     # -- the stream ----------------------------------------------------------------------------------
 
@@ -237,40 +236,64 @@ def _indices(sampled: Any) -> np.ndarray:
 
 # -- fetches seeded by their place in the stream ------------------------------------------------------
 
-def fetch_seed(seed: int, number: int, k: int) -> int:
-    """The seed of sample `k` of the stream's batch `number` (k = -1: the batch's collate)."""
-    digest = hashlib.blake2b(f"{seed}:{number}:{k}".encode(), digest_size=8).digest()
+def fetch_seed(seed: int, number: int) -> int:
+    """The seed of the stream's batch `number`: its samples are fetched, then collated, drawing from it."""
+    digest = hashlib.blake2b(f"{seed}:{number}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**63
 
 
 def _tagged(sampled: Any, seed: int, number: int, batched: bool) -> Any:
+    batch_seed = fetch_seed(seed, number)
     if not batched:
-        return _Tagged(int(sampled), fetch_seed(seed, number, 0), fetch_seed(seed, number, -1))
-    return [_Tagged(int(i), fetch_seed(seed, number, k), fetch_seed(seed, number, -1)) for k, i in enumerate(sampled)]
+        return _Tagged(int(sampled), batch_seed)
+    return [_Tagged(int(i), batch_seed) for i in sampled]
 
 
 @dataclass(frozen=True)
 class _Tagged:
     index: int
     seed: int
-    collate_seed: int
 
 
-@contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Python's, numpy's and torch's CPU generators seeded for one fetch, and put back after it."""
-    saved = cpu_rng_state()
+Raw = tuple[Any, Any, torch.Tensor]   # Python's, numpy's and torch's CPU generator states, as they give them
+
+
+def _raw() -> Raw:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_raw(state: Raw) -> None:
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
+def _seed(seed: int) -> Raw | None:
+    """Seed the CPU generators for a batch's fetch; returns the states to put back after its collate (none in a
+    worker process, whose generators serve the fetches alone)."""
+    saved = _raw() if torch.utils.data.get_worker_info() is None else None
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    try:
-        yield
-    finally:
-        set_rng_state(saved)
+    torch.default_generator.manual_seed(seed)   # the CPU's: torch.manual_seed would queue every CUDA device's too
+    return saved
+
+
+class _Fetched(list):
+    """A batch's samples on their way to the collate, with the generator states to put back after it."""
+
+    saved: Raw | None = None
+
+
+@dataclass
+class _One:
+    """A sample that is the batch (no automatic batching), on its way to the collate."""
+
+    sample: Any
+    saved: Raw | None
 
 
 class _SeededDataset(torch.utils.data.Dataset):
-    """The user's dataset, each sample fetched under its own seed; then the collate's seed stays set."""
+    """The user's dataset, each batch fetched (and then collated) under its own seed."""
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
@@ -281,11 +304,16 @@ class _SeededDataset(torch.utils.data.Dataset):
     def __getitem__(self, item: Any) -> Any:
         if not isinstance(item, _Tagged):   # a read of the script's own (a length grouping): as it was
             return self.dataset[item]
-        with _seeded(item.seed):
-            return _Collated(self.dataset[item.index], item.collate_seed)
+        saved = _seed(item.seed)
+        return _One(self.dataset[item.index], saved)
 
     def __getitems__(self, items: list[Any]) -> list[Any]:
-        return [self[item] for item in items]
+        if not items or not isinstance(items[0], _Tagged):
+            return [self.dataset[i] for i in items]
+        fetched = _Fetched()
+        fetched.saved = _seed(items[0].seed)
+        fetched.extend(self.dataset[item.index] for item in items)
+        return fetched
 
     def __getattr__(self, name: str) -> Any:   # unpickled in a worker: no attribute yet
         if name == "dataset":
@@ -293,26 +321,20 @@ class _SeededDataset(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
-@dataclass
-class _Collated:
-    sample: Any
-    collate_seed: int
-
-
 class _SeededCollate:
-    """The DataLoader's collate function, run under the batch's seed."""
+    """The DataLoader's collate function, drawing on from its batch's seed; then the generators are put back."""
 
     def __init__(self, collate: Callable[[Any], Any]):
         self.collate = collate
 
     def __call__(self, samples: Any) -> Any:
-        if isinstance(samples, _Collated):   # no automatic batching: one sample is the batch
-            with _seeded(samples.collate_seed):
-                return self.collate(samples.sample)
-        if not samples or not isinstance(samples[0], _Collated):
+        if not isinstance(samples, (_Fetched, _One)):
             return self.collate(samples)
-        with _seeded(samples[0].collate_seed):
-            return self.collate([s.sample for s in samples])
+        try:
+            return self.collate(samples.sample if isinstance(samples, _One) else list(samples))
+        finally:
+            if samples.saved is not None:
+                _set_raw(samples.saved)
 
 
 # -- the loader's own RNG --------------------------------------------------------------------------
@@ -321,18 +343,39 @@ class _OwnRng:
     """The loader's RNG states (Python's, numpy's, torch's CPU generator), swapped in while it samples."""
 
     def __init__(self, seed: int):
-        with _seeded(seed):
-            self.state = cpu_rng_state()
+        saved = _raw()
+        _seed(seed)
+        self.state = _raw()
+        _set_raw(saved)
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        saved = cpu_rng_state()
-        set_rng_state(self.state)
+        saved = _raw()
+        _set_raw(self.state)
         try:
             yield
         finally:
-            self.state = cpu_rng_state()
-            set_rng_state(saved)
+            self.state = _raw()
+            _set_raw(saved)
+
+
+def storable(state: Raw) -> dict[str, Any]:
+    """Generator states as a checkpoint keeps them (recorder/environment.py)."""
+    saved = _raw()
+    _set_raw(state)
+    try:
+        return cpu_rng_state()
+    finally:
+        _set_raw(saved)
+
+
+def from_storable(tree: dict[str, Any]) -> Raw:
+    saved = _raw()
+    set_rng_state(tree)
+    try:
+        return _raw()
+    finally:
+        _set_raw(saved)
 
 
 @contextmanager

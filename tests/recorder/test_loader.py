@@ -42,16 +42,16 @@ def _loader(sampler=None):
     return DataLoader(data, batch_size=BATCH, sampler=sampler if sampler is not None else RandomSampler(data))
 
 
-def _train(loop, model, optimizer, dl, stop_after=None, ahead=False):
+def _train(loop, model, optimizer, dl, stop_after=None, ahead=False, accum=ACCUM):
     """Steps as a script runs them; returns per step the samples and augmentations it trained on, and its loss."""
     seen, batches = {}, iter(loop.loader(dl))
     pending = next(batches) if ahead else None   # a prefetch: the first batch taken before the first step
     for step in loop.steps():
         micro, total = [], 0.0
-        for _ in range(ACCUM):
+        for _ in range(accum):
             x = next(batches) if pending is None else pending
             pending = next(batches) if ahead else None
-            loss = model(x / N).pow(2).mean() / ACCUM
+            loss = model(x / N).pow(2).mean() / accum
             loss.backward()
             total += loss.item()
             micro.append(x)
@@ -98,13 +98,13 @@ def test_a_distributed_sampler_is_told_the_epoch_by_the_loader(tmp_path):
     assert stored == expected
 
 
-def _replay(run, req, dl_sampler=None, draw_ahead=False):
+def _replay(run, req, dl_sampler=None, draw_ahead=False, accum=ACCUM):
     path = run / "replays" / replay_id(req)
     with writing(path, "a test's replay") as lease:   # as `replay run` prepares the replay's store
         prepare(run, req)
         model, optimizer = _parts()   # untrained: the checkpoint restores it
         loop = Loop(path, model, optimizer, total_steps=8, lease=lease.spec)
-        return _train(loop, model, optimizer, _loader(dl_sampler), ahead=draw_ahead), path
+        return _train(loop, model, optimizer, _loader(dl_sampler), ahead=draw_ahead, accum=accum), path
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "prefetched"])
@@ -117,11 +117,13 @@ def test_a_replay_continues_the_stream_from_a_checkpoint_inside_an_epoch(tmp_pat
     assert all(replayed[s] == recorded[s] for s in replayed)   # samples, augmentations, losses: bit for bit
 
 
-def test_a_replay_that_skips_a_step_trains_the_next_one_on_its_own_batches(tmp_path):
+@pytest.mark.parametrize("accum", [ACCUM, 3], ids=["within-an-epoch", "across-an-epochs-end"])
+def test_a_replay_that_skips_a_step_trains_the_next_one_on_its_own_batches(tmp_path, accum):
     model, optimizer = _parts()
     recorded = _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model,
-                      optimizer, _loader())
-    replayed, path = _replay(tmp_path / "run", ReplayRequest(start=3, stop=7, overrides=Overrides(skip=[4])))
+                      optimizer, _loader(), accum=accum)   # with 3: step 4 takes an epoch's last batch and the next's first
+    replayed, path = _replay(tmp_path / "run", ReplayRequest(start=3, stop=7, overrides=Overrides(skip=[4])),
+                             accum=accum)
     assert sorted(replayed) == [3, 5, 6, 7]
     assert all(replayed[s][:2] == recorded[s][:2] for s in replayed)   # each step's own samples and augmentations
     assert replayed[5][2] != recorded[5][2]   # trained without step 4's update
