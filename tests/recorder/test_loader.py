@@ -120,8 +120,9 @@ def test_a_replay_continues_the_stream_from_a_checkpoint_inside_an_epoch(tmp_pat
 @pytest.mark.parametrize("accum", [ACCUM, 3], ids=["within-an-epoch", "across-an-epochs-end"])
 def test_a_replay_that_skips_a_step_trains_the_next_one_on_its_own_batches(tmp_path, accum):
     model, optimizer = _parts()
+    # with accum 3, step 4 takes an epoch's last batch and the next epoch's first
     recorded = _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model,
-                      optimizer, _loader(), accum=accum)   # with 3: step 4 takes an epoch's last batch and the next's first
+                      optimizer, _loader(), accum=accum)
     replayed, path = _replay(tmp_path / "run", ReplayRequest(start=3, stop=7, overrides=Overrides(skip=[4])),
                              accum=accum)
     assert sorted(replayed) == [3, 5, 6, 7]
