@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerState
-from transformers.trainer_callback import ExportableState
 from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 from transformers.utils import WEIGHTS_NAME
 
@@ -207,7 +207,8 @@ class TrainerRecorder(TrainerCallback):
 def _trainer_checkpoint(trainer: Any, step: int, where: str) -> None:
     """A checkpoint of the Trainer's own format at `step` holding only its state and the model's current
     weights (which its resume loads first): no optimizer, scheduler, scaler or RNG files, so it loads none."""
-    exportable = [c for c in [*trainer.callback_handler.callbacks, trainer.control] if isinstance(c, ExportableState)]
+    exportable: list[Any] = [c for c in [*trainer.callback_handler.callbacks, trainer.control]   # as the Trainer does
+                             if isinstance(c, ExportableState)]
     state = TrainerState(global_step=step, max_steps=trainer.args.max_steps,
                          train_batch_size=trainer._train_batch_size, stateful_callbacks=exportable)
     state.compute_steps(trainer.args, trainer.args.max_steps)
