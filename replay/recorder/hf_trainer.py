@@ -3,17 +3,20 @@
     from replay.recorder.hf_trainer import TrainerRecorder
 
     recorder = TrainerRecorder("runs/hf", layout="hf-llama")
-    trainer = Trainer(model, args, train_dataset=recorder.dataset(train_dataset), callbacks=[recorder])
-    trainer.train()
+    trainer = Trainer(model, args, train_dataset=train_dataset)
+    recorder.train(trainer)                 # instead of trainer.train(): adds the callback, starts or resumes
 
-`recorder.dataset(...)` wraps a map-style dataset so that every batch the Trainer fetches is noted by its
-indices (the step's sample ids); in a replay it serves the recorded indices instead, from the start
-checkpoint's step on. The callback drives a `Loop` from the Trainer's events:
+The Trainer's training DataLoader is the loop's (`loop.loader`, recorder/loader.py, driven by the Trainer):
+its batch sampler is tapped, so each batch is noted by its dataset indices where it is sampled (worker
+processes, prefetch and persistent workers included), and each training forward of the model takes the
+next one: the step's sample ids. A checkpoint keeps where the data stream stands; a replay checks that the
+sampler yields the recorded indices. The callback drives a `Loop` from the Trainer's events:
 
-- at the first `on_step_begin`, the loop starts: a recording writes checkpoint 0, a replay restores the
-  parent's checkpoint at or before --from into the Trainer's model, optimizer and scheduler (and every
-  RNG) and sets the Trainer's step to it; every later `on_step_begin` takes the previous step's
-  checkpoint (on the cadence), so what ran after the step (evaluation, logging) is in it, as in the Loop;
+- at the first `on_step_begin`, the loop starts: a recording writes checkpoint 0, a resumed recording or a
+  replay restores its checkpoint (a replay's: the parent's at or before --from) into the Trainer's model,
+  optimizer, scheduler and loss scaler (fp16: accelerate's) and every RNG; every later `on_step_begin`
+  takes the previous step's checkpoint (on the cadence), so what ran after the step (evaluation, logging)
+  is in it, as in the Loop;
 - the per-step loss is the model's own loss of each micro-batch (a forward hook; their sum when the
   Trainer passes `num_items_in_batch`, as transformers 5 does for its causal-LM losses, else their mean),
   not the Trainer's logged average; the gradient norm is the one after the Trainer's clipping (read
@@ -22,130 +25,122 @@ checkpoint's step on. The callback drives a `Loop` from the Trainer's events:
   checkpoints (its `save_strategy` set to "no"): the store's checkpoints are the replay's. In a recording the Trainer's
   own checkpoints are the user's, written as their `TrainingArguments` say.
 
+A run that starts at a step S > 0 (a resumed recording, a replay from a later checkpoint) must find the
+Trainer at S's place in its epoch (its batch count within the epoch, a last step's fewer micro-batches),
+which only the Trainer's own resume reaches: `recorder.train` hands it a checkpoint of its own format
+holding nothing but the step and the model's current weights (a temporary directory, deleted after), so
+the Trainer skips to S itself and loads no optimizer, scheduler or RNG state; the loop then restores the
+store's checkpoint at S over all of it.
+
 A step a replay skips (`--skip`, and the data bisect's probes) still runs, as the Trainer runs every step
 it fetches, but without its update: its gradients are dropped before the optimizer step, and the
 scheduler moves on as the Trainer steps it.
 
 What a Trainer run cannot do that a loop of your own can (docs/your-loop.md): `--precision` (its autocast
-is accelerate's), resuming a killed recording or
-replay (the Trainer restarts its data from the beginning), fp16 (its loss scaler is inside accelerate),
-dataloader worker processes (the indices are noted in this process), and epochs that end with a smaller
-batch (use `dataloader_drop_last=True`).
+is accelerate's), resuming a replay, `ignore_data_skip=True` for a run that starts past step 0, and an
+iterable training dataset (no sampler to tap).
 """
 
 from __future__ import annotations
 
 import os
-from collections import deque
+import tempfile
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
+from transformers.utils import WEIGHTS_NAME
 
 from replay.errors import ReplayError, UsageError
-from replay.recorder.command import RESUME_ENV
+from replay.recorder.command import RESUME_ENV, STORE_ENV
+from replay.recorder.loader import RecordedLoader
 from replay.recorder.loop import Loop
-
-
-class RecordedDataset(torch.utils.data.Dataset):
-    """A map-style dataset whose fetched indices are noted, batch by batch (or, in a replay, replaced by the
-    recorded ones)."""
-
-    def __init__(self, dataset, owner: TrainerRecorder):
-        self.dataset, self.owner = dataset, owner
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):   # a read outside the DataLoader's batches (a length grouping): not noted
-        return self.dataset[index]
-
-    def __getitems__(self, indices: list[int]) -> list:   # what the DataLoader calls for each batch
-        indices = self.owner._fetched([int(i) for i in indices])
-        return [self.dataset[i] for i in indices]
+from replay.recorder.state import unwrap
+from replay.store import RunStore
 
 
 class TrainerRecorder(TrainerCallback):
     """Record a `transformers.Trainer` run into `store` (or replay it, started by `replay run`); the
     keyword arguments are the `Loop`'s (checkpoint_every, snapshot_every, snapshot_ring, spike, layout,
-    description, n_head). The run's length is the Trainer's `max_steps`; its precision its `bf16`/`fp16`."""
+    description, n_head, resume). The run's length is the Trainer's `max_steps`; its precision its
+    `bf16`/`fp16`. Start the Trainer with `recorder.train(trainer)`."""
 
     def __init__(self, store: str, **loop_options: Any):
         unknown = set(loop_options) - {"checkpoint_every", "snapshot_every", "snapshot_ring", "spike", "layout",
-                                       "description", "n_head"}
+                                       "description", "n_head", "resume"}
         if unknown:
             raise UsageError(f"TrainerRecorder does not take {', '.join(sorted(unknown))}")
         self.store, self.options = store, loop_options
         self.loop: Loop | None = None
-        self._dataset: RecordedDataset | None = None
-        self._batches: deque[list[int]] = deque()   # indices of the batches fetched and not yet trained on
-        self._serve: tuple[int, int] | None = None   # a replay: the (step, micro-batch) the next fetch gets
+        self._batches: RecordedLoader | None = None
         self._steps = None
         self._losses: list[torch.Tensor] = []
         self._summed = False
-        self._grad_norm = float("nan")
+        self._grad_norm: Any = float("nan")
         self._hooks: list = []
 
-    def dataset(self, dataset) -> RecordedDataset:
-        """The training dataset, as the Trainer must see it (map-style: indexable, with a length)."""
-        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise UsageError("TrainerRecorder.dataset(...) takes a map-style dataset (with __getitem__ and __len__)")
-        self._dataset = RecordedDataset(dataset, self)
-        return self._dataset
+    def train(self, trainer: Any, **train_kwargs: Any) -> Any:
+        """`trainer.train(**train_kwargs)`, recorded: a new recording from step 0; a resumed one (resume=True)
+        or a replay from where its checkpoint stands, through the Trainer's own resume (the module's
+        docstring). Adds this callback to the Trainer when it is not among its callbacks."""
+        if train_kwargs.get("resume_from_checkpoint"):
+            raise UsageError("recorder.train(trainer, resume_from_checkpoint=...): the store's run resumes from the "
+                             "store: TrainerRecorder(store, resume=True)")
+        train_kwargs.pop("resume_from_checkpoint", None)
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        start = self._start_step()
+        if start == 0:
+            return trainer.train(**train_kwargs)
+        if trainer.args.ignore_data_skip:
+            raise UsageError("TrainerRecorder: a run that starts at a later step needs the Trainer to skip its "
+                             "epoch's trained batches: leave ignore_data_skip=False")
+        with tempfile.TemporaryDirectory(prefix="replay-trainer-") as where:
+            _trainer_checkpoint(trainer, start, where)
+            return trainer.train(resume_from_checkpoint=where, **train_kwargs)
 
-    # -- the data ----------------------------------------------------------------------------------
-
-    def _fetched(self, indices: list[int]) -> list[int]:
-        if self._serve is not None and self.loop is not None and self.loop.window is not None:
-            step, micro = self._serve
-            if step <= self.loop.window.stop:   # past --to: the Trainer's prefetch, never trained on
-                recorded = self.loop.recorded_ids(step)[self.loop.rank]
-                if micro >= len(recorded) or len(recorded[micro]) != len(indices):
-                    raise ReplayError(f"step {step}: the Trainer fetches batch {micro} of {len(indices)} samples, the "
-                                      f"record has {len(recorded)} of {len(recorded[0])}: it does not run as recorded")
-                indices = recorded[micro].tolist()
-                self._serve = (step, micro + 1) if micro + 1 < len(recorded) else (step + 1, 0)
-        self._batches.append(indices)
-        return indices
+    def _start_step(self) -> int:
+        """The step the run's first `on_step_begin` restores: a replay's start checkpoint, a resumed
+        recording's last committed one, else 0."""
+        replay_store = os.environ.get(STORE_ENV)
+        if replay_store:
+            store = RunStore.open(Path(replay_store))
+            if os.environ.get(RESUME_ENV) == "1":
+                committed = store.checkpoints()
+                if committed:
+                    return committed[-1].step
+            spec = store.manifest.replay
+            assert spec is not None, "a replay's store has its spec"
+            return spec.start_checkpoint
+        if not self.options.get("resume") or not (Path(self.store) / "zarr.json").is_file():
+            return 0
+        committed = RunStore.open(Path(self.store)).checkpoints()
+        return committed[-1].step if committed else 0
 
     # -- the Trainer's events ----------------------------------------------------------------------
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if self._dataset is None:
-            raise UsageError("TrainerRecorder: pass the training dataset through recorder.dataset(...) to the Trainer")
-        if args.dataloader_num_workers:
-            raise UsageError("TrainerRecorder notes the sample ids in the training process: set "
-                             "dataloader_num_workers=0")
-        batch = args.per_device_train_batch_size * args.world_size
-        if not args.dataloader_drop_last and len(self._dataset) % batch:
-            raise UsageError(f"the training set's {len(self._dataset)} samples do not split into batches of {batch}: "
-                             "set dataloader_drop_last=True, so that every step has the same batch")
-        batches, accumulate = len(self._dataset) // batch, args.gradient_accumulation_steps
-        if batches % accumulate and state.max_steps > batches // accumulate:
-            raise UsageError(f"an epoch's {batches} batches do not split into steps of {accumulate} "
-                             "(gradient_accumulation_steps), and the run is longer than an epoch: every step must "
-                             "train on as many micro-batches; change the dataset size or the accumulation")
-        if args.fp16:
-            raise UsageError("TrainerRecorder: fp16 training keeps its loss scaler inside accelerate, where a "
-                             "checkpoint cannot reach it; train in bf16 or fp32")
-        if state.global_step:
-            raise UsageError("TrainerRecorder: trainer.train(resume_from_checkpoint=...) is not supported: the store's "
-                             "run starts at step 0 (record a new run)")
-        precision = "bf16" if args.bf16 else "fp32"
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
+                       train_dataloader=None, **kwargs):
+        start = self._start_step()
+        if state.global_step != start:
+            raise UsageError(f"TrainerRecorder: the Trainer starts at step {state.global_step}, the store's run at "
+                             f"step {start}: start it with recorder.train(trainer), not trainer.train(...)")
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.loop = Loop(self.store, model, getattr(optimizer, "optimizer", optimizer), scheduler=lr_scheduler,
+                         scaler=getattr(optimizer, "scaler", None),   # accelerate's (fp16), kept by its optimizer
                          total_steps=state.max_steps, precision=precision, yield_skipped=True, **self.options)
-        self._batches.clear()
-        window = self.loop.window
-        if window is not None:
-            try:
+        try:
+            if self.loop.window is not None:
                 self._check_replay(self.loop)
-            except BaseException:
-                self.loop.close()
-                raise
-            args.save_strategy = SaveStrategy.NO   # the store's checkpoints are the replay's; the Trainer's stay
-            self._serve = (window.start_checkpoint, 0)
+                args.save_strategy = SaveStrategy.NO   # the store's checkpoints are the replay's; the Trainer's stay
+            self._batches = self.loop.loader(getattr(train_dataloader, "base_dataloader", train_dataloader)).driven()
+        except BaseException:
+            self.loop.close()
+            raise
         self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        model.register_forward_hook(self._after_forward)]
         self._steps = self.loop.steps()
@@ -159,7 +154,9 @@ class TrainerRecorder(TrainerCallback):
             raise ReplayError("a Trainer run's replay cannot be resumed: discard it and run it again")
 
     def _before_forward(self, module, args, kwargs):
-        if module.training:
+        if module.training and torch.is_grad_enabled():   # a training micro-batch: the stream's next batch
+            assert self._batches is not None, "the loader is tapped at the training's start"
+            self._batches.take()
             self._summed = kwargs.get("num_items_in_batch") is not None
 
     def _after_forward(self, module, args, output):
@@ -168,16 +165,8 @@ class TrainerRecorder(TrainerCallback):
             self._losses.append(loss.detach().float())
 
     def on_step_begin(self, args, state, control, **kwargs):
-        step = next(self._steps)   # the first: restores a replay's checkpoint; later ones: the last step's
-        if state.global_step != step:
-            state.global_step = step
-        for _ in range(args.gradient_accumulation_steps):
-            if not self._batches:
-                raise ReplayError(f"step {step}: the Trainer trains on a batch that was not fetched through "
-                                  "recorder.dataset(...)")
-            ids = np.asarray(self._batches.popleft(), dtype=np.int64)
-            if not self.loop.skipping:   # a skipped step's ids are the record's, noted by the loop
-                self.loop.sample_ids(ids)
+        step = next(self._steps)   # the first: restores the start checkpoint; later ones: the last step's
+        assert state.global_step == step, "the Trainer starts at the store's step (recorder.train)"
         self._losses = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -213,3 +202,15 @@ class TrainerRecorder(TrainerCallback):
                 hook.remove()
             if self.loop is not None:
                 self.loop.close()
+
+
+def _trainer_checkpoint(trainer: Any, step: int, where: str) -> None:
+    """A checkpoint of the Trainer's own format at `step` holding only its state and the model's current
+    weights (which its resume loads first): no optimizer, scheduler, scaler or RNG files, so it loads none."""
+    exportable: list[Any] = [c for c in [*trainer.callback_handler.callbacks, trainer.control]   # as the Trainer does
+                             if isinstance(c, ExportableState)]
+    state = TrainerState(global_step=step, max_steps=trainer.args.max_steps,
+                         train_batch_size=trainer._train_batch_size, stateful_callbacks=exportable)
+    state.compute_steps(trainer.args, trainer.args.max_steps)
+    state.save_to_json(os.path.join(where, TRAINER_STATE_NAME))
+    torch.save(unwrap(trainer.model).state_dict(), os.path.join(where, WEIGHTS_NAME))   # on every rank

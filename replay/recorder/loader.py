@@ -21,7 +21,10 @@ What makes a stream replayable from any checkpoint:
   (DistributedSampler), as accelerate does: the loader, not the script, numbers the passes.
 
 The loader is an endless stream: `iter(loop.loader(dl))` passes over the data again and again, starting
-each pass itself; `len()` and every other attribute are the DataLoader's.
+each pass itself; `len()` and every other attribute are the DataLoader's. A driver that iterates the
+DataLoader itself, epoch by epoch (the Trainer: recorder/hf_trainer.py), uses the same tap through
+`driven()`: each time it iterates the DataLoader a pass begins, and it calls `take()` for every batch it
+trains on, in order.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class RecordedLoader:
         self._skip_to = 0                     # a restored pass: positions sampled past before the first yield
         self._schedule: deque[Scheduled] = deque()   # a replay's recorded batches, in stream order
         self._it: Iterator[Any] | None = None
+        self._driving = False     # the DataLoader is iterated by a driver (`driven`), not by this stream
+        self._driven_passes = 0   # how many passes the driver began
         tap = _Tap(self._inner, self._sample_pass)
         object.__setattr__(dataloader, "batch_sampler" if self._batched else "sampler", tap)   # past its guard:
         object.__setattr__(dataloader, "dataset", _SeededDataset(dataloader.dataset))        # never iterated yet
@@ -113,12 +118,42 @@ class RecordedLoader:
         return {"seed": self._seed, "pass": self._pass_no, "position": self._position, "number": self._number,
                 "pass_start": storable(self._pass_start)}
 
+    # -- a driver's passes ----------------------------------------------------------------------------
+
+    def driven(self) -> RecordedLoader:
+        """Leave the passes to a driver that iterates the DataLoader itself, epoch by epoch: each iteration
+        is the stream's next pass (the first, a restored one, yields the batches before the checkpoint's
+        position unnoted, for the driver to skip itself: accelerate's `skip_first_batches`), the driver
+        calls `take()` for every batch it trains on, in order, and runs the batches of a step the replay
+        skips too (its update left out). Called before the DataLoader is iterated."""
+        assert self._it is None and not self._driving, "driven before any batch is sampled"
+        self._driving = True
+        return self
+
+    def take(self) -> None:
+        """A driven loader: the driver trains on the stream's next batch."""
+        assert self._driving, "take() is a driver's; the stream takes its own batches"
+        if not self._queue:
+            raise ReplayError("a batch is trained on that the training DataLoader's sampler did not yield: it is "
+                              "not the DataLoader the loop taps")
+        self._take(self._queue.popleft())
+
+    def _driver_pass(self) -> None:
+        """A driven loader: the driver iterates the DataLoader again, the stream's next pass."""
+        if self._driven_passes:
+            self._pass_no, self._skip_to = self._pass_no + 1, 0
+            self._pass_start = self._rng.state
+        self._driven_passes += 1
+        self._position = 0
+        self._queue.clear()
+
     # -- the stream ----------------------------------------------------------------------------------
 
     def __iter__(self) -> RecordedLoader:
         return self
 
     def __next__(self) -> Any:
+        assert not self._driving, "a driven loader's DataLoader is iterated by its driver"
         while True:
             if self._it is None:
                 self._begin_pass()
@@ -154,16 +189,21 @@ class RecordedLoader:
 
     def _sample_pass(self) -> Iterator[Any]:
         """The tap's pass: the inner sampler's batches, noted (and, in a replay, checked against the record's)."""
-        inner: Iterator[Any] | None = None
+        if self._driving:
+            self._driver_pass()
         pass_no, pass_start = self._pass_no, self._pass_start
+        with self._rng.active():
+            inner = iter(self._inner)
+        for _ in range(self._skip_to):   # a restored pass: on to the checkpoint's position
+            with self._rng.active():
+                sampled = next(inner, None)
+            if sampled is None:
+                return
+            if self._driving:   # unnoted: the driver skips them itself
+                yield sampled
+        self._position = self._skip_to
         while True:
             with self._rng.active():
-                if inner is None:
-                    inner = iter(self._inner)
-                    for _ in range(self._skip_to):   # a restored pass: on to the checkpoint's position
-                        if next(inner, None) is None:
-                            return
-                    self._position = self._skip_to
                 sampled = self._sample_past_skipped(inner)
             if sampled is None:
                 return
@@ -186,9 +226,10 @@ class RecordedLoader:
     def _sample_past_skipped(self, inner: Iterator[Any]) -> Any:
         """The sampler's next batch to hand out (None at the pass's end); in a replay, past the batches of the
         steps it skips, sampled as the record took them (the stream's numbering and the sampler stay the
-        record's; a skipped step's batches left at a pass's end are the next pass's first)."""
+        record's; a skipped step's batches left at a pass's end are the next pass's first). A driver trains
+        on them, without their update: to it they are handed out as any other."""
         sampled = next(inner, None)
-        while sampled is not None and self._schedule and self._schedule[0].skipped:
+        while sampled is not None and not self._driving and self._schedule and self._schedule[0].skipped:
             self._schedule.popleft()
             self._number += 1
             self._position += 1

@@ -1,5 +1,7 @@
-"""TrainerRecorder misused: the callback fails in one line before anything trains, in this process (the
-Trainer stops at its first event). Its runs recorded and replayed: test_hf_trainer_integration.py."""
+"""TrainerRecorder in this process: misuse fails in one line before anything trains (the Trainer stops at
+its first event), a run's precision and loss scaler are the Trainer's, and an fp16 run on a GPU resumes
+with accelerate's loss scaler as it was. The example's runs recorded, killed, resumed and replayed:
+test_hf_trainer_integration.py."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import pytest
 import torch
 
 from replay.errors import UsageError
+from replay.store import RunStore
+from tests.conftest import tree_snapshot
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -17,30 +21,89 @@ class _Tokens(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, i):
-        x = torch.arange(8) % 16
+        x = (torch.arange(8) + i) % 16
         return {"input_ids": x, "labels": x}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"wrap": False}, "pass the training dataset through recorder.dataset"),
-    ({"dataloader_num_workers": 1}, "set dataloader_num_workers=0"),
-    ({"samples": 10}, "do not split into batches of 4: set dataloader_drop_last=True"),
-    ({"samples": 12, "gradient_accumulation_steps": 2}, r"3 batches do not split into steps of 2"),
-])
-def test_misuse_is_one_error_before_the_store_exists(tmp_path, change, message):
+def _trainer(tmp_path, callbacks=(), **args):
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    options = {"max_steps": 4, "per_device_train_batch_size": 4, "report_to": "none", "use_cpu": True,
+               "save_strategy": "no", "seed": 0, **args}
+    return Trainer(model=AutoModelForCausalLM.from_config(config), args=TrainingArguments(
+        output_dir=str(tmp_path / "out"), **options), train_dataset=_Tokens(10), callbacks=list(callbacks))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """4 steps over 10 samples (batches of 4, 4, 2), checkpoints 0, 2, 4."""
+    from replay.recorder.hf_trainer import TrainerRecorder
+
+    tmp = tmp_path_factory.mktemp("recorded")
+    TrainerRecorder(str(tmp / "run"), checkpoint_every=2).train(_trainer(tmp))
+    return tmp / "run"
+
+
+def test_a_recording_through_recorder_train_adds_the_callback_and_keeps_a_partial_batch(recorded):
+    store = RunStore.open(recorded)
+    assert store.manifest.status == "complete" and store.manifest.config.precision == "fp32"
+    assert [c.step for c in store.checkpoints()] == [0, 2, 4]
+    ids = store.read_steps(["sample_ids"])["sample_ids"][:, 0, 0]
+    assert sorted(ids[:3][ids[:3] >= 0].tolist()) == list(range(10)) and (ids[2] >= 0).sum() == 2
+
+
+@pytest.mark.parametrize("how, message", [
+    ("directly", r"the Trainer starts at step 0, the store's run at step 4: start it with recorder.train\(trainer\)"),
+    ("ignore_data_skip", "leave ignore_data_skip=False"),
+    ("resume_from_checkpoint", r"resumes from the store: TrainerRecorder\(store, resume=True\)"),
+])
+def test_a_resume_the_trainer_cannot_reach_is_one_error_and_leaves_the_store_as_it_was(recorded, tmp_path, how,
+                                                                                         message):
+    from replay.recorder.hf_trainer import TrainerRecorder
+
+    before = tree_snapshot(recorded)
+    recorder = TrainerRecorder(str(recorded), resume=True)
+    trainer = _trainer(tmp_path, callbacks=[recorder], ignore_data_skip=how == "ignore_data_skip")
+    with pytest.raises(UsageError, match=message):
+        if how == "directly":
+            trainer.train()
+        else:
+            recorder.train(trainer, **({"resume_from_checkpoint": "elsewhere"} if how != "ignore_data_skip" else {}))
+    assert tree_snapshot(recorded) == before
+
+
+def test_an_unknown_option_is_refused():
+    from replay.recorder.hf_trainer import TrainerRecorder
+
+    with pytest.raises(UsageError, match="TrainerRecorder does not take every"):
+        TrainerRecorder("run", every=3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (accelerate's fp16 loss scaler)"))])
+def test_an_fp16_run_keeps_accelerates_loss_scaler_and_resumes_bit_for_bit(tmp_path, device):
+    """Stopped after step 1 (its checkpoint, 2, written) and resumed: the weights and the loss scaler's state
+    at checkpoint 4 are the uninterrupted run's (on a CPU accelerate keeps no scaler: nothing to keep)."""
+    from transformers import TrainerCallback
 
     from replay.recorder.hf_trainer import TrainerRecorder
 
-    config = AutoConfig.for_model("llama", vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
-                             report_to="none", use_cpu=True,
-                             **{k: v for k, v in change.items() if k not in ("wrap", "samples")})
-    recorder = TrainerRecorder(str(tmp_path / "run"))
-    data = _Tokens(change.get("samples", 16))
-    trainer = Trainer(model=AutoModelForCausalLM.from_config(config), args=args,
-                      train_dataset=recorder.dataset(data) if change.get("wrap", True) else data, callbacks=[recorder])
-    with pytest.raises(UsageError, match=message):
-        trainer.train()
-    assert not (tmp_path / "run").exists()
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    gpu = {"use_cpu": device == "cpu", "fp16": True}
+    TrainerRecorder(str(tmp_path / "whole"), checkpoint_every=2).train(_trainer(tmp_path, **gpu))
+    TrainerRecorder(str(tmp_path / "cut"), checkpoint_every=2).train(_trainer(tmp_path, callbacks=[Stop()], **gpu))
+    assert RunStore.open(tmp_path / "cut").manifest.status == "running"
+    TrainerRecorder(str(tmp_path / "cut"), checkpoint_every=2, resume=True).train(_trainer(tmp_path, **gpu))
+    whole, cut = (RunStore.open(tmp_path / name).read_shard(4, 0)["state"]["replicated"] for name in ("whole", "cut"))
+    assert RunStore.open(tmp_path / "whole").manifest.config.precision == "fp16"
+    if device == "cuda":
+        assert whole["scaler"] == cut["scaler"] and whole["scaler"]["scale"] > 0
+    else:
+        assert "scaler" not in whole
+    assert all(torch.equal(whole["model"][k], cut["model"][k]) for k in whole["model"])

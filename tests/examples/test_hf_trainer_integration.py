@@ -1,6 +1,8 @@
 """examples/hf_trainer: a transformers Trainer run of a Llama built from a config, recorded through
-TrainerRecorder in one process and under torchrun, and replayed by the product's commands through the
-recorded command (misuse of the callback: test_hf_trainer.py)."""
+TrainerRecorder in one process (two DataLoader workers, 18 samples in batches of 4 and steps of 2: every
+epoch's last step trains on one micro-batch of 2 samples) and under torchrun, killed and resumed, and
+replayed by the product's commands through the recorded command (misuse of the callback:
+test_hf_trainer.py)."""
 
 from __future__ import annotations
 
@@ -17,15 +19,31 @@ import torch
 
 from replay.analysis.results import read_metrics
 from replay.store import RunStore
+from replay.store.run_store import micro_batches
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
 
 EXAMPLE = REPO / "examples" / "hf_trainer"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 BLOCK = 32
+SAMPLES = 18   # 5 batches of 4 an epoch, the last of 2: 3 steps of 2 micro-batches, the last of one
+SMALL_EPOCHS = (f"--samples={SAMPLES}", "--dataloader_num_workers=2")
+# the example under a callback that ends its process (os._exit, no cleanup) as the Trainer begins a step
+KILLED = """
+import os, runpy, sys, transformers
+class Kill(transformers.TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == int(os.environ["KILL_AT"]):
+            os._exit(9)
+init = transformers.Trainer.__init__
+transformers.Trainer.__init__ = lambda self, *a, **k: (init(self, *a, **k), self.add_callback(Kill()))[0]
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
-def _train(workdir: Path, *args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def _train(workdir: Path, *args: str, launcher: list[str] | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([*(launcher or [sys.executable]), str(EXAMPLE / "train.py"), *args], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -35,17 +53,18 @@ def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_trainer")
 
 
-def _record(runs: Path, token_file: Path, name: str, *args: str, launcher: list[str] | None = None) -> Path:
+def _record(runs: Path, token_file: Path, name: str, *args: str, launcher: list[str] | None = None,
+            env: dict[str, str] | None = None, returncode: int = 0) -> Path:
     store = runs / name
     done = _train(runs, f"--data={token_file}", f"--store={store}", f"--output_dir={store}-out",
-                  "--max_steps=20", "--checkpoint_every=10", *args, launcher=launcher)
-    assert done.returncode == 0, done.stderr
+                  "--max_steps=20", "--checkpoint_every=10", *args, launcher=launcher, env=env)
+    assert done.returncode == returncode, done.stderr
     return store
 
 
 @pytest.fixture(scope="module")
 def one_process(runs, token_file) -> Path:
-    return _record(runs, token_file, "one", "--save_steps=5")   # the Trainer's own checkpoints too
+    return _record(runs, token_file, "one", "--save_steps=5", *SMALL_EPOCHS)   # the Trainer's own checkpoints too
 
 
 def _first_step_loss(store: RunStore, token_file: Path) -> float:
@@ -76,15 +95,21 @@ def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_proces
     steps = store.read_steps(["sample_ids", "loss"])
     ids = steps["sample_ids"]
     n_blocks = (token_file.stat().st_size // 2 - 1) // BLOCK
-    assert ids.shape == (20, 1, 2, 4) and ids.min() >= 0 and ids.max() < n_blocks
-    assert len(np.unique(ids[:3])) == 24   # a shuffled epoch: no sample twice
+    assert ids.shape == (20, 1, 2, 4) and ids.max() < SAMPLES < n_blocks
+    for epoch in range(6):   # every sample once an epoch, in another order each time; its last step is partial
+        its = ids[3 * epoch:3 * epoch + 3, 0]
+        assert sorted(its[its >= 0].tolist()) == list(range(SAMPLES))
+        assert [[len(b) for b in micro_batches(step)] for step in its] == [[4, 4], [4, 4], [2]]
+    assert not np.array_equal(ids[0], ids[3])
     assert steps["loss"][0] == pytest.approx(_first_step_loss(store, token_file), rel=1e-5)
     saved = sorted(p.name for p in Path(f"{one_process}-out").glob("checkpoint-*"))
     assert saved == [f"checkpoint-{s}" for s in (10, 15, 20, 5)]
 
 
 def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_process):
-    """...and neither replay writes a checkpoint of the Trainer's own into the recording's output_dir."""
+    """From checkpoint 10 (the middle of an epoch: the Trainer skips to it itself) over two epoch ends
+    (steps 11 and 14 train on 2 samples), the DataLoader's workers fetching ahead; neither replay writes a
+    checkpoint of the Trainer's own into the recording's output_dir."""
     trainer_out = tree_snapshot(Path(f"{one_process}-out"))
     result = replay_cli("run", str(one_process), "--from", "12", "--to", "15", "--verify", "--json")
     assert result.returncode == 0, result.stderr
@@ -95,6 +120,29 @@ def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_pr
     v = json.loads(result.stdout)["verification"]
     assert not v["bitwise"] and v["divergence"]["step"] == 12
     assert tree_snapshot(Path(f"{one_process}-out")) == trainer_out
+
+
+def test_a_killed_recording_resumes_from_the_store_bit_for_bit(one_process, runs, token_file):
+    """Killed as step 18 begins (checkpoint 10, 2 batches into its epoch, committed), then run again
+    with --resume=True: its steps and final weights are the uninterrupted recording's, bit for bit."""
+    wrapper = runs / "killed.py"
+    wrapper.write_text(KILLED)
+    store = runs / "killed"
+    args = (f"--data={token_file}", f"--store={store}", f"--output_dir={store}-out", "--max_steps=20",
+            "--checkpoint_every=10", "--save_steps=5", *SMALL_EPOCHS)
+    done = _train(runs, *args, launcher=[sys.executable, str(wrapper)], env={"KILL_AT": "18"})
+    assert done.returncode == 9, done.stderr
+    killed = RunStore.open(store)
+    assert killed.manifest.status == "running" and [c.step for c in killed.checkpoints()][-1] == 10
+    done = _train(runs, *args, "--resume=True")
+    assert done.returncode == 0, done.stderr
+    ours, theirs = RunStore.open(store), RunStore.open(one_process)
+    assert ours.manifest.status == "complete" and [r.from_step for r in ours.manifest.resumes] == [10]
+    fields = ["sample_ids", "loss", "grad_norm", "lr"]
+    mine, record = ours.read_steps(fields), theirs.read_steps(fields)
+    assert all(np.array_equal(mine[f], record[f]) for f in fields)
+    after, expected = (s.read_shard(20, 0)["state"]["replicated"]["model"] for s in (ours, theirs))
+    assert all(torch.equal(after[k], expected[k]) for k in expected)
 
 
 def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bit(runs, token_file):
