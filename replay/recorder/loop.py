@@ -306,7 +306,7 @@ class Loop:
         if window is None:
             return (-1 if step is None else step), index
         if step is None:
-            step = window.start_checkpoint
+            step = self.recorder.first_step()   # the start checkpoint's, or a resumed replay's own last
         else:
             trained = len(self._mode.recorded_batches(step))
             if index < trained:
@@ -325,12 +325,12 @@ class Loop:
                              f"starts from has {ahead} drawn ahead: run the script as it was recorded")
 
     def _schedule(self) -> list[Scheduled]:
-        """A replay: the record's batches from its start checkpoint to its window's end, in stream order."""
+        """A replay: the record's batches from the checkpoint it restores to its window's end, in stream order."""
         window = self._mode.window
         if window is None:
             return []
         return [Scheduled(step, micro, ids, step in window.skip)
-                for step in range(window.start_checkpoint, window.stop + 1)
+                for step in range(self.recorder.first_step(), window.stop + 1)
                 for micro, ids in enumerate(self._mode.recorded_batches(step))]
 
     def _checkpointed(self) -> dict[str, Any]:

@@ -119,6 +119,7 @@ class Recorder:
         self._extra = extra   # what the caller keeps in every checkpoint besides the state (recorder/loop.py)
         self._ids_shape: tuple[int, int] | None = None   # (micro, sample) of every step's ids, padded
         self._shard: tuple[int, dict[str, Any]] | None = None   # the checkpoint `start` restores, read ahead
+        self._restores: list[tuple[RunStore, int] | None] = []   # which one that is, once known
 
     # -- start and stop ----------------------------------------------------------------------------
 
@@ -135,11 +136,17 @@ class Recorder:
         return source[1]
 
     def _source(self) -> tuple[RunStore, int] | None:
-        """The checkpoint `start` restores: a replay's parent's, a resumed run's last committed, or none."""
-        if self.start_from is not None:
-            return self.start_from
-        committed = self.store.checkpoints() if self.resume else []
-        return (self.store, committed[-1].step) if committed else None
+        """The checkpoint `start` restores: a replay's parent's, a resumed run's last committed, or none (read
+        once: the checkpoints committed later are the run's own)."""
+        if not self._restores:
+            committed = self.store.checkpoints() if self.resume and self.start_from is None else []
+            self._restores = [self.start_from or ((self.store, committed[-1].step) if committed else None)]
+        return self._restores[0]
+
+    def first_step(self) -> int:
+        """The step `start` returns: that of the checkpoint it restores, or 0."""
+        source = self._source()
+        return 0 if source is None else source[1]
 
     def restored_extra(self) -> dict[str, Any] | None:
         """What the caller kept (`extra`) in the checkpoint `start` will restore; None for a new run. Read

@@ -184,3 +184,26 @@ def test_replay_batch_shows_an_epochs_smaller_last_batch_without_its_padding(tmp
                   _loader())
     rows = step_batch(str(tmp_path / "run"), 1)   # batches of 3 and 1: the epoch's last
     assert [[r["sample_id"] for r in rows if r["micro"] == m] for m in (0, 1)] == seen[1][0]
+
+
+def test_a_replay_stopped_and_resumed_continues_from_its_own_checkpoint(tmp_path):
+    model, optimizer = _parts()
+    recorded = _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model,
+                      optimizer, _loader())
+    replays = {}
+    for name, stop_after in (("whole", None), ("cut", 3)):
+        req = ReplayRequest(start=3, stop=7, checkpoint_every=2, name=name, overrides=Overrides(skip=[4]))
+        with writing(tmp_path / "run" / "replays" / name, "a test's replay") as lease:
+            prepare(tmp_path / "run", req)
+            model, optimizer = _parts()
+            replays[name] = _train(Loop(tmp_path / "run" / "replays" / name, model, optimizer, total_steps=8,
+                                        lease=lease.spec), model, optimizer, _loader(), stop_after=stop_after)
+    assert sorted(replays["cut"]) == [3]   # stopped after step 3, whose checkpoint 4 is its last
+    req = ReplayRequest(start=3, stop=7, checkpoint_every=2, name="cut", overrides=Overrides(skip=[4]), resume=True)
+    with writing(tmp_path / "run" / "replays" / "cut", "a test's replay") as lease:
+        prepare(tmp_path / "run", req)
+        model, optimizer = _parts()
+        resumed = _train(Loop(tmp_path / "run" / "replays" / "cut", model, optimizer, total_steps=8,
+                              lease=lease.spec, resume=True), model, optimizer, _loader())
+    assert sorted(resumed) == [5, 6, 7] and all(resumed[s] == replays["whole"][s] for s in resumed)
+    assert all(resumed[s][:2] == recorded[s][:2] for s in resumed)   # each step's own samples
