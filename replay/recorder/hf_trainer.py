@@ -103,6 +103,12 @@ class TrainerRecorder(TrainerCallback):
             _trainer_checkpoint(trainer, start, where)
             return trainer.train(resume_from_checkpoint=where, **train_kwargs)
 
+    @staticmethod
+    def dataset(dataset: Any) -> Any:
+        """The training dataset, unchanged: scripts written for an earlier `replay` passed it through here; the
+        Trainer's DataLoader is what is recorded now."""
+        return dataset
+
     def _start_step(self) -> int:
         """The step the run's first `on_step_begin` restores: a replay's start checkpoint, a resumed
         recording's last committed one, else 0."""

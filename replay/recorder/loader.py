@@ -178,10 +178,10 @@ class RecordedLoader:
         return getattr(self._dl, name)
 
     def _begin_pass(self) -> None:
-        if hasattr(self._dl.sampler, "set_epoch") and not isinstance(self._dl.sampler, _Tap):
-            self._dl.sampler.set_epoch(self._pass_no)
-        elif self._batched and hasattr(getattr(self._inner, "sampler", None), "set_epoch"):
-            self._inner.sampler.set_epoch(self._pass_no)
+        # the sampler told its epoch: a batch sampler's own (or the sampler it batches), or the plain sampler
+        told = self._inner if hasattr(self._inner, "set_epoch") else getattr(self._inner, "sampler", None)
+        if hasattr(told, "set_epoch"):
+            told.set_epoch(self._pass_no)
         self._position = 0
         self._queue.clear()
         with _training_rng_kept():   # the DataLoader draws its workers' base seed from the global generator
