@@ -156,8 +156,6 @@ class TrainerRecorder(TrainerCallback):
         if loop.store.manifest.config.precision != loop.precision:
             raise ReplayError("--precision: a Trainer run's autocast is accelerate's (TrainingArguments' bf16), "
                               "which a replay cannot change")
-        if os.environ.get(RESUME_ENV) == "1":
-            raise ReplayError("a Trainer run's replay cannot be resumed: discard it and run it again")
 
     def _before_forward(self, module, args, kwargs):
         if module.training and torch.is_grad_enabled():   # a training micro-batch: the stream's next batch

@@ -145,6 +145,23 @@ def test_a_killed_recording_resumes_from_the_store_bit_for_bit(one_process, runs
     assert all(torch.equal(after[k], expected[k]) for k in expected)
 
 
+def test_a_killed_replay_resumes_from_its_own_checkpoint_to_the_uninterrupted_one(one_process):
+    """A replay killed as it commits checkpoint 16, resumed from its 14 (the Trainer skipping to it in its
+    epoch again), equals the same replay run through, over the epoch ends after steps 14 and 17."""
+    window = ["--from", "11", "--to", "19", "--checkpoint-every", "2", "--skip", "13"]
+    whole = replay_cli("run", str(one_process), *window, "--name", "whole")
+    assert whole.returncode == 0, whole.stderr
+    killed = replay_cli("run", str(one_process), *window, "--name", "cut", env={"REPLAY_FAULT": "before-commit:16:0"})
+    assert killed.returncode != 0
+    resumed = replay_cli("run", str(one_process), *window, "--name", "cut", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = (RunStore.open(one_process / "replays" / name) for name in ("whole", "cut"))
+    assert [r.from_step for r in b.manifest.resumes] == [14]
+    fields = ["sample_ids", "loss", "grad_norm", "lr"]
+    x, y = a.read_steps(fields), b.read_steps(fields)
+    assert all(np.array_equal(x[f], y[f], equal_nan=True) for f in fields)
+
+
 def test_under_torchrun_each_rank_records_its_own_indices_and_replays_bit_for_bit(runs, token_file):
     store = _record(runs, token_file, "ddp", launcher=TORCHRUN)
     m = RunStore.open(store).manifest
