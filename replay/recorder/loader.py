@@ -179,7 +179,7 @@ class RecordedLoader:
 
     def _begin_pass(self) -> None:
         # the sampler told its epoch: a batch sampler's own (or the sampler it batches), or the plain sampler
-        told = self._inner if hasattr(self._inner, "set_epoch") else getattr(self._inner, "sampler", None)
+        told: Any = self._inner if hasattr(self._inner, "set_epoch") else getattr(self._inner, "sampler", None)
         if hasattr(told, "set_epoch"):
             told.set_epoch(self._pass_no)
         self._position = 0

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from replay.config import Launcher, RunConfig
+from replay.store.sharding import Sharding
 
 SCHEMA = 2
 READABLE = (1, 2)
@@ -98,6 +99,7 @@ class Manifest:
     command: CommandInfo | None = None   # a loop of the user's own (recorder/loop.py): how to start it again
     layout: dict[str, Any] | None = None  # where its attention weights live (store/layout.py)
     model: ModelInfo | None = None       # a transformers model of the user's own: what the analysis probe needs
+    sharding: Sharding | None = None     # a model sharded across ranks: each rank's pieces (store/sharding.py)
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -118,6 +120,8 @@ class Manifest:
             out["layout"] = self.layout
         if self.model is not None:
             out["model"] = asdict(self.model)
+        if self.sharding is not None:
+            out["sharding"] = self.sharding.to_dict()
         if self.replay is not None:
             spec = asdict(self.replay)
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
@@ -139,7 +143,8 @@ class Manifest:
                    environment=d.get("environment") or {}, launch_id=d.get("launch_id"),
                    steps_recorded=d.get("steps_recorded"), replay=replay,
                    command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"),
-                   model=ModelInfo(**d["model"]) if d.get("model") else None)
+                   model=ModelInfo(**d["model"]) if d.get("model") else None,
+                   sharding=Sharding.from_dict(d["sharding"]) if d.get("sharding") else None)
 
     @property
     def replay_spec(self) -> ReplaySpec:

@@ -47,8 +47,10 @@ from replay.errors import ChecksumError, StoreError, UsageError
 from replay.store.capabilities import Capabilities
 from replay.store.chunks import chunking, read_chunks, write_chunks
 from replay.store.integrity import crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal, write_file
+from replay.store.layout import model_key
 from replay.store.manifest import READABLE, SCHEMA, Manifest
 from replay.store.nodes import attributes, member
+from replay.store.sharding import assemble, local_key
 
 # The tensor codec (store/tensors.py, and with it torch) is imported by the methods that move tensors, so that
 # reading a manifest or a step log (`replay info`, the launchers) does not load torch.
@@ -469,6 +471,27 @@ class RunStore:
         buffer = self._read_chunks(step, rank, doc, first, last)
         tensors = {key: as_tensor(entry_view(buffer, index[key], first * chunk), index[key]["dtype"]) for key in wanted}
         return tensors if keys is not None else unflatten(doc["skeleton"], tensors)
+
+    def read_model(self, step: int, names: list[str]) -> dict[str, Any]:
+        """The model's whole tensors `names` (state-dict keys) at checkpoint `step`: rank 0's, or assembled from
+        every rank's pieces in a sharded run (store/sharding.py), each rank's shard read for its pieces only."""
+        sharding = self.manifest.sharding
+        whole = [n for n in names if sharding is None or n not in sharding.tensors]
+        out: dict[str, Any] = {}
+        if whole:
+            read = self.read_shard(step, 0, keys=[model_key(n) for n in whole])
+            out.update({n: read[model_key(n)] for n in whole})
+        if sharding is None:
+            return out
+        cut = [n for n in names if n in sharding.tensors]
+        pieces: dict[str, list[Any]] = {n: [] for n in cut}
+        for rank in range(self.manifest.world_size):
+            held = [n for n in cut if sharding.tensors[n].pieces[rank].length]
+            read = self.read_shard(step, rank, keys=[local_key(n) for n in held]) if held else {}
+            for n in cut:
+                pieces[n].append(read.get(local_key(n)))
+        out.update({n: assemble(sharding.tensors[n], pieces[n]) for n in cut})
+        return out
 
     def verify_shard(self, step: int, rank: int) -> None:
         """Verify the checksum of every byte of one rank's shard of a committed checkpoint, without making
