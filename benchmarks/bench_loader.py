@@ -13,6 +13,7 @@ P batches' indices again (nothing is fetched) before the first batch it hands ou
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -54,13 +55,17 @@ def loader(data: Blocks, workers: int) -> DataLoader:
 
 
 def rate(batches, n: int) -> float:
-    """Batches a second, over `n` batches after the first (the workers' start is not in it)."""
+    """Batches a second, over `n` batches after the first (the workers' start is not in it); the workers are
+    stopped after (a forked worker of the next loader must not inherit this one's)."""
     it = iter(batches)
     next(it)
     start = time.perf_counter()
     for _ in range(n):
         next(it)
-    return n / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    del it, batches
+    gc.collect()
+    return n / elapsed
 
 
 def restore_time(data: Blocks, position: int) -> float:

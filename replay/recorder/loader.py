@@ -30,6 +30,7 @@ trains on, in order.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -194,13 +195,12 @@ class RecordedLoader:
         pass_no, pass_start = self._pass_no, self._pass_start
         with self._rng.active():
             inner = iter(self._inner)
-        for _ in range(self._skip_to):   # a restored pass: on to the checkpoint's position
-            with self._rng.active():
-                sampled = next(inner, None)
-            if sampled is None:
-                return
-            if self._driving:   # unnoted: the driver skips them itself
-                yield sampled
+        with self._rng.active():   # a restored pass: on to the checkpoint's position
+            before = list(itertools.islice(inner, self._skip_to))
+        if self._driving:   # unnoted: the driver skips them itself
+            yield from before
+        if len(before) < self._skip_to:
+            return
         self._position = self._skip_to
         while True:
             with self._rng.active():
