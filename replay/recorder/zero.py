@@ -19,7 +19,7 @@ import torch
 from replay.errors import UsageError
 from replay.recorder.recorder import TrainState
 from replay.recorder.state import DeepSpeedTrainState, restore_objects, storable
-from replay.store.sharding import Piece, Sharding, ShardedTensor
+from replay.store.sharding import Piece, ShardedTensor, Sharding
 
 
 def engine_state(model: Any, optimizer: Any) -> TrainState | None:
@@ -39,8 +39,9 @@ class Zero3TrainState:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        # every state-dict name of a parameter, tied ones under each of their names
-        self.params: dict[str, torch.nn.Parameter] = dict(engine.module.named_parameters(remove_duplicate=False))
+        # every state-dict name of a parameter, tied ones under each of their names; each a Parameter that
+        # DeepSpeed gave its partition (`ds_tensor`) and whole shape (`ds_shape`)
+        self.params: dict[str, Any] = dict(engine.module.named_parameters(remove_duplicate=False))
 
     def sharding(self, world: int) -> Sharding:
         """Where each rank's partition of each parameter lies: rank r holds [r * n, (r + 1) * n) of the
