@@ -55,6 +55,7 @@ from replay.recorder.replaying import Replaying
 from replay.recorder.run_options import PRECISIONS, RunOptions
 from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState, unwrap
+from replay.recorder.zero import Zero3TrainState, engine_state
 from replay.store.lifecycle import complete_run, note_environment
 from replay.store.manifest import ReplaySpec
 
@@ -109,6 +110,9 @@ class Loop:
                  apply_attention: Callable[[AttentionPlan], Any] | None = None,
                  skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None, yield_skipped: bool = False):
         follow_parent()   # started by `replay run`: die with it
+        engine = engine_state(model, optimizer) if state is None else None   # a DeepSpeed engine (recorder/zero.py)
+        if engine is not None:   # the engine steps its scheduler; a step the replay skips steps it here
+            state, scheduler = engine, scheduler or model.lr_scheduler
         options = RunOptions(total_steps=total_steps, precision=precision, checkpoint_every=checkpoint_every,
                              snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike,
                              attention=attention, n_head=n_head, layout=layout, description=description)
@@ -141,6 +145,8 @@ class Loop:
         if self.rank == 0:
             note_environment(self.store, fingerprint(next(model.parameters()).device), resumed=start.resume)
             self._mode.opened(self.store)
+            if isinstance(self.recorder.state, Zero3TrainState):   # where each rank's partitions lie
+                self.store.update_manifest(sharding=self.recorder.state.sharding(self.world))
 
     @property
     def step(self) -> int | None:

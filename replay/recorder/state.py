@@ -55,7 +55,7 @@ class DeepSpeedTrainState:
             replicated["model"] = self.engine.module.state_dict()
             if self.engine.lr_scheduler is not None:
                 replicated["scheduler"] = self.engine.lr_scheduler.state_dict()
-        optimizer = _storable(self.engine.optimizer.state_dict())
+        optimizer = storable(self.engine.optimizer.state_dict())
         return {"replicated": replicated, "local": {"optimizer": optimizer,
                                                      "global_steps": self.engine.global_steps,
                                                      "global_samples": self.engine.global_samples}}
@@ -70,16 +70,16 @@ class DeepSpeedTrainState:
             # ZeRO-1/2 and BF16 optimizers restore from one state dict per saved rank, indexed by dp rank
             # (only their own for the rigid layout; all of them for the elastic one).
             world = self.engine.dp_world_size
-            states = [_restore_objects(read_local(r)["optimizer"], optimizer) for r in range(world)]
+            states = [restore_objects(read_local(r)["optimizer"], optimizer) for r in range(world)]
             optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
         else:
-            optimizer.load_state_dict(_restore_objects(local["optimizer"], optimizer))
+            optimizer.load_state_dict(restore_objects(local["optimizer"], optimizer))
         self.engine.global_steps = int(local["global_steps"])
         self.engine.global_samples = int(local["global_samples"])
 
 
-def _restore_objects(state: dict[str, Any], owner: Any) -> dict[str, Any]:
-    """Put the fields `_storable` kept back onto the owner's live objects (e.g. its loss scaler)."""
+def restore_objects(state: dict[str, Any], owner: Any) -> dict[str, Any]:
+    """Put the fields `storable` kept back onto the owner's live objects (e.g. its loss scaler)."""
     out = dict(state)
     for key, value in state.items():
         if isinstance(value, dict) and "__object__" in value and hasattr(owner, key):
@@ -91,19 +91,19 @@ def _restore_objects(state: dict[str, Any], owner: Any) -> dict[str, Any]:
     return out
 
 
-def _storable(tree: Any) -> Any:
+def storable(tree: Any) -> Any:
     """DeepSpeed state dicts carry a few small objects (loss scaler, fragment addresses): keep their
     plain fields, so the store stays arrays plus JSON."""
     if isinstance(tree, dict):
-        return {k: _storable(v) for k, v in tree.items()}
+        return {k: storable(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_storable(v) for v in tree)
+        return type(tree)(storable(v) for v in tree)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return {f.name: _storable(getattr(tree, f.name)) for f in dataclasses.fields(tree)}
+        return {f.name: storable(getattr(tree, f.name)) for f in dataclasses.fields(tree)}
     if tree is None or isinstance(tree, (bool, int, float, str, torch.Tensor)):
         return tree
     if hasattr(tree, "__dict__"):
         return {"__object__": type(tree).__name__,
-                **{k: _storable(v) for k, v in vars(tree).items()
+                **{k: storable(v) for k, v in vars(tree).items()
                    if v is None or isinstance(v, (bool, int, float, str, torch.Tensor))}}
     return str(tree)
