@@ -71,7 +71,7 @@ class GPT(torch.nn.Module):
 dist.init_process_group("gloo")
 torch.manual_seed(0)   # the same whole model on every rank, then each keeps its pieces
 model = GPT()
-mixed = "--mp" in sys.argv
+mixed = "--mp" in sys.argv and os.environ.get("NO_MP") != "1"   # NO_MP: a script changed since its record
 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
 for block in model.transformer.h:
     fully_shard(block, mp_policy=policy)
@@ -148,6 +148,11 @@ def test_a_replay_restores_the_pieces_bit_for_bit(recorded):
     result = replay_cli("run", str(store), "--from", "7", "--to", "13", "--verify", process=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bit for bit" in result.stdout
+    changed = replay_cli("run", str(store), "--from", "7", "--to", "8", "--name", "fp32", env={"NO_MP": "1"},
+                         process=True)
+    assert changed.returncode != 0
+    assert ("the script shards its model with mixed precision none, the record with {'param_dtype': "
+            "'torch.bfloat16', 'reduce_dtype': 'torch.float32'}") in changed.stderr, changed.stderr[-3000:]
 
 
 def test_a_killed_recording_resumes_to_the_same_run(recorded, tmp_path):
@@ -174,12 +179,12 @@ def test_an_attention_override_reaches_the_sharded_blocks_and_diverges_at_from(r
     result = replay_cli("run", str(store), "--from", "8", "--to", "10", "--attention", "reference-emu:dtype=bf16",
                         "--layers", "0", "--name", "emu", process=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    recorded_loss = RunStore.open(store).read_steps(["loss"])["loss"]
-    replayed = RunStore.open(store / "replays" / "emu").read_steps(["loss"])["loss"]
-    first = replayed.shape[0] - 3 if replayed.shape[0] > 3 else 0   # the replay's steps end with 8, 9, 10
-    before, window = replayed[:first], replayed[first:]
-    assert np.array_equal(_bits(before), _bits(recorded_loss[8 - first:8]))   # the fast-forward: as recorded
-    assert not np.array_equal(_bits(window[:1]), _bits(recorded_loss[8:9]))   # the override, from step 8 on
+    replay = RunStore.open(store / "replays" / "emu")
+    assert replay.first_step == 6   # from checkpoint 6: steps 6 and 7 as recorded, then the window 8..10
+    recorded_loss = RunStore.open(store).read_steps(["loss"])["loss"][6:11]
+    replayed = replay.read_steps(["loss"])["loss"]
+    same = [bool(np.array_equal(_bits(a), _bits(b))) for a, b in zip(recorded_loss, replayed, strict=True)]
+    assert same == [True, True, False, False, False]
 
 
 def test_the_spectral_norms_of_the_analysis_are_those_of_the_gathered_weights(recorded):
@@ -212,3 +217,8 @@ def test_a_mixed_precision_run_replays_bit_for_bit_and_its_policy_is_checked(tmp
     result = replay_cli("run", str(store), "--from", "7", "--to", "12", "--verify", process=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bit for bit" in result.stdout
+    changed = replay_cli("run", str(store), "--from", "7", "--to", "8", "--name", "fp32", env={"NO_MP": "1"},
+                         process=True)
+    assert changed.returncode != 0
+    assert ("the script shards its model with mixed precision none, the record with {'param_dtype': "
+            "'torch.bfloat16', 'reduce_dtype': 'torch.float32'}") in changed.stderr, changed.stderr[-3000:]
