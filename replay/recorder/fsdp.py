@@ -19,7 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from replay.errors import UsageError
 from replay.store import RunStore
-from replay.store.sharding import Piece, Sharding, ShardedTensor
+from replay.store.sharding import Piece, ShardedTensor, Sharding
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:

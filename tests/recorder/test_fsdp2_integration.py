@@ -72,7 +72,8 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)   # the same whole model on every rank, then each keeps its pieces
 model = GPT()
 mixed = "--mp" in sys.argv and os.environ.get("NO_MP") != "1"   # NO_MP: a script changed since its record
-policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mixed else {}
+policy = MixedPrecisionPolicy(**bf16)
 for block in model.transformer.h:
     fully_shard(block, mp_policy=policy)
 fully_shard(model, mp_policy=policy)
