@@ -42,8 +42,8 @@ def run(item: MetricItem | DistanceItem) -> str:
 def read_layers(store: RunStore, step: int, layers: range) -> list[dict[str, np.ndarray]]:
     """Each layer's weight matrices at a checkpoint, as (in, out), by analysis name (store/layout.py)."""
     layout = weight_layout(store)
-    keys = {layer: {role: model_key(key) for role, key in layout.keys(layer).items()} for layer in layers}
-    tensors = store.read_shard(step, 0, keys=[k for layer in keys.values() for k in layer.values()])
+    keys = {layer: layout.keys(layer) for layer in layers}
+    tensors = store.read_model(step, [k for layer in keys.values() for k in layer.values()])
     return [layout.matrices({role: tensors[key].float().numpy() for role, key in keys[layer].items()})
             for layer in layers]
 

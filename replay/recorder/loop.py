@@ -47,6 +47,7 @@ from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder.environment import configure_determinism, fingerprint
+from replay.recorder.fsdp import FSDP2TrainState, is_fsdp2, note_sharding
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, decide, one_line_errors
 from replay.recorder.recorder import Recorder, TrainState
@@ -128,11 +129,16 @@ class Loop:
         self.cfg: RunConfig = self._mode.cfg   # as recorded
         self.precision = self.cfg.precision
         configure_determinism(self.cfg.threads)
-        self.recorder = Recorder(start.store, state or TorchTrainState(model, optimizer, scheduler, scaler),
+        if state is None:
+            state = (FSDP2TrainState if is_fsdp2(model) else TorchTrainState)(model, optimizer, scheduler, scaler)
+        self.recorder = Recorder(start.store, state,
                                  cfg=self._mode.recorder_config, rank=self.rank, world_size=self.world,
                                  resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease,
                                  extra=self._checkpointed)
         self.store = self.recorder.store
+        if isinstance(state, FSDP2TrainState):   # checked against the record's, before any checkpoint
+            recorded = self._mode.parent if isinstance(self._mode, Replaying) else self.store
+            note_sharding(self.store, recorded.manifest.sharding, state.sharding(self.world), self.rank)
         self._skipped_numerics, self._yield_skipped = skipped_numerics, yield_skipped
         self._current: _Step | None = None
         self._started = False
