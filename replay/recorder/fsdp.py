@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from replay.errors import UsageError
-from replay.store import RunStore
 from replay.store.sharding import Piece, ShardedTensor, Sharding
 
 
@@ -95,21 +94,6 @@ class FSDP2TrainState:
         if policy:
             details["mixed_precision"] = policy
         return Sharding(kind="fsdp2", tensors=out, details=details)
-
-
-def note_sharding(store: RunStore, recorded: Sharding | None, sharding: Sharding, rank: int) -> None:
-    """Check the model is sharded as `recorded` (the run's it replays or resumes; None: a new run) says, on
-    every rank (so all refuse alike), and put the sharding into this run's manifest (rank 0)."""
-    if recorded is not None:
-        was, now = recorded.details.get("mixed_precision"), sharding.details.get("mixed_precision")
-        if was != now:
-            raise UsageError(f"the script shards its model with mixed precision {now or 'none'}, the record with "
-                             f"{was or 'none'}: run it with the recorded MixedPrecisionPolicy")
-        if recorded.to_dict() != sharding.to_dict():
-            raise UsageError(f"the script shards its model over mesh {sharding.details.get('mesh')} into other pieces "
-                             f"than the record's (mesh {recorded.details.get('mesh')}): run it as it was recorded")
-    if rank == 0 and store.manifest.sharding is None:
-        store.update_manifest(sharding=sharding)
 
 
 def _check_placement(name: str, t: DTensor) -> int:

@@ -47,7 +47,7 @@ from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder.environment import configure_determinism, fingerprint
-from replay.recorder.fsdp import FSDP2TrainState, is_fsdp2, note_sharding
+from replay.recorder.fsdp import FSDP2TrainState, is_fsdp2
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, decide, one_line_errors
 from replay.recorder.recorder import Recorder, TrainState
@@ -55,8 +55,8 @@ from replay.recorder.recording import Recording
 from replay.recorder.replaying import Replaying
 from replay.recorder.run_options import PRECISIONS, RunOptions
 from replay.recorder.spikes import SpikeEvent
-from replay.recorder.state import TorchTrainState, unwrap
-from replay.recorder.zero import Zero3TrainState, engine_state
+from replay.recorder.state import TorchTrainState, note_sharding, unwrap
+from replay.recorder.zero import engine_state
 from replay.store.lifecycle import complete_run, note_environment
 from replay.store.manifest import ReplaySpec
 
@@ -136,9 +136,10 @@ class Loop:
                                  resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease,
                                  extra=self._checkpointed)
         self.store = self.recorder.store
-        if isinstance(state, FSDP2TrainState):   # checked against the record's, before any checkpoint
+        sharding = getattr(state, "sharding", None)   # FSDP2's or ZeRO-3's pieces, against the record's, before any
+        if sharding is not None:                      # checkpoint
             recorded = self._mode.parent if isinstance(self._mode, Replaying) else self.store
-            note_sharding(self.store, recorded.manifest.sharding, state.sharding(self.world), self.rank)
+            note_sharding(self.store, recorded.manifest.sharding, sharding(self.world), self.rank)
         self._skipped_numerics, self._yield_skipped = skipped_numerics, yield_skipped
         self._current: _Step | None = None
         self._started = False
@@ -151,8 +152,6 @@ class Loop:
         if self.rank == 0:
             note_environment(self.store, fingerprint(next(model.parameters()).device), resumed=start.resume)
             self._mode.opened(self.store)
-            if isinstance(self.recorder.state, Zero3TrainState):   # where each rank's partitions lie
-                self.store.update_manifest(sharding=self.recorder.state.sharding(self.world))
 
     @property
     def step(self) -> int | None:
