@@ -26,7 +26,7 @@ from replay.analysis.names import DISTANCES
 from replay.errors import StoreError, UsageError
 from replay.launch.ray_cluster import ray_session, run_tasks
 from replay.store import RunStore
-from replay.store.layout import MODEL_KEYS
+from replay.store.layout import model_key
 from replay.store.lease import writing
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 from replay.train.data import load_data
@@ -127,17 +127,6 @@ def _committed_at(src: Source) -> float:
     return next(c.committed_at for c in RunStore.open(src.path).checkpoints() if c.step == src.step)
 
 
-def model_tensors(store: RunStore, step: int) -> list[str]:
-    """The model's tensors in a checkpoint, each stored tensor once (tied weights share an offset)."""
-    index = store.shard_index(step, 0)
-    seen, out = set(), []
-    for key, entry in index.items():
-        if key.startswith(MODEL_KEYS) and entry["offset"] not in seen:
-            seen.add(entry["offset"])
-            out.append(key)
-    return out
-
-
 def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunStore
                    ) -> tuple[list[DistanceItem], int, list[int]]:
     """Distance items of `other` against `reference` at the steps both have a checkpoint, stored in
@@ -147,10 +136,9 @@ def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunS
     steps = [s for s in own if s in ref_steps]
     if not steps:
         return [], 0, []
-    tensors = model_tensors(reference, steps[0])
-    ref_index, other_index = reference.shard_index(steps[0], 0), other.shard_index(steps[0], 0)
-    shapes = {t: ref_index[t]["shape"] for t in tensors}
-    if shapes != {t: other_index[t]["shape"] for t in model_tensors(other, steps[0])}:
+    shapes = reference.model_shapes(steps[0])
+    tensors = [model_key(name) for name in shapes]   # labelled by their keys in an unsharded run's shard
+    if shapes != other.model_shapes(steps[0]):
         raise UsageError(f"{reference.path} and {other.path} hold different models (tensor names or shapes "
                          "differ); weight distances need the same architecture")
     ref_path, other_path = str(reference.path.resolve()), str(other.path.resolve())

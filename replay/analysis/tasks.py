@@ -128,9 +128,8 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     config.get_text_config().num_hidden_layers = hi   # the layers below the block's end are all it needs
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     names = set(model.state_dict())
-    keys = [k for k in store.shard_index(item.ckpt.step, 0)
-            if k.startswith(MODEL_KEYS) and k[len(MODEL_KEYS):] in names]
-    state = {k[len(MODEL_KEYS):]: t.float() for k, t in store.read_shard(item.ckpt.step, 0, keys=keys).items()}
+    held = [n for n in store.model_shapes(item.ckpt.step) if n in names]
+    state = {n: t.float() for n, t in store.read_model(item.ckpt.step, held).items()}
     missing = names - set(state) - {"lm_head.weight"}   # a tied output embedding may be stored once
     if missing:
         raise StoreError(f"checkpoint {item.ckpt.step} of {store.path} lacks {sorted(missing)[:3]} of the model its "
@@ -168,7 +167,8 @@ def _keep_output(outputs: dict, layer: int, module, args, output) -> None:
 
 
 def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
-    a = RunStore.open(item.reference.path).read_shard(item.reference.step, 0, keys=item.tensors)
-    b = RunStore.open(item.other.path).read_shard(item.other.step, 0, keys=item.tensors)
-    rows = [M.tensor_distances(a[k].float().numpy(), b[k].float().numpy()) for k in item.tensors]
+    names = [key.removeprefix(MODEL_KEYS) for key in item.tensors]
+    a = RunStore.open(item.reference.path).read_model(item.reference.step, names)
+    b = RunStore.open(item.other.path).read_model(item.other.step, names)
+    rows = [M.tensor_distances(a[n].float().numpy(), b[n].float().numpy()) for n in names]
     return {metric: np.array([r[metric] for r in rows]) for metric in DISTANCES}

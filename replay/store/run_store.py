@@ -47,7 +47,7 @@ from replay.errors import ChecksumError, StoreError, UsageError
 from replay.store.capabilities import Capabilities
 from replay.store.chunks import chunking, read_chunks, write_chunks
 from replay.store.integrity import crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal, write_file
-from replay.store.layout import model_key
+from replay.store.layout import MODEL_KEYS, model_key
 from replay.store.manifest import READABLE, SCHEMA, Manifest
 from replay.store.nodes import attributes, member
 from replay.store.sharding import assemble, local_key
@@ -471,6 +471,19 @@ class RunStore:
         buffer = self._read_chunks(step, rank, doc, first, last)
         tensors = {key: as_tensor(entry_view(buffer, index[key], first * chunk), index[key]["dtype"]) for key in wanted}
         return tensors if keys is not None else unflatten(doc["skeleton"], tensors)
+
+    def model_shapes(self, step: int) -> dict[str, list[int]]:
+        """The model's tensors in checkpoint `step` by state-dict name, with their whole shapes: rank 0's (each
+        stored tensor once: tied weights share an offset) and, in a sharded run, those cut into pieces."""
+        seen: set[int] = set()
+        out: dict[str, list[int]] = {}
+        for key, entry in self.shard_index(step, 0).items():
+            if key.startswith(MODEL_KEYS) and entry["offset"] not in seen:
+                seen.add(entry["offset"])
+                out[key[len(MODEL_KEYS):]] = list(entry["shape"])
+        sharding = self.manifest.sharding
+        out.update({name: list(t.shape) for name, t in (sharding.tensors if sharding else {}).items()})
+        return out
 
     def read_model(self, step: int, names: list[str]) -> dict[str, Any]:
         """The model's whole tensors `names` (state-dict keys) at checkpoint `step`: rank 0's, or assembled from
