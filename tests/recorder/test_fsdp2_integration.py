@@ -142,6 +142,7 @@ def test_each_rank_checkpoints_its_pieces_and_the_manifest_says_where_they_lie(r
     whole = store.read_model(18, list(full))
     for name, t in full.items():
         assert torch.equal(whole[name], t), name
+    assert store.model_shapes(18) == {name: list(t.shape) for name, t in full.items()}   # what compare reads
 
 
 def test_a_replay_restores_the_pieces_bit_for_bit(recorded):
