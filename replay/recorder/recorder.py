@@ -164,9 +164,11 @@ class Recorder:
     def _restore(self, store: RunStore, step: int) -> None:
         own = self._read_own(store, step)
         self._shard = None
-        shared = own if self.rank == 0 else store.read_shard(step, 0)
-        self.state.load_state_dict(shared["state"]["replicated"], own["state"]["local"],
-                                   lambda r: store.read_shard(step, r)["state"]["local"])
+        # of other ranks' shards, the branch needed only: a sharded model's pieces are each rank's own to read
+        replicated = (own["state"]["replicated"] if self.rank == 0
+                      else store.read_subtree(step, 0, ("state", "replicated")))
+        self.state.load_state_dict(replicated, own["state"]["local"],
+                                   lambda r: store.read_subtree(step, r, ("state", "local")))
         set_rng_state(own["rng"])
         recorded = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"]
         if recorded.ndim == 4:   # the run's shape of a step's ids, for the steps from here on

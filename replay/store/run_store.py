@@ -472,6 +472,24 @@ class RunStore:
         tensors = {key: as_tensor(entry_view(buffer, index[key], first * chunk), index[key]["dtype"]) for key in wanted}
         return tensors if keys is not None else unflatten(doc["skeleton"], tensors)
 
+    def read_subtree(self, step: int, rank: int, path: tuple[str, ...]) -> Any:
+        """One branch of a rank's state tree (("state", "replicated"): what every rank restores from rank 0's
+        shard), reading only the chunks that hold its tensors."""
+        from replay.store.tensors import unflatten  # lazy: torch (0.7 s), as read_shard
+
+        if self.schema < 2:
+            tree = self.read_shard(step, rank)
+            for segment in path:
+                tree = tree[segment]
+            return tree
+        doc = self._shard_doc(step, rank)
+        node = doc["skeleton"]
+        for segment in path:
+            node = dict(node["__dict__"])[segment]
+        prefix = "".join(f"/{segment}" for segment in path) + "/"
+        keys = [k for k in doc["index"] if k.startswith(prefix)]
+        return unflatten(node, self.read_shard(step, rank, keys=keys) if keys else {})
+
     def model_shapes(self, step: int) -> dict[str, list[int]]:
         """The model's tensors in checkpoint `step` by state-dict name, with their whole shapes: rank 0's (each
         stored tensor once: tied weights share an offset) and, in a sharded run, those cut into pieces."""
