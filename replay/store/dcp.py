@@ -2,7 +2,8 @@
 anything else that loads DCP: `replay export STORE --step N --to DIR`.
 
 The directory holds {"model": {state-dict name: whole tensor}}, read through `RunStore.read_model`, so a
-sharded run (FSDP2, ZeRO-3) exports whole tensors too. The optimizer is added under "optimizer" in the
+sharded run (FSDP2, ZeRO-3) exports whole tensors too (with the optimizer, rank 0's shard is read once for
+both: it holds the whole model then). The optimizer is added under "optimizer" in the
 layout `torch.distributed.checkpoint.state_dict.get_state_dict` gives (parameter names, not the
 optimizer's numbers), which only the model and optimizer objects know: a caller that passes them (built as
 the run built them) gets it, for a run whose optimizer is not partitioned across ranks. It is written by
@@ -28,7 +29,6 @@ from replay.store.layout import MODEL_KEYS
 from replay.store.run_store import RunStore
 
 MODEL, OPTIMIZER = "model", "optimizer"   # the top-level keys of an exported directory
-_REPLICATED_OPTIMIZER = ("state", "replicated", "optimizer")
 
 
 @dataclass
@@ -65,15 +65,20 @@ def export(store_path: str | Path, step: int, out: str | Path, model: torch.nn.M
     if step not in committed:
         raise StoreError(f"{store_path} has no committed checkpoint at step {step} (committed: "
                          f"{', '.join(map(str, committed)) or 'none'})")
-    tensors = store.read_model(step, model_names(store, step))
-    state: dict[str, Any] = {MODEL: tensors}
     why_not = _why_no_optimizer(store, model, optimizer)
-    if not why_not:
+    if why_not:
+        state: dict[str, Any] = {MODEL: store.read_model(step, model_names(store, step))}
+    else:   # not sharded: rank 0's shard holds the whole model and the optimizer, read once
         assert model is not None and optimizer is not None, "_why_no_optimizer checks both are given"
-        state[OPTIMIZER] = _optimizer_state(store, step, tensors, model, optimizer)
+        replicated = store.read_shard(step, 0)["state"]["replicated"]
+        if "optimizer" not in replicated:
+            raise StoreError(f"checkpoint {step} of {store.path} holds no optimizer state on rank 0")
+        model.load_state_dict(replicated["model"])
+        optimizer.load_state_dict(replicated["optimizer"])
+        state = {MODEL: replicated["model"], OPTIMIZER: get_state_dict(model, optimizer)[1]}
     with quiet_single_process():
         dcp.save(state, checkpoint_id=out, no_dist=True)
-    return Exported(out, step, len(tensors), not why_not, why_not)
+    return Exported(out, step, len(state[MODEL]), not why_not, why_not)
 
 
 @contextlib.contextmanager
@@ -94,17 +99,3 @@ def _why_no_optimizer(store: RunStore, model: torch.nn.Module | None, optimizer:
         return ("the optimizer's layout needs the model and optimizer objects: "
                 "replay.store.dcp.export(..., model=, optimizer=)")
     return ""
-
-
-def _optimizer_state(store: RunStore, step: int, tensors: dict[str, torch.Tensor], model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state of checkpoint `step` as get_state_dict gives it for `model` and `optimizer`."""
-    tree = store.read_shard(step, 0)
-    for key in _REPLICATED_OPTIMIZER:
-        tree = tree.get(key) if isinstance(tree, dict) else None
-    if tree is None:
-        raise StoreError(f"checkpoint {step} of {store.path} holds no optimizer state on rank 0")
-    model.load_state_dict(tensors)
-    optimizer.load_state_dict(tree)
-    _, optimizer_state = get_state_dict(model, optimizer)
-    return optimizer_state
