@@ -291,6 +291,22 @@ def _tile(text: str) -> tuple[int, int]:
     return int(r), int(c)
 
 
+@main.command("export")
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--step", required=True, type=int, help="The committed checkpoint to export.")
+@click.option("--to", "out", required=True, type=click.Path(file_okay=False),
+              help="DCP directory to write (new or empty).")
+@_main_errors
+def export_cmd(store, step, out) -> None:
+    """Write checkpoint STEP of the run in STORE as a torch.distributed.checkpoint (DCP) directory, for
+    torchtitan, OLMo-core or `dcp.load`: the model's whole tensors under "model", by state-dict name (a
+    sharded run's assembled). The optimizer needs the model and optimizer objects: replay.store.dcp.export."""
+    # lazy: torch and DCP (2 s); the other commands start without them
+    from replay.store.dcp import export
+
+    click.echo(export(store, step, out).line())
+
+
 @main.command()
 @click.option("--mode", type=click.Choice(["sweep", "mechanism", "all", "flash"]), default="all", show_default=True,
               help="Golden et al.'s deviation sweep, Qiu & Yao's tied-maxima bias, or both; flash (a CUDA GPU): "

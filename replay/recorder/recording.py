@@ -17,6 +17,7 @@ import torch.distributed as dist
 from replay.config import Launcher, RunConfig
 from replay.errors import ReplayError, UsageError
 from replay.recorder import command as cmd
+from replay.recorder.dcp import origin_of
 from replay.recorder.modes import Start
 from replay.recorder.recorder import RecorderConfig
 from replay.recorder.run_options import RunOptions
@@ -78,7 +79,7 @@ class Recording:
         layout, info = options.model_manifest(self.model, cfg)
         create_run(path, cfg, world_size=self.world, launcher=Launcher.CUSTOM,
                    data=no_data(options.description or "a training script of the user's own"),
-                   command=cmd.capture(self.world), layout=layout, model=info)
+                   command=cmd.capture(self.world), layout=layout, model=info, init_from=origin_of(self.model))
 
     def _rewind(self, path: str) -> None:
         store = RunStore.open(path, mode="a")

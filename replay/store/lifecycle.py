@@ -31,11 +31,11 @@ def no_data(source: str) -> DataInfo:
 
 def create_run(path: str | Path, config: RunConfig, *, world_size: int, launcher: Launcher, data: DataInfo,
                command: CommandInfo | None = None, layout: dict[str, Any] | None = None,
-               model: ModelInfo | None = None) -> RunStore:
+               model: ModelInfo | None = None, init_from: str | None = None) -> RunStore:
     """A new run's store, "running" from now on; refused (untouched) where `path` holds anything already."""
     return RunStore.create(path, Manifest(kind="run", config=config, world_size=world_size, launcher=launcher,
                                           data=data, created=time.time(), command=command, layout=layout,
-                                          model=model))
+                                          model=model, init_from=init_from))
 
 
 def resume_run(store: RunStore, world_size: int) -> int | None:

@@ -100,6 +100,7 @@ class Manifest:
     layout: dict[str, Any] | None = None  # where its attention weights live (store/layout.py)
     model: ModelInfo | None = None       # a transformers model of the user's own: what the analysis probe needs
     sharding: Sharding | None = None     # a model sharded across ranks: each rank's pieces (store/sharding.py)
+    init_from: str | None = None         # the DCP directory its initial state was loaded from (recorder/dcp.py)
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -122,6 +123,8 @@ class Manifest:
             out["model"] = asdict(self.model)
         if self.sharding is not None:
             out["sharding"] = self.sharding.to_dict()
+        if self.init_from is not None:
+            out["init_from"] = self.init_from
         if self.replay is not None:
             spec = asdict(self.replay)
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
@@ -144,7 +147,8 @@ class Manifest:
                    steps_recorded=d.get("steps_recorded"), replay=replay,
                    command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"),
                    model=ModelInfo(**d["model"]) if d.get("model") else None,
-                   sharding=Sharding.from_dict(d["sharding"]) if d.get("sharding") else None)
+                   sharding=Sharding.from_dict(d["sharding"]) if d.get("sharding") else None,
+                   init_from=d.get("init_from"))
 
     @property
     def replay_spec(self) -> ReplaySpec:

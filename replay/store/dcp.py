@@ -1,0 +1,101 @@
+"""A committed checkpoint as a `torch.distributed.checkpoint` (DCP) directory, for torchtitan, OLMo-core and
+anything else that loads DCP: `replay export STORE --step N --to DIR`.
+
+The directory holds {"model": {state-dict name: whole tensor}}, read through `RunStore.read_model`, so a
+sharded run (FSDP2, ZeRO-3) exports whole tensors too (with the optimizer, rank 0's shard is read once for
+both: it holds the whole model then). The optimizer is added under "optimizer" in the
+layout `torch.distributed.checkpoint.state_dict.get_state_dict` gives (parameter names, not the
+optimizer's numbers), which only the model and optimizer objects know: a caller that passes them (built as
+the run built them) gets it, for a run whose optimizer is not partitioned across ranks. It is written by
+`dcp.save` from this one process, without a process group. The other direction is recorder/dcp.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from replay.config import Launcher
+from replay.errors import StoreError, UsageError
+from replay.store.layout import MODEL_KEYS
+from replay.store.run_store import RunStore
+
+MODEL, OPTIMIZER = "model", "optimizer"   # the top-level keys of an exported directory
+
+
+@dataclass
+class Exported:
+    path: Path
+    step: int
+    tensors: int              # the model's
+    optimizer: bool           # whether the optimizer's state is in it too
+    why_not: str = ""         # why it is not
+
+    def line(self) -> str:
+        what = "model and optimizer" if self.optimizer else f"model only ({self.why_not})"
+        return f"exported checkpoint {self.step} to {self.path}: {what}, {self.tensors} model tensors (DCP)"
+
+
+def model_names(store: RunStore, step: int) -> list[str]:
+    """The state-dict names of the model's tensors in checkpoint `step`: rank 0's whole ones, then the
+    sharded ones (store/sharding.py)."""
+    sharding = store.manifest.sharding
+    names = [k[len(MODEL_KEYS):] for k in store.shard_index(step, 0) if k.startswith(MODEL_KEYS)]
+    return names + [n for n in (sharding.tensors if sharding else {}) if n not in names]
+
+
+def export(store_path: str | Path, step: int, out: str | Path, model: torch.nn.Module | None = None,
+           optimizer: torch.optim.Optimizer | None = None) -> Exported:
+    """Write checkpoint `step` of the run in `store_path` to the DCP directory `out` (new or empty). With
+    `model` and `optimizer` (the run's kinds, any weights: the checkpoint is loaded into them), the optimizer
+    state goes in too."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} exists and is not an empty directory: export to a new one")
+    store = RunStore.open(store_path)
+    committed = [c.step for c in store.checkpoints()]
+    if step not in committed:
+        raise StoreError(f"{store_path} has no committed checkpoint at step {step} (committed: "
+                         f"{', '.join(map(str, committed)) or 'none'})")
+    why_not = _why_no_optimizer(store, model, optimizer)
+    if why_not:
+        state: dict[str, Any] = {MODEL: store.read_model(step, model_names(store, step))}
+    else:   # not sharded: rank 0's shard holds the whole model and the optimizer, read once
+        assert model is not None and optimizer is not None, "_why_no_optimizer checks both are given"
+        replicated = store.read_shard(step, 0)["state"]["replicated"]
+        if "optimizer" not in replicated:
+            raise StoreError(f"checkpoint {step} of {store.path} holds no optimizer state on rank 0")
+        model.load_state_dict(replicated["model"])
+        optimizer.load_state_dict(replicated["optimizer"])
+        state = {MODEL: replicated["model"], OPTIMIZER: get_state_dict(model, optimizer)[1]}
+    with quiet_single_process():
+        dcp.save(state, checkpoint_id=out, no_dist=True)
+    return Exported(out, step, len(state[MODEL]), not why_not, why_not)
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """DCP without a process group, as intended: without DCP's warning that it assumes so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent", category=UserWarning)
+        yield
+
+
+def _why_no_optimizer(store: RunStore, model: torch.nn.Module | None, optimizer: Any) -> str:
+    m = store.manifest
+    if m.sharding is not None:
+        return f"the optimizer of a {m.sharding.kind}-sharded run is partitioned across its ranks"
+    if m.launcher == Launcher.DEEPSPEED:
+        return "a DeepSpeed run's optimizer is partitioned across its ranks"
+    if model is None or optimizer is None:
+        return ("the optimizer's layout needs the model and optimizer objects: "
+                "replay.store.dcp.export(..., model=, optimizer=)")
+    return ""
