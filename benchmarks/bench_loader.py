@@ -63,6 +63,8 @@ def rate(batches, n: int) -> float:
     for _ in range(n):
         next(it)
     elapsed = time.perf_counter() - start
+    if isinstance(batches, RecordedLoader):
+        batches.close()
     del it, batches
     gc.collect()
     return n / elapsed
@@ -80,14 +82,14 @@ def restore_time(data: Blocks, position: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="100 batches a round, 2 rounds (seconds)")
+    ap.add_argument("--quick", action="store_true", help="50 batches, one round (seconds)")
     quick = ap.parse_args().quick
-    n, rounds = (100, 2) if quick else (1500, 5)
+    n, rounds = (50, 1) if quick else (1500, 5)
     torch.set_num_threads(1)
     print(hardware())
     with tempfile.TemporaryDirectory(prefix="bench_loader_") as work:
         path = Path(work) / "tokens.bin"
-        np.random.default_rng(0).integers(0, 50257, 4_000_000 if quick else 40_000_000,
+        np.random.default_rng(0).integers(0, 50257, 400_000 if quick else 40_000_000,
                                           dtype=np.uint16).tofile(path)
         data = Blocks(path)
         for workers in (0, 2):
@@ -98,7 +100,7 @@ def main() -> None:
             p, t = statistics.median(plain), statistics.median(tapped)
             print(f"workers={workers}: untapped {p:.0f} batches/s, tapped {t:.0f} batches/s: {t / p:.3f}x "
                   f"({(1 / t - 1 / p) * 1e6:+.0f} us a batch)")
-        for position in (1_000, 10_000) if not quick else (100,):
+        for position in (1_000, 10_000) if not quick else (10,):
             if position * BATCH > len(data):
                 continue
             print(f"restore at position {position} of an epoch of {len(data) // BATCH} batches: "

@@ -420,6 +420,8 @@ class Loop:
             self.recorder.close()
         finally:
             self._mode.close()
+            if self._loader is not None:
+                self._loader.close()
 
 
 class _Autocast:

@@ -4,6 +4,7 @@ restarted in the middle of an epoch, and a rank drawing an extra batch gets one 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def test_worker_processes_fetch_what_the_training_process_would_and_replay_it(tm
         runs[n] = _train(Loop(tmp_path / f"w{n}", model, optimizer, total_steps=8, checkpoint_every=3), model,
                          optimizer, _workers(n))
     assert runs[0] == runs[2]
+    assert not multiprocessing.active_children()   # the loop's close stopped the loader's workers
     a, b = (RunStore.open(tmp_path / f"w{n}").read_steps() for n in (0, 2))
     assert np.array_equal(a["sample_ids"], b["sample_ids"]) and np.array_equal(a["loss"], b["loss"])
 
