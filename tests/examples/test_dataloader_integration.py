@@ -22,6 +22,7 @@ from replay.errors import StoreError
 from replay.processes import descendants, start_time
 from replay.store import RunStore
 from tests.conftest import REPO, assert_gone, replay_cli
+from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "dataloader" / "train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -140,20 +141,13 @@ def test_analyze_reads_the_layout_the_script_declares(recorded):
     layout mapping says they are: layer l's fused c_attn (out, in), head h's W_Q rows h*16:(h+1)*16 of its
     first third; W_O the columns of c_proj."""
     from replay.analysis import jobs, tasks
-    from replay.analysis.names import HEAD_MATRICES
 
     items, _ = jobs.plan_metrics(RunStore.open(recorded, mode="a"))
     values = tasks.compute_metrics(next(i for i in items if i.ckpt.step == STEPS))
     model = RunStore.open(recorded).read_shard(STEPS, 0)["state"]["replicated"]["model"]
-    for layer in range(2):
-        w = model[f"h.{layer}.attn.c_attn.weight"].double().numpy()   # [3 * 32, 32]
-        o = model[f"h.{layer}.attn.c_proj.weight"].double().numpy()
-        for head in range(2):
-            rows = slice(head * 16, (head + 1) * 16)
-            expected = {"q": w[:32][rows], "k": w[32:64][rows], "v": w[64:][rows], "o": o[:, rows]}
-            for i, name in enumerate(HEAD_MATRICES):
-                sigma = np.linalg.svd(expected[name], compute_uv=False)[0]
-                assert values["spectral_head"][layer, i, head] == pytest.approx(sigma, rel=1e-5), (layer, name)
+    for layer in range(2):   # c_attn [3 * 32, 32]
+        assert_fused_head_norms(values, layer, model[f"h.{layer}.attn.c_attn.weight"],
+                                model[f"h.{layer}.attn.c_proj.weight"], n_head=2)
 
 
 def _committed(store: Path) -> list[int]:

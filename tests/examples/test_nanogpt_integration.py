@@ -17,6 +17,7 @@ import pytest
 
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "nanogpt"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -137,22 +138,15 @@ def test_analyze_reads_the_nanogpt_layout(torchrun_store):
     """Per-head spectral norms of the analysis against an SVD of the stored c_attn weight, which nn.Linear
     keeps as (out, in): head h's W_Q is rows h*16:(h+1)*16 of its first third."""
     from replay.analysis import jobs, tasks
-    from replay.analysis.names import HEAD_MATRICES
 
     store = RunStore.open(torchrun_store)
     items, _ = jobs.plan_metrics(RunStore.open(torchrun_store, mode="a"))
     item = next(i for i in items if i.ckpt.step == 40)
     values = tasks.compute_metrics(item)
     shard = store.read_shard(40, 0)["state"]["replicated"]["model"]
-    for layer in range(2):
-        w = shard[f"transformer.h.{layer}.attn.c_attn.weight"].double().numpy()   # [3 * 32, 32]
-        o = shard[f"transformer.h.{layer}.attn.c_proj.weight"].double().numpy()   # [32 out, 32 in]
-        for head in range(2):
-            rows = slice(head * 16, (head + 1) * 16)
-            expected = {"q": w[:32][rows], "k": w[32:64][rows], "v": w[64:][rows], "o": o[:, rows]}
-            for i, name in enumerate(HEAD_MATRICES):
-                sigma = np.linalg.svd(expected[name], compute_uv=False)[0]
-                assert values["spectral_head"][layer, i, head] == pytest.approx(sigma, rel=1e-5), (layer, name, head)
+    for layer in range(2):   # c_attn [3 * 32, 32], c_proj [32 out, 32 in]
+        assert_fused_head_norms(values, layer, shard[f"transformer.h.{layer}.attn.c_attn.weight"],
+                                shard[f"transformer.h.{layer}.attn.c_proj.weight"], n_head=2)
     assert np.isnan(values["max_logit"]).all()   # the probe runs the built-in model only
 
 

@@ -16,6 +16,7 @@ import torch
 
 from replay.store import RunStore
 from tests.conftest import REPO, replay_cli
+from tests.head_norms import assert_fused_head_norms
 
 SCRIPT = """
 import os
@@ -186,22 +187,15 @@ def test_an_attention_override_reaches_the_sharded_blocks_and_diverges_at_from(r
 
 def test_the_spectral_norms_of_the_analysis_are_those_of_the_gathered_weights(recorded):
     from replay.analysis import jobs, tasks
-    from replay.analysis.names import HEAD_MATRICES
 
     store_path, full_path = recorded
     full = torch.load(full_path)
     items, _ = jobs.plan_metrics(RunStore.open(store_path, mode="a"))
     item = next(i for i in items if i.ckpt.step == 18)
     values = tasks.compute_metrics(item)
-    for layer in range(2):
-        w = full[f"transformer.h.{layer}.attn.c_attn.weight"].double().numpy()   # [3 * 16 out, 16 in]
-        o = full[f"transformer.h.{layer}.attn.c_proj.weight"].double().numpy()   # [16 out, 16 in]
-        for head in range(2):
-            rows = slice(head * 8, (head + 1) * 8)
-            expected = {"q": w[:16][rows], "k": w[16:32][rows], "v": w[32:][rows], "o": o[:, rows]}
-            for i, name in enumerate(HEAD_MATRICES):
-                sigma = np.linalg.svd(expected[name], compute_uv=False)[0]
-                assert values["spectral_head"][layer, i, head] == pytest.approx(sigma, rel=1e-5), (layer, name, head)
+    for layer in range(2):   # c_attn [3 * 16 out, 16 in], c_proj [16 out, 16 in]
+        assert_fused_head_norms(values, layer, full[f"transformer.h.{layer}.attn.c_attn.weight"],
+                                full[f"transformer.h.{layer}.attn.c_proj.weight"], n_head=2)
 
 
 def test_a_mixed_precision_run_replays_bit_for_bit_and_its_policy_is_checked(tmp_path):
