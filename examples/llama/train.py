@@ -3,6 +3,7 @@ downloaded), with replay's loop API added (the lines marked `# replay`).
 
     python train.py --family=llama --max_iters=60            # or --family=qwen2, --family=mistral
     torchrun --nproc-per-node 2 train.py --max_iters=60
+    torchrun --nproc-per-node 2 train.py --max_iters=60 --fsdp=True  # sharded with FSDP2 instead of DDP
 
 The model uses grouped-query attention (4 query heads sharing 2 key/value heads). Recorded runs replay
 bit for bit through `replay run STORE --from A --to B --verify`; attention overrides (`--attention
@@ -17,6 +18,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -29,6 +31,7 @@ n_layer, n_head, n_kv_head, n_embd, block_size = 2, 4, 2, 32, 32
 batch_size, learning_rate, max_iters, checkpoint_every = 4, 3e-3, 60, 20
 dtype = "float32"                   # float32 or bfloat16 (autocast)
 attn_implementation = "sdpa"        # what the recording runs: eager or sdpa
+fsdp = False                        # under torchrun: each decoder layer and the model fully_shard'ed (FSDP2)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 seed = 1337
 for arg in sys.argv[1:]:
@@ -51,9 +54,13 @@ config = AutoConfig.for_model(family, vocab_size=256, hidden_size=n_embd, interm
                               num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
                               max_position_embeddings=block_size, attention_dropout=0.0)
 model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(device)
+if ddp and fsdp:   # before the optimizer: it must hold the sharded parameters
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.1)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
-if ddp:
+if ddp and not fsdp:
     model = DDP(model, device_ids=[int(os.environ["LOCAL_RANK"])] if device.startswith("cuda") else None)
 loop = Loop(store, model, optimizer, scheduler=scheduler, total_steps=max_iters,    # replay
             checkpoint_every=checkpoint_every, precision=dtype, layout="hf-llama")  # replay

@@ -458,4 +458,6 @@ def _attention_applier(model: torch.nn.Module, pattern: str | None) -> Callable[
 
 
 def _number(x: Any) -> float:
+    if hasattr(x, "full_tensor"):   # a DTensor (FSDP2's gradient norm): its value on every rank
+        x = x.full_tensor()
     return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)

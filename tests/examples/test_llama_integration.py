@@ -63,6 +63,27 @@ def test_one_query_head_on_emulated_bf16_attention_diverges_exactly_at_from(llam
     assert not v["bitwise"] and v["divergence"]["step"] == 12   # steps 10, 11 were bit for bit
 
 
+def test_sharded_with_fsdp2_it_replays_and_one_query_head_with_the_fix_diverges_at_from(runs, token_file):
+    """The same model, each decoder layer and the root fully_shard'ed over 2 gloo ranks: each rank checkpoints
+    its pieces, and a query head's override (the flash emulation with the safe-softmax fix) reaches the
+    sharded layers through transformers' AttentionInterface, diverging exactly at --from."""
+    store = runs / "fsdp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(EXAMPLE / "train.py"), "--fsdp=True", f"--data={token_file}", f"--store={store}",
+                           "--max_iters=16", "--checkpoint_every=10"], cwd=runs, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharding = RunStore.open(store).manifest.sharding
+    assert sharding is not None and sharding.kind == "fsdp2"
+    assert [p.length for p in sharding.tensors["model.layers.1.self_attn.q_proj.weight"].pieces] == [16, 16]
+    result = replay_cli("run", str(store), "--from", "12", "--to", "13", "--verify", "--json",
+                        "--attention", "fa2-emu:dtype=bf16", "--fix", "safe-softmax", "--heads", "1.1")
+    assert result.returncode == 0, result.stderr
+    v = json.loads(result.stdout)["verification"]
+    assert not v["bitwise"] and v["divergence"]["step"] == 12   # steps 10, 11 were bit for bit
+
+
 def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_weights(llama):
     """Query head h reads key/value head h // 2: its W_K, W_V numbers (spectral norms; relative update per
     step from checkpoint 10 to 20 and the cosine of that update with the one from 0 to 10) and W_Q,h W_K,g^T
