@@ -126,8 +126,11 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(r
         tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
     tokens.flush()
     store = tmp_path / "spiked"
+    # the learning rate's schedule is not the run's length: as recorded; no worker processes (the batches and
+    # their fetches are the same with or without: tests/recorder/test_loader_integration.py), so the bisect's
+    # probes, each the script started again, start none either
     done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *SETTINGS, "--checkpoint_every=6",
-                     "--max_iters=58")   # the learning rate's schedule is not the run's length: as recorded
+                     "--max_iters=58", "--num_workers=0")
     assert done.returncode == 0, done.stderr
     assert [e["step"] for e in RunStore.open(store).spikes] == [55]   # the recording's own detector saw it
     result = replay_cli("bisect", str(store), "--by", "data", "--json")
