@@ -100,7 +100,6 @@ class RecordedLoader:
             raise UsageError("loop.loader(...): the loader was iterated before the run's first step restored its "
                              "checkpoint; take its first batch inside `for step in loop.steps()` or just before it")
         self._seed = int(state["seed"])
-        self._rng = _OwnRng(self._seed)
         self._pass_no, self._skip_to, self._number = int(state["pass"]), int(state["position"]), int(state["number"])
         self._pass_start = self._rng.state = from_storable(state["pass_start"])
         self._schedule = deque(schedule)
@@ -108,16 +107,11 @@ class RecordedLoader:
     def position(self, first_unfinished: Batch | None) -> dict[str, Any]:
         """Where the stream stands for the step that begins: at `first_unfinished`, a batch the script took
         ahead of it (a prefetch), else at the next batch it takes."""
-        if first_unfinished is not None:
-            b = first_unfinished
-            return {"seed": self._seed, "pass": b.pass_no, "position": b.position, "number": b.number,
-                    "pass_start": storable(b.pass_start)}
-        head = self._queue[0] if self._queue else None
-        if head is not None:
-            return {"seed": self._seed, "pass": head.pass_no, "position": head.position, "number": head.number,
-                    "pass_start": storable(head.pass_start)}
-        return {"seed": self._seed, "pass": self._pass_no, "position": self._position, "number": self._number,
-                "pass_start": storable(self._pass_start)}
+        at = first_unfinished or (self._queue[0] if self._queue else None)
+        where = ((at.pass_no, at.position, at.number, at.pass_start) if at is not None
+                 else (self._pass_no, self._position, self._number, self._pass_start))
+        return {"seed": self._seed, "pass": where[0], "position": where[1], "number": where[2],
+                "pass_start": storable(where[3])}
 
     # -- a driver's passes ----------------------------------------------------------------------------
 
