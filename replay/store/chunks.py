@@ -46,7 +46,7 @@ def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int
 
     def write(i: int) -> None:
         nonlocal done
-        data = _chunk_bytes(segments, i * chunk, chunk, scratch)
+        data = chunk_bytes(segments, i * chunk, chunk, scratch)
         fd = os.open(chunk_dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, [data.data, crc32c(data).to_bytes(4, "little")])
@@ -57,10 +57,10 @@ def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int
             if after_chunk:
                 after_chunk(done, n)
 
-    _each(write, range(n))
+    each(write, range(n))
 
 
-def _chunk_bytes(segments: list[tuple[int, np.ndarray]], lo: int, size: int, scratch: threading.local) -> np.ndarray:
+def chunk_bytes(segments: list[tuple[int, np.ndarray]], lo: int, size: int, scratch: threading.local) -> np.ndarray:
     """Bytes [lo, lo + size): a view of one segment when it covers them all, else gathered into this
     thread's scratch buffer."""
     hi = lo + size
@@ -154,10 +154,10 @@ class _Mapping:
         _libc.munmap(self.addr, self.size)
 
 
-def _each(fn: Callable[[int], None], items: range) -> None:
-    """fn(i) for every i, THREADS at a time (file I/O and copies release the GIL); inline for one."""
+def each(fn: Callable[[int], None], items: range, threads: int = THREADS) -> None:
+    """fn(i) for every i, `threads` at a time (I/O and copies release the GIL); inline for one."""
     if len(items) == 1:
         fn(items[0])
         return
-    with ThreadPoolExecutor(min(THREADS, len(items))) as pool:
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
         list(pool.map(fn, items))

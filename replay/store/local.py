@@ -1,0 +1,78 @@
+"""A store in a local directory (or on a shared filesystem every node mounts): store/location.py's backend
+for paths. Whole-file writes go to a temporary file renamed into place; an exclusive create is a hard link
+of a complete temporary file; durability is fsync (store/integrity.py); chunks are written with writev
+and read by mapping the files into memory (store/chunks.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from zarr.storage import LocalStore
+
+from replay.store.chunks import read_chunks, write_chunks
+from replay.store.integrity import fsync_dir, sync_filesystem, write_file
+
+
+class LocalBackend:
+    def read(self, key: str) -> bytes | None:
+        try:
+            return Path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def write(self, key: str, data: bytes, durable: bool) -> None:
+        path = Path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, data, durable)
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = Path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        write_file(tmp, data, durable=True, atomic=False)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+        fsync_dir(path.parent)   # the new name, on disk
+        return True
+
+    def exists(self, key: str) -> bool:
+        return Path(key).is_file()
+
+    def children(self, key: str) -> list[str]:
+        path = Path(key)
+        return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+    def remove_tree(self, key: str) -> None:
+        path = Path(key)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def sync(self, key: str) -> None:
+        sync_filesystem(Path(key))
+
+    def zarr_store(self, key: str, read_only: bool) -> LocalStore:
+        return LocalStore(key, read_only=read_only)
+
+    def write_chunks(self, key: str, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
+                     after_chunk: Callable[[int, int], object] | None) -> None:
+        write_chunks(Path(key), segments, n, chunk, after_chunk)
+
+    def read_chunks(self, key: str, first: int, last: int, chunk: int, what: str,
+                    contents: Callable[[int], str]) -> np.ndarray:
+        return read_chunks(Path(key), first, last, chunk, what, contents)
+
+
+BACKEND = LocalBackend()
