@@ -236,7 +236,7 @@ def bench_throughput(workdir: Path, sets: list[str], label: str, repeats: int) -
         timed("store write, fsync", lambda: store_write(2 * rep + 2, durable=True))
         timed("store read", lambda: store.read_shard(2 * rep + 1, 0))
         for step in (2 * rep + 1, 2 * rep + 2):
-            shutil.rmtree(store.path / "checkpoints" / f"{step:08d}")
+            shutil.rmtree(store.location.local / "checkpoints" / f"{step:08d}")
 
     def torch_round(_rep: int) -> None:
         timed("torch.save", lambda: torch.save(tree, files["torch"]))

@@ -25,7 +25,7 @@ from replay.launch.local import free_port, rank_env, wait_for_ranks
 from replay.launch.pool import RankPool, active_pool
 from replay.recorder.host import environment_notes
 from replay.store import RunStore
-from replay.store.lease import ENV as LEASE_ENV
+from replay.store.holder import ENV as LEASE_ENV
 from replay.store.lease import writing
 from replay.store.lifecycle import create_run, resume_run
 from replay.store.location import Location
