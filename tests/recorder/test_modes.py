@@ -31,7 +31,8 @@ def test_the_script_run_as_it_is_records_and_prepares_its_store(tmp_path):
 def test_replay_runs_environment_makes_a_replay_whatever_the_script_passes(tmp_path):
     env = {STORE_ENV: "/runs/a/replays/w", LEASE_ENV: "spec", RESUME_ENV: "1"}
     replay = Location.parse("/runs/a/replays/w")
-    assert decide(tmp_path / "run", None, False, environ=env) == Start("replay", replay, "spec", True, by_replay_run=True)
+    assert decide(tmp_path / "run", None, False, environ=env) == Start("replay", replay, "spec", True,
+                                                                      by_replay_run=True)
     assert not decide(tmp_path / "run", None, True, environ={**env, RESUME_ENV: "0"}).resume
 
 
@@ -42,7 +43,8 @@ def test_a_launchers_lease_records_or_replays_as_the_prepared_stores_kind_says(t
                                                   data=no_data("test"), created=0.0,
                                                   replay=ReplaySpec("../..", 1, 2, 0, "regular", 0, {})))
     run = Location.parse(tmp_path / "run")
-    assert decide(tmp_path / "run", "spec", False, environ={}) == Start("record", run, "spec", False, by_replay_run=False)
+    assert decide(tmp_path / "run", "spec", False, environ={}) == Start("record", run, "spec", False,
+                                                                       by_replay_run=False)
     assert decide(tmp_path / "replay", "spec", True, environ={}).mode == "replay"
 
 
