@@ -274,12 +274,13 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
                         resume=resume, discard=discard, allow_changed=allow_changed)
-    result = run_replay(store, req)
+    result = run_replay(store, req, warn=lambda m: click.echo(f"warning: {m}", err=True))
     v = result.verification
     assert v is not None, "run() verifies every replay"
     if as_json:
         click.echo(json.dumps({"replay": str(result.location), "ran": result.created,
-                               "environment_differences": result.environment_notes, "verification": v.to_dict()},
+                               "environment_differences": result.environment_notes, "warnings": result.warnings,
+                               "verification": v.to_dict()},
                               indent=2))
         return
     for note in result.environment_notes:

@@ -18,6 +18,7 @@ from replay import faults
 from replay.errors import ReplayError, UsageError
 from replay.kernels.plan import plugin_env
 from replay.lifeline import Guardian
+from replay.store.s3 import configuration
 
 RETRIES = 3
 
@@ -42,8 +43,8 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
         _check_reachable(address)
     if owned:
         kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR", "log_to_driver": False}
-        if address:
-            kwargs["address"] = address
+        if address:   # its workers reach an object store as this process does (store/s3.py)
+            kwargs.update(address=address, runtime_env={"env_vars": configuration()})
         else:   # a cluster of our own, even where `ray start` left one running on this machine
             kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
         if not address:   # the local cluster's processes must not outlive this one (lifeline.py)
