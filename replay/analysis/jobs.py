@@ -26,7 +26,7 @@ from replay.launch.ray_cluster import ray_session, run_tasks
 from replay.store import RunStore
 from replay.store.layout import model_key
 from replay.store.lease import writing
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 from replay.train.data import load_data
 
@@ -208,10 +208,11 @@ def _check_store_visible(store: Location) -> None:
         raise UsageError(f"the Ray workers cannot read {store} ({why}): {where}")
 
 
-def analyze(store_path: Location, address: str | None = None, workers: int | None = None,
+def analyze(where: Where, address: str | None = None, workers: int | None = None,
             progress: Callable[[str], None] = lambda s: None, every: int = 1) -> Summary:
     """Metrics for every checkpoint of a run and of its replays, and each replay's weight distances
     against its parent; only what is not done yet."""
+    store_path = Location.parse(where)
     run = RunStore.open(store_path)
     if run.kind != "run":
         raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
@@ -237,9 +238,10 @@ def analyze(store_path: Location, address: str | None = None, workers: int | Non
         return execute(items, slots, progress, Summary(skipped=skipped), every)
 
 
-def compare(a_path: Location, b_path: Location, address: str | None = None, workers: int | None = None,
+def compare(a_where: Where, b_where: Where, address: str | None = None, workers: int | None = None,
             progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Weight distances of B against A at their matching checkpoints, stored in A's analysis group."""
+    a_path, b_path = Location.parse(a_where), Location.parse(b_where)
     a, b = RunStore.open(a_path), RunStore.open(b_path)
     if a_path == b_path:
         raise UsageError("compare needs two different stores")

@@ -23,7 +23,7 @@ from replay.analysis.results import read_distances, read_metrics
 from replay.bisect.session import Session
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
-from replay.store.location import Location
+from replay.store.location import Location, Where
 
 
 def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
@@ -196,10 +196,11 @@ document.querySelectorAll('img.figure').forEach(function(i){if(i.complete&&i.nat
 document.body.setAttribute('data-figures-rendered',String(n));});</script>"""
 
 
-def write_report(store_path: Location, out: str | Path | None = None, top: int = 10,
+def write_report(store_path: Where, out: str | Path | None = None, top: int = 10,
                  warn: Callable[[str], None] = lambda m: None) -> Path:
     """The report, as one HTML file: `out`, or the store's report.html (a store on an object store: the
     store's name with -report.html, in the current directory)."""
+    store_path = Location.parse(store_path)
     run = RunStore.open(store_path)
     local = store_path.local
     out = Path(out) if out else local / "report.html" if local else Path(f"{store_path.name}-report.html")

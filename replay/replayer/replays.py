@@ -32,7 +32,7 @@ from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
 from replay.store.lifecycle import resume_run
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.manifest import Manifest, ReplaySpec
 
 COMPARED = ("loss", "rank_loss", "grad_norm")
@@ -184,13 +184,14 @@ def _identity(spec: ReplaySpec) -> tuple[Any, ...]:
     return spec.start, spec.stop, spec.start_checkpoint, spec.overrides
 
 
-def run(store: Location, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
+def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
         command: str = "replay run", warn: Callable[[str], None] = lambda m: None) -> Replay:
     """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record.
     With a pool of warm ranks (launch/pool.py) of the recorded world size, a local-launcher replay runs
     on them instead of on freshly started ranks. The store's lease is taken first, or, with `under` (a
     bisect's probes), the lease of the process this one works for is checked; the replay's own lease
     is taken in both cases (store/lease.py)."""
+    store = Location.parse(store)
     parent = RunStore.open(store)   # a missing store is named before anything is made
     with writing(store / "replays" / replay_id(req), command, under=under) as lease:
         warnings: list[str] = []
