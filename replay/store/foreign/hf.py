@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from replay.errors import StoreError, UsageError
-from replay.store.foreign.base import ForeignCheckpoint, digest, object_tag
+from replay.store.foreign.base import ForeignCheckpoint, digest, object_tag, sampled_digest
 from replay.store.location import Location
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
@@ -86,8 +86,8 @@ def checkpoint(loc: Location) -> ForeignCheckpoint:
         if f.local is None:
             tags.append(object_tag(f))
         else:
-            size, raw = _local_header(f)
-            tags.append(f"{size}:{digest(raw)}")
+            _, raw = _local_header(f)
+            tags.append(f"{digest(raw)}:{sampled_digest(f.local, len(raw))}")
     return ForeignCheckpoint(step, loc, digest((loc / INDEX).read() or b"", *tags))
 
 
