@@ -112,9 +112,8 @@ def _find(loc: Location) -> tuple[str, list[Location]]:
     return fmt, [loc / n for n in names]
 
 
-def _layout(layout: str | dict[str, Any], shape: Shape | None = None) -> Layout:
-    model = ModelConfig(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd) if shape else ModelConfig()
-    resolved = resolve_layout(layout, model)
+def _layout(layout: str | dict[str, Any]) -> Layout:
+    resolved = resolve_layout(layout, ModelConfig())   # a layout does not depend on the model's size
     assert resolved is not None, "a layout was given"
     return Layout.from_dict(resolved)
 
@@ -150,7 +149,7 @@ def _hf(loc: Location, ckpts: list[ForeignCheckpoint], last: Location, heads: in
     _check(shape, said, where)
     state = hf.json_of(last / hf.STATE)
     return ForeignSeries(loc, "hf-trainer", ckpts, shape.n_layer, shape.n_head, shape.n_kv_head, shape.n_embd,
-                         _layout(lay.to_dict(), shape).to_dict(), transformers_config=config, losses=hf.losses(state))
+                         lay.to_dict(), transformers_config=config, losses=hf.losses(state))
 
 
 def _dcp(loc: Location, ckpts: list[ForeignCheckpoint], last: Location, heads: int | None,
