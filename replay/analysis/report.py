@@ -52,7 +52,12 @@ def _mark_spikes(ax, spikes: list[int]) -> None:
 
 
 def _curves(run: RunStore, replays: list[dict[str, Any]], spikes: list[int]) -> str:
-    steps = run.read_steps(["loss", "grad_norm"])
+    series = run.manifest.series
+    if series is not None:   # checkpoints replay did not record: the training losses they say, if any
+        logged = np.array(series.losses, dtype=float).reshape(-1, 2)
+        steps = {"step": logged[:, 0], "loss": logged[:, 1], "grad_norm": np.full(len(logged), np.nan)}
+    else:
+        steps = run.read_steps(["loss", "grad_norm"])
 
     def draw(fig):
         ax1, ax2 = fig.subplots(1, 2)
@@ -217,11 +222,14 @@ def write_report(store_path: Where, out: str | Path | None = None, top: int = 10
     table = read_metrics(store_path)
     found = localise_store(store_path)
     figures = []
+    what = (f"{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
+            f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m.world_size} ranks "
+            f"({m.launcher}); {run.n_steps} steps recorded" if m.series is None else
+            f"{m.series.format} checkpoints replay did not record, at "
+            f"{html.escape(str(store_path.resolve(m.series.location)))}: {cfg.model.n_layer} layers, "
+            f"{cfg.model.n_head} heads, d={cfg.model.n_embd}; {len(m.series.losses)} training losses logged")
     parts = [f"<h1>replay report: {html.escape(str(store_path))}</h1>",
-             f"<p>{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
-             f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m.world_size} ranks "
-             f"({m.launcher}); {run.n_steps} steps recorded; spikes at {spikes or 'none'}. "
-             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
+             f"<p>{what}; spikes at {spikes or 'none'}. Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
              *[f"<p class=warning>Replay {html.escape(r['id'])} cannot be read and is left out: "
                f"{html.escape(r['error'])}</p>" for r in unreadable],
              "<h2>Loss and grad norm</h2><p>The run in black, its replays overlaid (with their overrides); "
