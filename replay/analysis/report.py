@@ -68,9 +68,10 @@ def _curves(run: RunStore, replays: list[dict[str, Any]], spikes: list[int]) -> 
             label = f"{r['id']}" + (f" {r['overrides']}" if r["overrides"] else "")
             ax1.plot(rep["step"], rep["loss"], lw=1, alpha=0.8, label=label)
             ax2.plot(rep["step"], rep["grad_norm"], lw=1, alpha=0.8, label=label)
-        for ax, name in ((ax1, "loss"), (ax2, "grad norm")):
+        for ax, name, values in ((ax1, "loss", steps["loss"]), (ax2, "grad norm", steps["grad_norm"])):
             _mark_spikes(ax, spikes)
-            ax.set_yscale("log")
+            if np.any(np.asarray(values) > 0):   # checkpoints replay did not record may log none
+                ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_title(name)
         ax1.legend(fontsize=6, loc="upper right")
