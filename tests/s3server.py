@@ -88,8 +88,9 @@ class S3Server:
                 return
         raise RuntimeError(f"SeaweedFS exited before serving S3 at {self.endpoint}: see {self.log}")
 
-    def stop(self, grace: float = 10.0) -> None:
-        """End the whole process group: SIGTERM (weed shuts down in about 2 s), SIGKILL after `grace`."""
+    def stop(self, grace: float = 3.0) -> None:
+        """End the whole process group: SIGTERM (weed shuts down in about 1 s), SIGKILL after `grace` (its
+        volume server can wait out its clients' idle connections, 30 s, after a restart)."""
         if self.proc is None:
             return
         self._signal(signal.SIGTERM)
