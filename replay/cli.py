@@ -27,7 +27,25 @@ from replay.replayer.replays import ReplayRequest
 from replay.replayer.replays import run as run_replay
 from replay.store import RunStore
 from replay.store.lease import current_spec, writing
+from replay.store.location import Location
 from replay.views import info_lines, sample_lines, step_batch, summarize
+
+
+class LocationType(click.ParamType):
+    """A store's location, parsed here once: a directory or s3://bucket/prefix."""
+
+    name = "STORE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, Location):
+            return value
+        try:
+            return Location.parse(value)
+        except ReplayError as e:
+            self.fail(str(e), param, ctx)
+
+
+STORE = LocationType()
 
 
 def _main_errors(fn):
@@ -110,7 +128,8 @@ def main(debug: bool) -> None:
 
 
 @main.command()
-@click.option("--store", required=True, type=click.Path(file_okay=False), help="Run store directory to create.")
+@click.option("--store", required=True, type=STORE,
+              help="Where to create the run store: a directory or s3://bucket/prefix.")
 @click.option("--preset", default="tiny", show_default=True, help="tiny, spike, gpt2-small or gpt2-medium.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file with config fields.")
 @click.option("--data", help="nanoGPT-style token file (train.bin); default: the built-in byte corpus.")
@@ -157,7 +176,7 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
     _print_info(store, as_json=False)
 
 
-def _recorded_world(store: str) -> int:
+def _recorded_world(store: Location) -> int:
     return RunStore.open(store).manifest.world_size
 
 
@@ -189,7 +208,7 @@ def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, z
 
 
 @main.command()
-@click.argument("store", type=click.Path())
+@click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
 def info(store, as_json) -> None:
@@ -197,13 +216,13 @@ def info(store, as_json) -> None:
     _print_info(store, as_json)
 
 
-def _print_info(store: str, as_json: bool) -> None:
+def _print_info(store: Location, as_json: bool) -> None:
     summary = summarize(store)
     click.echo(json.dumps(summary, indent=2) if as_json else "\n".join(info_lines(summary)))
 
 
 @main.command()
-@click.argument("store", type=click.Path())
+@click.argument("store", type=STORE)
 @click.option("--step", required=True, type=int, help="Optimizer step (0-based).")
 @click.option("--rank", type=int, help="Only this rank's micro-batches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
@@ -215,7 +234,7 @@ def batch(store, step, rank, as_json) -> None:
 
 
 @main.command("run")
-@click.argument("store", type=click.Path())
+@click.argument("store", type=STORE)
 @click.option("--from", "start", required=True, type=int, help="First step of the window (0-based).")
 @click.option("--to", "stop", required=True, type=int, help="Last step of the window (inclusive).")
 @click.option("--verify", is_flag=True, help="Compare each replayed step with the record, bit for bit.")
@@ -259,13 +278,13 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     v = result.verification
     assert v is not None, "run() verifies every replay"
     if as_json:
-        click.echo(json.dumps({"replay": str(result.path), "ran": result.created,
+        click.echo(json.dumps({"replay": str(result.location), "ran": result.created,
                                "environment_differences": result.environment_notes, "verification": v.to_dict()},
                               indent=2))
         return
     for note in result.environment_notes:
         click.echo(f"environment differs from the recording: {note} (bitwise equality is not guaranteed)", err=True)
-    click.echo(f"replay {result.path} ({'ran' if result.created else 'already complete; not re-run'}): "
+    click.echo(f"replay {result.location} ({'ran' if result.created else 'already complete; not re-run'}): "
                f"steps {v.steps[0]}..{v.steps[-1]}"
                + (f", overrides {overrides.to_dict()}" if overrides.to_dict() else ""))
     if verify:
@@ -292,7 +311,7 @@ def _tile(text: str) -> tuple[int, int]:
 
 
 @main.command("export")
-@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("store", type=STORE)
 @click.option("--step", required=True, type=int, help="The committed checkpoint to export.")
 @click.option("--to", "out", required=True, type=click.Path(file_okay=False),
               help="DCP directory to write (new or empty).")
@@ -356,7 +375,7 @@ def _ray_options(fn):
 
 
 @main.command()
-@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("store", type=STORE)
 @_ray_options
 @click.option("--top", default=5, show_default=True, help="Rows of the localisation ranking to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary and rankings as JSON.")
@@ -383,7 +402,7 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
 
 
 @main.command()
-@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("store", type=STORE)
 @click.option("--spike", type=int, help="Step of the spike to bisect (default: the largest recorded one).")
 @click.option("--by", type=click.Choice(["steps", "layers", "heads", "data", "all"]), default="all", show_default=True,
               help="What to narrow down: the step window, layers, heads (after layers), batches and samples.")
@@ -424,7 +443,7 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
     click.echo("\n".join(session.verdict.lines(_sample_lines(store))))
 
 
-def _sample_lines(store: str):
+def _sample_lines(store: Location):
     """How a bisect answer shows one of the samples it names: as `replay batch` prints it."""
     def sample(step: int, sample_id: int) -> list[str]:
         return next((sample_lines(row) for row in step_batch(store, step) if row["sample_id"] == sample_id), [])
@@ -433,7 +452,7 @@ def _sample_lines(store: str):
 
 
 @main.command()
-@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("store", type=STORE)
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False),
               help="HTML file to write (default STORE/report.html).")
 @_main_errors
@@ -444,8 +463,8 @@ def report(store, out) -> None:
 
 
 @main.command()
-@click.argument("store_a", type=click.Path(file_okay=False))
-@click.argument("store_b", type=click.Path(file_okay=False))
+@click.argument("store_a", type=STORE)
+@click.argument("store_b", type=STORE)
 @_ray_options
 @click.option("--json", "as_json", is_flag=True, help="Print every distance as JSON.")
 @_main_errors
@@ -470,7 +489,7 @@ def compare(store_a, store_b, ray_address, workers, as_json) -> None:
 
 
 @main.command()
-@click.option("--out", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
+@click.option("--out", default="runs/demo", show_default=True, type=STORE,
               help="Run store of the demo (reused if the demo already ran there).")
 @_main_errors
 def demo(out) -> None:
@@ -478,7 +497,7 @@ def demo(out) -> None:
     bisect its spike, replay the steps before it densely, analyse every checkpoint on a local Ray
     cluster and write the report. Stages already done in OUT are reused."""
     result = run_demo(out, progress=lambda m: click.echo(m, err=True))
-    click.echo("\n".join(result.lines(_sample_lines(str(result.store)))))
+    click.echo("\n".join(result.lines(_sample_lines(result.store))))
 
 
 if __name__ == "__main__":

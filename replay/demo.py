@@ -31,6 +31,7 @@ from replay.launch.ray_cluster import ray_session
 from replay.replayer.replays import ReplayRequest
 from replay.replayer.replays import run as replay
 from replay.store import RunStore
+from replay.store.location import Location
 
 PRESET, NPROC = "spike", 2
 FIX = "lr-scale=0.5"
@@ -39,7 +40,7 @@ DENSE_BEFORE, DENSE_AFTER, DENSE_EVERY = 24, 3, 2   # the dense replay: spike - 
 
 @dataclass
 class DemoResult:
-    store: Path
+    store: Location
     report: Path
     bisect: Session
     localisation: list[Localisation]
@@ -61,8 +62,7 @@ class DemoResult:
         return out
 
 
-def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
-    store = Path(out)
+def run_demo(store: Location, progress: Callable[[str], None]) -> DemoResult:
     stages: dict[str, float] = {}
     t = time.perf_counter()
 
@@ -73,7 +73,7 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
 
         with ray_session() as slots:   # one local Ray cluster for the bisect and the analysis
             progress(f"[2/5] bisect the largest spike with the counterfactual {FIX} ({slots} Ray workers)")
-            session = bisect(str(store), BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
+            session = bisect(store, BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
             stages["bisect"], t = time.perf_counter() - t, time.perf_counter()
 
             assert session.verdict is not None, "a bisect ends with its verdict, or raises"
@@ -81,30 +81,30 @@ def run_demo(out: str | Path, progress: Callable[[str], None]) -> DemoResult:
             start, stop = max(0, spike - DENSE_BEFORE), spike + DENSE_AFTER
             progress(f"[3/5] replay steps {start}..{stop} with a checkpoint every {DENSE_EVERY} steps, "
                      "verified bit for bit")
-            dense = replay(str(store), ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True))
+            dense = replay(store, ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True))
             divergence = dense.verification.divergence if dense.verification else None
             if divergence is not None:
                 progress(f"      warning: {divergence.describe()}")
             stages["replay"], t = time.perf_counter() - t, time.perf_counter()
 
             progress("[4/5] analyse every checkpoint of the run and its replays")
-            analyze(str(store), progress=lambda m: progress("      " + m), every=10)
+            analyze(store, progress=lambda m: progress("      " + m), every=10)
             stages["analyze"], t = time.perf_counter() - t, time.perf_counter()
 
     progress("[5/5] write the report")
-    report = write_report(str(store), None)
+    report = write_report(store, None)
     stages["report"] = time.perf_counter() - t
-    return DemoResult(store, Path(report), session, localise_store(str(store)), stages)
+    return DemoResult(store, Path(report), session, localise_store(store), stages)
 
 
-def _record(store: Path, progress: Callable[[str], None]) -> None:
-    if store.exists() and any(store.iterdir()):
+def _record(store: Location, progress: Callable[[str], None]) -> None:
+    if store.children():
         existing = RunStore.open(store)
         if existing.manifest.config.preset != PRESET or existing.kind != "run":
             raise UsageError(f"{store} holds another run; give `replay demo` a new --out directory")
         if existing.manifest.status == "complete":
             progress(f"      {store} already holds the recording: reusing it")
             return
-        ranks.record_resume(str(store), NPROC, command="replay demo")
+        ranks.record_resume(store, NPROC, command="replay demo")
         return
-    ranks.record_new(str(store), build_config(PRESET, None, [], nproc=NPROC), command="replay demo")
+    ranks.record_new(store, build_config(PRESET, None, [], nproc=NPROC), command="replay demo")

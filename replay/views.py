@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,11 +17,12 @@ from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import holder_of
+from replay.store.location import Location
 from replay.store.run_store import micro_batches
 from replay.train.data import load_data
 
 
-def summarize(path: str) -> dict[str, Any]:
+def summarize(path: Location) -> dict[str, Any]:
     """Everything `replay info` shows, as plain data (its --json)."""
     store = RunStore.open(path)
     m = store.manifest
@@ -31,7 +31,7 @@ def summarize(path: str) -> dict[str, Any]:
     steps = store.read_steps(["loss"])
     data = m.data
     return {
-        "path": str(Path(path).resolve()),
+        "path": str(path),
         "status": m.status,
         "schema": m.schema,
         "config": cfg.to_dict(),
@@ -161,7 +161,7 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, Any]]:
+def step_batch(path: Location, step: int, rank: int | None = None) -> list[dict[str, Any]]:
     """The samples of `step` as recorded in `path` (a run, or a replay: its own steps, which start at its
     start checkpoint), with their text where the store can name it."""
     store = RunStore.open(path)
@@ -172,7 +172,7 @@ def step_batch(path: str, step: int, rank: int | None = None) -> list[dict[str, 
     if rank is not None and not 0 <= rank < ids.shape[0]:
         raise UsageError(f"rank {rank} out of range: the run had {ids.shape[0]} ranks")
     m = store.manifest
-    run = RunStore.open(store.path / m.replay.parent) if m.replay else store
+    run = RunStore.open(path.resolve(m.replay.parent)) if m.replay else store
     data = load_data(m.config, run) if Capabilities.of(m).builtin else None
     rows = []
     for r in range(ids.shape[0]) if rank is None else [rank]:

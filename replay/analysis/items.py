@@ -1,5 +1,5 @@
 """The analysis work items: what the driver (analysis/jobs.py) plans and a Ray worker (analysis/tasks.py)
-computes. An item carries store paths, never tensors: the task reads what it needs from the store itself."""
+computes. An item carries store locations, never tensors: the task reads what it needs from the store itself."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ from dataclasses import dataclass
 from replay.errors import UsageError
 from replay.store import RunStore
 from replay.store.layout import Layout, layout_of
+from replay.store.location import Location
 
 
 @dataclass
 class Source:
-    path: str                           # absolute path of the store holding the checkpoint
+    location: Location                  # the store holding the checkpoint
     step: int
     committed_at: float = 0.0           # identifies this checkpoint (a rewound run writes a new one)
 
 
 @dataclass
 class MetricItem:
-    store: str                          # where the results go
+    store: Location                     # where the results go
     row: int
     block_index: int
     block: tuple[int, int]
@@ -41,7 +42,7 @@ class MetricItem:
 
 @dataclass
 class DistanceItem:
-    store: str
+    store: Location
     table: str
     row: int
     reference: Source
@@ -59,7 +60,7 @@ def weight_layout(store: RunStore) -> Layout:
     m = store.manifest
     layout = layout_of(m.launcher, m.layout)
     if layout is None:
-        raise UsageError(f"{store.path} was recorded by a loop that named no weight layout, so its per-head "
+        raise UsageError(f"{store.location} was recorded by a loop that named no weight layout, so its per-head "
                          "metrics cannot be found: record with "
                          "Loop(..., layout='nanogpt' | 'hf-gpt2' | 'hf-llama' | {...})")
     return layout

@@ -9,11 +9,9 @@ where it stopped.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,11 +21,12 @@ from replay import faults
 from replay.analysis import results as R
 from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
 from replay.analysis.names import DISTANCES
-from replay.errors import StoreError, UsageError
+from replay.errors import ReplayError, StoreError, UsageError
 from replay.launch.ray_cluster import ray_session, run_tasks
 from replay.store import RunStore
 from replay.store.layout import model_key
 from replay.store.lease import writing
+from replay.store.location import Location
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 from replay.train.data import load_data
 
@@ -56,26 +55,26 @@ def run_item(item: MetricItem | DistanceItem) -> str:
 def checkpoint_sources(store: RunStore) -> list[Source]:
     """Every checkpoint a store's trajectory passes through, by step: a replay's own checkpoints
     preceded by the parent's checkpoint it started from."""
-    own = [Source(str(store.path.resolve()), c.step, c.committed_at) for c in store.checkpoints()]
+    own = [Source(store.location, c.step, c.committed_at) for c in store.checkpoints()]
     spec = store.manifest.replay   # a replay's (None for a run)
     if spec is not None:
-        parent = (store.path / spec.parent).resolve()
+        parent = store.location.resolve(spec.parent)
         step = spec.start_checkpoint
-        start = Source(str(parent), step, _committed_at(Source(str(parent), step)))
+        start = Source(parent, step, _committed_at(Source(parent, step)))
         own = [start] + [s for s in own if s.step != start.step]
     return sorted(own, key=lambda s: s.step)
 
 
 def _root_run(store: RunStore) -> RunStore:
     spec = store.manifest.replay
-    return RunStore.open((store.path / spec.parent).resolve()) if spec is not None else store
+    return RunStore.open(store.location.resolve(spec.parent)) if spec is not None else store
 
 
 def probe_batch(store: RunStore, n: int = PROBE_SAMPLES) -> dict[str, Any]:
     """The fixed probe batch: the first tokens of the first n samples the run trained on (step 0)."""
     run = _root_run(store)
     if run.n_steps == 0:
-        raise StoreError(f"{run.path} has no recorded steps to take a probe batch from")
+        raise StoreError(f"{run.location} has no recorded steps to take a probe batch from")
     cfg = run.manifest.config
     sample_ids = run.root["steps/sample_ids"]
     assert isinstance(sample_ids, zarr.Array), "the store's layout (store/run_store.py)"
@@ -103,12 +102,12 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
     else:
         probe, rows = {"sample_ids": [], "tokens": None}, 0
     hf_config = None if builtin or info is None else info.transformers_config
-    table = R.MetricsTable.open_or_create(store.path, cfg.n_layer, cfg.n_head, min(LAYER_BLOCK, cfg.n_layer),
+    table = R.MetricsTable.open_or_create(store.location, cfg.n_layer, cfg.n_head, min(LAYER_BLOCK, cfg.n_layer),
                                           {"sample_ids": probe["sample_ids"], "rows": rows})
     # each checkpoint with the one and two before it (the update statistics' inputs)
     chain = [(src, sources[i - 1] if i >= 1 else None, sources[i - 2] if i >= 2 else None)
              for i, src in enumerate(sources)]
-    index = table.plan([{"step": src.step, "source": os.path.relpath(src.path, store.path),
+    index = table.plan([{"step": src.step, "source": src.location.relative(store.location),
                          "prev": prev and prev.step, "before": before and before.step,
                          "committed_at": src.committed_at} for src, prev, before in chain])
     done = table.done()
@@ -118,13 +117,13 @@ def plan_metrics(store: RunStore) -> tuple[list[MetricItem], int]:
             if done[row, b]:
                 skipped += 1
                 continue
-            items.append(MetricItem(str(store.path.resolve()), row, b, block, cfg.n_embd, cfg.n_head, src, prev,
+            items.append(MetricItem(store.location, row, b, block, cfg.n_embd, cfg.n_head, src, prev,
                                     before, probe["tokens"], hf_config))
     return items, skipped
 
 
 def _committed_at(src: Source) -> float:
-    return next(c.committed_at for c in RunStore.open(src.path).checkpoints() if c.step == src.step)
+    return next(c.committed_at for c in RunStore.open(src.location).checkpoints() if c.step == src.step)
 
 
 def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunStore
@@ -139,15 +138,15 @@ def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunS
     shapes = reference.model_shapes(steps[0])
     tensors = [model_key(name) for name in shapes]   # labelled by their keys in an unsharded run's shard
     if shapes != other.model_shapes(steps[0]):
-        raise UsageError(f"{reference.path} and {other.path} hold different models (tensor names or shapes "
+        raise UsageError(f"{reference.location} and {other.location} hold different models (tensor names or shapes "
                          "differ); weight distances need the same architecture")
-    ref_path, other_path = str(reference.path.resolve()), str(other.path.resolve())
-    dist = R.DistanceTable.open_or_create(store.path, table, os.path.relpath(ref_path, store.path),
-                                          os.path.relpath(other_path, store.path), tensors)
+    ref_path, other_path = reference.location, other.location
+    dist = R.DistanceTable.open_or_create(store.location, table, ref_path.relative(store.location),
+                                          other_path.relative(store.location), tensors)
     rows = [{"step": s, "committed_at": [ref_steps[s], own[s]]} for s in steps]
     index = dist.plan(rows)
     done = dist.done()
-    items = [DistanceItem(str(store.path.resolve()), table, index[i], Source(ref_path, s), Source(other_path, s),
+    items = [DistanceItem(store.location, table, index[i], Source(ref_path, s), Source(other_path, s),
                           tensors)
              for i, s in enumerate(steps) if not done[index[i]]]
     return items, len(steps) - len(items), steps
@@ -155,11 +154,9 @@ def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunS
 
 def replay_stores(store: RunStore, progress: Callable[[str], None] = lambda s: None) -> list[RunStore]:
     """The run's replays that can be read; each one that cannot is named through `progress`."""
-    root = store.path / "replays"
+    root = store.location / "replays"
     out = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if not path.is_dir():
-            continue
+    for path in [root / name for name in root.children()]:
         try:
             out.append(RunStore.open(path))
         except StoreError as e:
@@ -191,21 +188,27 @@ def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lamb
     return summary
 
 
-def _check_store_visible(store_path: str) -> None:
-    """Fail with one line when the workers cannot see the store (no shared filesystem)."""
+def _check_store_visible(store: Location) -> None:
+    """Fail with one line when the workers cannot see the store (no shared filesystem, or no credentials
+    for the bucket)."""
     # lazy: ray (0.3 s) only once Ray work starts (launch/ray_cluster.py)
     import ray
 
     @ray.remote(num_cpus=0)
-    def visible(path: str) -> bool:
-        return (Path(path) / "zarr.json").is_file()
+    def visible(where: Location) -> str:
+        try:
+            return "" if (where / "zarr.json").exists() else "it is not there"
+        except ReplayError as e:
+            return str(e)
 
-    if not ray.get(visible.remote(store_path)):
-        raise UsageError(f"the Ray workers cannot see {store_path}: put the store on a filesystem every node "
-                         "mounts at the same path")
+    why = ray.get(visible.remote(store))
+    if why:
+        where = ("give every node the AWS_* variables of the bucket" if store.local is None
+                 else "put the store on a filesystem every node mounts at the same path")
+        raise UsageError(f"the Ray workers cannot read {store} ({why}): {where}")
 
 
-def analyze(store_path: str | Path, address: str | None = None, workers: int | None = None,
+def analyze(store_path: Location, address: str | None = None, workers: int | None = None,
             progress: Callable[[str], None] = lambda s: None, every: int = 1) -> Summary:
     """Metrics for every checkpoint of a run and of its replays, and each replay's weight distances
     against its parent; only what is not done yet."""
@@ -219,7 +222,7 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
         items: list[Any] = []
         skipped = 0
         for store in [run, *replay_stores(run, progress)]:
-            new, done = plan_metrics(RunStore.open(store.path, mode="a"))
+            new, done = plan_metrics(RunStore.open(store.location, mode="a"))
             items += new
             skipped += done
             if store.kind == "replay":
@@ -234,11 +237,11 @@ def analyze(store_path: str | Path, address: str | None = None, workers: int | N
         return execute(items, slots, progress, Summary(skipped=skipped), every)
 
 
-def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, workers: int | None = None,
+def compare(a_path: Location, b_path: Location, address: str | None = None, workers: int | None = None,
             progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Weight distances of B against A at their matching checkpoints, stored in A's analysis group."""
     a, b = RunStore.open(a_path), RunStore.open(b_path)
-    if a.path.resolve() == b.path.resolve():
+    if a_path == b_path:
         raise UsageError("compare needs two different stores")
     if not {c.step for c in a.checkpoints()} & {c.step for c in b.checkpoints()}:
         raise UsageError(f"{a_path} and {b_path} have no checkpoint at a common step; record both with the "
@@ -249,12 +252,12 @@ def compare(a_path: str | Path, b_path: str | Path, address: str | None = None, 
         for item in items:
             item.lease = lease.spec
         execute(items, slots, progress)
-    entry = R.read_distances(a.path)[table]
-    return {"reference": str(a.path), "other": str(b.path), "table": f"analysis/distances/{table}",
+    entry = R.read_distances(a_path)[table]
+    return {"reference": str(a_path), "other": str(b_path), "table": f"analysis/distances/{table}",
             "steps": entry["step"].tolist(), "tensors": entry["tensor"],
             **{m: entry[m].tolist() for m in DISTANCES}, "computed": len(items), "reused": skipped}
 
 
 def compare_table_name(a: RunStore, b: RunStore) -> str:
-    rel = os.path.relpath(b.path.resolve(), a.path.resolve())
+    rel = b.location.relative(a.location)
     return "vs-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in rel).strip("_")

@@ -25,7 +25,6 @@ trajectory, sampled more densely (`replay run STORE --from A --to B --checkpoint
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ from replay.analysis.results import read_metrics
 from replay.recorder import spikes
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
+from replay.store.location import Location
 
 # (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
 HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],
@@ -221,14 +221,14 @@ def departure(series: np.ndarray, floor: float = 0.0) -> tuple[int | None, float
     return since, z_last
 
 
-def localise_store(store_path) -> list[Localisation]:
+def localise_store(store_path: Location) -> list[Localisation]:
     """A Localisation for every recorded spike of a run, each read from the densest trajectory that
     covers it (not `found` where too few checkpoints precede it)."""
     trajectories = [("run", read_metrics(store_path))]
     for r in list_replays(store_path):
         bitwise = (r.get("verification") or {}).get("bitwise")
         if "error" not in r and not r["overrides"] and r["status"] == "complete" and bitwise:
-            trajectories.append((r["id"], read_metrics(Path(store_path) / "replays" / r["id"])))
+            trajectories.append((r["id"], read_metrics(store_path / "replays" / r["id"])))
     out: list[Localisation] = []
     for event in RunStore.open(store_path).spikes:
         spike = int(event["step"])

@@ -23,6 +23,7 @@ from replay.analysis.results import read_distances, read_metrics
 from replay.bisect.session import Session
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
+from replay.store.location import Location
 
 
 def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
@@ -58,7 +59,7 @@ def _curves(run: RunStore, replays: list[dict[str, Any]], spikes: list[int]) -> 
         ax1.plot(steps["step"], steps["loss"], color="black", lw=1, label="run")
         ax2.plot(steps["step"], steps["grad_norm"], color="black", lw=1, label="run")
         for r in replays:
-            rep = RunStore.open(run.path / "replays" / r["id"]).read_steps(["loss", "grad_norm"])
+            rep = RunStore.open(run.location / "replays" / r["id"]).read_steps(["loss", "grad_norm"])
             label = f"{r['id']}" + (f" {r['overrides']}" if r["overrides"] else "")
             ax1.plot(rep["step"], rep["loss"], lw=1, alpha=0.8, label=label)
             ax2.plot(rep["step"], rep["grad_norm"], lw=1, alpha=0.8, label=label)
@@ -172,7 +173,7 @@ def _probe_plot(run: RunStore, session: Session) -> str:
         hi = max(q["window"][1] for q in session.probes.values())
         keep = (steps["step"] >= lo) & (steps["step"] <= hi)
         for q_id, q in session.probes.items():
-            rep = RunStore.open(run.path / "replays" / q_id).read_steps(["loss"])
+            rep = RunStore.open(run.location / "replays" / q_id).read_steps(["loss"])
             ax.plot(rep["step"], rep["loss"], lw=0.8, alpha=0.5, color="tab:green" if q["prevented"] else "tab:red")
         ax.plot(steps["step"][keep], steps["loss"][keep], color="black", lw=1.5, label="record")
         ax.plot([], [], color="tab:green", label="probe: prevents")
@@ -195,10 +196,13 @@ document.querySelectorAll('img.figure').forEach(function(i){if(i.complete&&i.nat
 document.body.setAttribute('data-figures-rendered',String(n));});</script>"""
 
 
-def write_report(store_path: str | Path, out: str | Path | None = None, top: int = 10,
+def write_report(store_path: Location, out: str | Path | None = None, top: int = 10,
                  warn: Callable[[str], None] = lambda m: None) -> Path:
+    """The report, as one HTML file: `out`, or the store's report.html (a store on an object store: the
+    store's name with -report.html, in the current directory)."""
     run = RunStore.open(store_path)
-    out = Path(out) if out else run.path / "report.html"
+    local = store_path.local
+    out = Path(out) if out else local / "report.html" if local else Path(f"{store_path.name}-report.html")
     m = run.manifest
     cfg = m.config
     spikes = [int(e["step"]) for e in run.spikes]
@@ -212,7 +216,7 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
     table = read_metrics(store_path)
     found = localise_store(store_path)
     figures = []
-    parts = [f"<h1>replay report: {html.escape(str(run.path.resolve()))}</h1>",
+    parts = [f"<h1>replay report: {html.escape(str(store_path))}</h1>",
              f"<p>{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
              f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m.world_size} ranks "
              f"({m.launcher}); {run.n_steps} steps recorded; spikes at {spikes or 'none'}. "
@@ -250,13 +254,13 @@ def write_report(store_path: str | Path, out: str | Path | None = None, top: int
         parts.append(figures[-1])
         for f in found:
             if f.found and f.trajectory != "run":
-                dense = read_metrics(run.path / "replays" / f.trajectory)
+                dense = read_metrics(store_path / "replays" / f.trajectory)
                 assert dense is not None, "a localisation's trajectory is analysed"
                 figures.append(_heatmaps(dense, f"replay {f.trajectory} (bit for bit the record)", spikes))
                 parts.append(figures[-1])
 
     distances = {f"{r['id']} vs run": d for r in replays
-                 for d in [read_distances(run.path / "replays" / r["id"]).get("parent")] if d is not None}
+                 for d in [read_distances(store_path / "replays" / r["id"]).get("parent")] if d is not None}
     distances.update({name: t for name, t in read_distances(store_path).items()})
     parts.append("<h2>Weight distances</h2>")
     if distances:

@@ -16,14 +16,13 @@ chunk last. `xarray.open_zarr(store, group="analysis")` gives the labelled datas
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import zarr
-from zarr.storage import LocalStore
 
 from replay.analysis.names import DISTANCES, HEAD_MATRICES, MATRICES
+from replay.store.location import Location
 from replay.store.nodes import attributes, member
 
 SCHEMA = 1
@@ -47,8 +46,8 @@ METRICS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _open_group(store_path: str | Path, path: str, mode: Literal["r", "r+"] = "r") -> zarr.Group:
-    return zarr.open_group(LocalStore(Path(store_path), read_only=(mode == "r")), path=path, mode=mode)
+def _open_group(store: Location, path: str, mode: Literal["r", "r+"] = "r") -> zarr.Group:
+    return zarr.open_group(store.zarr_store(read_only=(mode == "r")), path=path, mode=mode)
 
 
 def _array(group: zarr.Group, name: str) -> zarr.Array[Any]:
@@ -63,22 +62,22 @@ def _sizes(n_layer: int, n_head: int) -> dict[str, int]:
     return {"layer": n_layer, "head": n_head, "matrix": len(MATRICES), "head_matrix": len(HEAD_MATRICES)}
 
 
-def has_analysis(store_path: str | Path) -> bool:
-    return (Path(store_path) / GROUP / "zarr.json").is_file()
+def has_analysis(store: Location) -> bool:
+    return (store / GROUP / "zarr.json").exists()
 
 
 class MetricsTable:
     """The driver's view of `analysis/`: rows (checkpoints) and which work items are done."""
 
-    def __init__(self, store_path: str | Path):
-        self.store_path = Path(store_path)
+    def __init__(self, store_path: Location):
+        self.store_path = store_path
         self.group = _open_group(store_path, GROUP, mode="r+")
 
     @classmethod
-    def open_or_create(cls, store_path: str | Path, n_layer: int, n_head: int, layer_block: int,
+    def open_or_create(cls, store_path: Location, n_layer: int, n_head: int, layer_block: int,
                        probe: dict[str, Any]) -> MetricsTable:
         if not has_analysis(store_path):
-            root = zarr.open_group(LocalStore(Path(store_path)), mode="r+")
+            root = zarr.open_group(store_path.zarr_store(read_only=False), mode="r+")
             group = root.create_group(GROUP)
             group.create_array("checkpoint", shape=(0,), dtype="int64", chunks=(1024,), dimension_names=("checkpoint",),
                                fill_value=-1)
@@ -159,7 +158,7 @@ def _plan(group: zarr.Group, rows: list[dict[str, Any]], arrays: tuple[str, ...]
     return index
 
 
-def write_metrics(store_path: str | Path, row: int, block: tuple[int, int], block_index: int,
+def write_metrics(store_path: Location, row: int, block: tuple[int, int], block_index: int,
                   values: dict[str, np.ndarray]) -> None:
     """A work item's results: its own chunks of every metric array, then its done chunk."""
     group = _open_group(store_path, GROUP, mode="r+")
@@ -169,7 +168,7 @@ def write_metrics(store_path: str | Path, row: int, block: tuple[int, int], bloc
     _array(group, "done")[row, block_index] = 1
 
 
-def read_metrics(store_path: str | Path) -> dict[str, Any] | None:
+def read_metrics(store_path: Location) -> dict[str, Any] | None:
     """Every computed row of `analysis/`, sorted by step: {"step": [n], metric: [n, layer, ...], "attrs"}."""
     if not has_analysis(store_path):
         return None
@@ -192,16 +191,16 @@ def read_metrics(store_path: str | Path) -> dict[str, Any] | None:
 class DistanceTable:
     """`analysis/distances/<name>`: weight distances of `other` against `reference` at matching steps."""
 
-    def __init__(self, store_path: str | Path, name: str):
-        self.store_path, self.name = Path(store_path), name
+    def __init__(self, store_path: Location, name: str):
+        self.store_path, self.name = store_path, name
         self.path = f"{GROUP}/distances/{name}"
         self.group = _open_group(store_path, self.path, mode="r+")
 
     @classmethod
-    def open_or_create(cls, store_path: str | Path, name: str, reference: str, other: str,
+    def open_or_create(cls, store_path: Location, name: str, reference: str, other: str,
                        tensors: list[str]) -> DistanceTable:
         path = f"{GROUP}/distances/{name}"
-        root = zarr.open_group(LocalStore(Path(store_path)), mode="r+")
+        root = zarr.open_group(store_path.zarr_store(read_only=False), mode="r+")
         if path in root and dict(root[path].attrs).get("tensors") not in (None, tensors):
             del root[path]                        # the models changed shape: these distances are void
         if path not in root or "rows" not in root[path].attrs:
@@ -227,21 +226,21 @@ class DistanceTable:
         return _read(self.group, "done").astype(bool)
 
 
-def write_distances(store_path: str | Path, name: str, row: int, values: dict[str, np.ndarray]) -> None:
+def write_distances(store_path: Location, name: str, row: int, values: dict[str, np.ndarray]) -> None:
     group = _open_group(store_path, f"{GROUP}/distances/{name}", mode="r+")
     for metric in DISTANCES:
         _array(group, metric)[row] = values[metric]
     _array(group, "done")[row] = 1
 
 
-def read_distances(store_path: str | Path) -> dict[str, dict[str, Any]]:
+def read_distances(store_path: Location) -> dict[str, dict[str, Any]]:
     """Every distance table of a store: {name: {"step", "tensor", metric: [n, tensor], "attrs"}}."""
-    root = Path(store_path) / GROUP / "distances"
+    root = store_path / GROUP / "distances"
     out = {}
-    for sub in sorted(root.iterdir()) if root.is_dir() else []:
-        if not (sub / "zarr.json").is_file():
+    for name in root.children():
+        if not (root / name / "zarr.json").exists():
             continue
-        group = _open_group(store_path, f"{GROUP}/distances/{sub.name}")
+        group = _open_group(store_path, f"{GROUP}/distances/{name}")
         if "rows" not in group.attrs:
             continue
         steps = _read(group, "checkpoint")
@@ -251,11 +250,11 @@ def read_distances(store_path: str | Path) -> dict[str, dict[str, Any]]:
                                  "attrs": attributes(group)}
         for metric in DISTANCES:
             entry[metric] = _read(group, metric)[order] if order else np.zeros((0, len(entry["tensor"])))
-        out[sub.name] = entry
+        out[name] = entry
     return out
 
 
-def analysis_status(store_path: str | Path) -> dict[str, Any]:
+def analysis_status(store_path: Location) -> dict[str, Any]:
     """What `replay analyze` has stored: the steps analysed in full, and each distance table's steps."""
     table = read_metrics(store_path)
     return {"checkpoints": [] if table is None else [int(x) for x in table["step"]],

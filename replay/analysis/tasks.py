@@ -49,7 +49,7 @@ def read_layers(store: RunStore, step: int, layers: range) -> list[dict[str, np.
 
 
 def _read_layers(src: Source, layers: range) -> list[dict[str, np.ndarray]]:
-    return read_layers(RunStore.open(src.path), src.step, layers)
+    return read_layers(RunStore.open(src.location), src.step, layers)
 
 
 def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
@@ -84,7 +84,7 @@ def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     of the item's block: per head the max attention logit, the BF16 tied-maxima rate and the attention
     entropy; per layer log Z (metrics.py says what each is)."""
     lo, hi = item.block
-    store = RunStore.open(item.ckpt.path)
+    store = RunStore.open(item.ckpt.location)
     index = store.shard_index(item.ckpt.step, 0)
     body = model_key(BODY)
     wanted = [k for k in index if k.startswith(body) and (".h." not in k or int(k.split(".h.")[1].split(".")[0]) < hi)]
@@ -121,7 +121,7 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     query head with its group's key head); per layer log Z through the decoder's final norm and the output
     embedding (NaN for a model whose decoder has no `norm` and `layers`)."""
     lo, hi = item.block
-    store = RunStore.open(item.ckpt.path)
+    store = RunStore.open(item.ckpt.location)
     recorded = item.transformers_config
     assert recorded is not None, "compute_metrics runs this probe for a transformers model only"
     config = CONFIG_MAPPING[recorded["model_type"]].from_dict(recorded)
@@ -132,8 +132,8 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     state = {n: t.float() for n, t in store.read_model(item.ckpt.step, held).items()}
     missing = names - set(state) - {"lm_head.weight"}   # a tied output embedding may be stored once
     if missing:
-        raise StoreError(f"checkpoint {item.ckpt.step} of {store.path} lacks {sorted(missing)[:3]} of the model its "
-                         "config builds: the probe cannot run it")
+        raise StoreError(f"checkpoint {item.ckpt.step} of {store.location} lacks {sorted(missing)[:3]} of the model "
+                         "its config builds: the probe cannot run it")
     model.load_state_dict(state, strict=False)
     register()
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -168,7 +168,7 @@ def _keep_output(outputs: dict, layer: int, module, args, output) -> None:
 
 def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
     names = [key.removeprefix(MODEL_KEYS) for key in item.tensors]
-    a = RunStore.open(item.reference.path).read_model(item.reference.step, names)
-    b = RunStore.open(item.other.path).read_model(item.other.step, names)
+    a = RunStore.open(item.reference.location).read_model(item.reference.step, names)
+    b = RunStore.open(item.other.location).read_model(item.other.step, names)
     rows = [M.tensor_distances(a[n].float().numpy(), b[n].float().numpy()) for n in names]
     return {metric: np.array([r[metric] for r in rows]) for metric in DISTANCES}

@@ -43,6 +43,8 @@ from replay.replayer.replays import ReplayRequest, replay_id
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import Lease, writing
+from replay.store.location import Location
+from replay.store.object_lease import ObjectLease
 
 PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
           "all": ["steps", "layers", "heads", "data"]}
@@ -102,8 +104,8 @@ def parse_counterfactual(text: str) -> Overrides:
 
 
 class Bisect:
-    def __init__(self, store_path: str, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None):
-        self.store_path, self.cfg, self.say = str(store_path), cfg, progress
+    def __init__(self, store_path: Location, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None):
+        self.store_path, self.cfg, self.say = store_path, cfg, progress
         self.record = RunStore.open(store_path)
         if self.record.kind != "run":
             raise UsageError(f"{store_path} is a replay; bisect the run it belongs to")
@@ -149,7 +151,7 @@ class Bisect:
         self.resumed = previous is not None
         self.new_probes = 0
         self.started = False
-        self.lease: Lease | None = None
+        self.lease: Lease | ObjectLease | None = None
         self.runner: ProbeRunner | None = None
 
     def _pick_spike(self) -> int:
@@ -198,7 +200,7 @@ class Bisect:
             runs = [dataclasses.replace(r, allow_changed=self.cfg.allow_changed) for r in todo.values()]
             for (key, req), result in zip(todo.items(), self.runner.run(runs), strict=True):
                 phase_of = "baseline" if baseline and key == replay_id(baseline[0]) else phase
-                found = judge(self.record, RunStore.open(self.record.path / "replays" / key), self.rule,
+                found = judge(self.record, RunStore.open(self.record.location / "replays" / key), self.rule,
                               req.start, req.stop)
                 self.session.probes[key] = {"phase": phase_of, "window": [req.start, req.stop],
                                            "overrides": req.overrides.to_dict(), **found.to_dict(), **result}
@@ -217,7 +219,7 @@ class Bisect:
         self.held().check()
         self.record_rw().write_bisect_session(self.id, self.session.to_dict())
 
-    def held(self) -> Lease:
+    def held(self) -> Lease | ObjectLease:
         assert self.lease is not None, "probes run and the session is saved under the store's lease"
         return self.lease
 
@@ -233,7 +235,7 @@ class Bisect:
             self.say(f"bisect session {self.id} is complete ({len(self.session.probes)} probes): its answer")
             assert self.session.verdict is not None, "a complete session has its verdict"
             return dataclasses.replace(self.session, verdict=dataclasses.replace(self.session.verdict, new_probes=0))
-        with writing(self.record.path, "replay bisect") as self.lease:   # one bisect at a time, like any writer
+        with writing(self.record.location, "replay bisect") as self.lease:   # one bisect at a time, like any writer
             try:
                 return self._run()
             except BaseException as e:   # an interrupt too: the session is not left "running"
@@ -352,7 +354,7 @@ class Bisect:
     def _separation(self, probe_id: str) -> dict[str, Any]:
         """The first step whose loss differs from the record's: in any bit, and by > SEPARATION relative."""
         rec = self.record.read_steps(["loss"])["loss"]
-        rows = RunStore.open(self.record.path / "replays" / probe_id).read_steps(["loss"])
+        rows = RunStore.open(self.record.location / "replays" / probe_id).read_steps(["loss"])
         first_bit = measurable = None
         for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist(), strict=True):
             if first_bit is None and np.float64(loss).view(np.uint64) != np.float64(rec[step]).view(np.uint64):
@@ -493,5 +495,5 @@ class Bisect:
             seconds=seconds, workers=self.width)
 
 
-def bisect(store_path: str, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> Session:
+def bisect(store_path: Location, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> Session:
     return Bisect(store_path, cfg, progress).run()

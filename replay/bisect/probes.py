@@ -21,6 +21,7 @@ from replay.launch.pool import RankPool, RankPoolError
 from replay.launch.ray_cluster import worker_options
 from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, run
+from replay.store.location import Location
 
 
 def request(start: int, stop: int, overrides: Overrides) -> ReplayRequest:
@@ -37,7 +38,7 @@ class ProbeWorker:
         if self.pool is not None:
             self.pool.start()   # every actor's ranks start at once, before the first probe
 
-    def run(self, store: str, req: ReplayRequest, under: str) -> dict[str, Any]:
+    def run(self, store: Location, req: ReplayRequest, under: str) -> dict[str, Any]:
         """One probe, written under `under`: the spec of the bisect's lease of the store (store/lease.py)."""
         t0 = time.perf_counter()
         try:
@@ -46,7 +47,7 @@ class ProbeWorker:
             result = run(store, req, pool=self.pool, under=under, command="replay bisect (probe)")
         v = result.verification
         assert v is not None, "a replay that ran is verified"
-        return {"id": result.path.name, "ran": result.created, "seconds": time.perf_counter() - t0,
+        return {"id": result.location.name, "ran": result.created, "seconds": time.perf_counter() - t0,
                 "bitwise": v.bitwise, "divergence": None if v.divergence is None else vars(v.divergence),
                 "environment_notes": result.environment_notes, "node": socket.gethostname()}
 
@@ -59,10 +60,10 @@ class ProbeRunner:
     """Runs batches of probe requests on `slots` actors of `cpus` CPUs each (inside an open ray_session),
     under `lease`, the spec of the bisect's lease."""
 
-    def __init__(self, store: str | Path, world_size: int, cpus: int, slots: int, lease: str, warm: bool = True):
+    def __init__(self, store: Location, world_size: int, cpus: int, slots: int, lease: str, warm: bool = True):
         import ray  # lazy here and below: ray (0.3 s) only where probes run, not in every command's start-up
 
-        self.store, self.lease = str(store), lease
+        self.store, self.lease = store, lease
         actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1, **worker_options())(ProbeWorker)
         # Ray actor handles: their methods are called as `.remote(...)`, which Ray's types do not model
         self.actors: list[Any] = [actor.remote(world_size, warm) for _ in range(slots)]

@@ -28,6 +28,7 @@ from pathlib import Path
 from replay.errors import ReplayError
 from replay.kernels.plan import plugin_env
 from replay.launch.local import free_port, rank_env, wait_for_outcomes
+from replay.store.location import Location
 
 
 class RankPoolError(ReplayError):
@@ -73,11 +74,11 @@ class RankPool:
         if not isinstance(log, int):   # a file, not DEVNULL
             log.close()
 
-    def train(self, store_path: str | Path, lease: str, resume: bool = False) -> None:
+    def train(self, store: Location, lease: str, resume: bool = False) -> None:
         """Train the (already prepared) store on every rank, writing under `lease` (store/lease.py); raises
         ReplayError if any rank fails."""
         self.start()
-        request = (json.dumps({"store": str(store_path), "resume": resume, "lease": lease, "env": plugin_env()})
+        request = (json.dumps({"store": str(store), "resume": resume, "lease": lease, "env": plugin_env()})
                    + "\n").encode()
         try:
             for proc in self._procs:
@@ -86,12 +87,12 @@ class RankPool:
                 proc.stdin.flush()
         except BrokenPipeError:
             self.close(kill=True)
-            raise RankPoolError(f"a warm rank died before it took the replay of {store_path}"
+            raise RankPoolError(f"a warm rank died before it took the replay of {store}"
                                 f"{self._see_log()}") from None
         failures = self._collect()
         if failures:
             self.close(kill=True)
-            raise RankPoolError(f"{'; '.join(failures)} (replay of {store_path}){self._see_log()}")
+            raise RankPoolError(f"{'; '.join(failures)} (replay of {store}){self._see_log()}")
 
     def _see_log(self) -> str:
         return f"; the ranks' output is in {self.log_path}" if self.log_path else ""

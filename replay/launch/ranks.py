@@ -28,6 +28,7 @@ from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV
 from replay.store.lease import writing
 from replay.store.lifecycle import create_run, resume_run
+from replay.store.location import Location
 from replay.store.manifest import DataInfo, Manifest
 from replay.store.run_store import check_empty
 from replay.train.data import (
@@ -43,39 +44,38 @@ from replay.train.data import (
 )
 
 
-def record_new(store_path: str, cfg: RunConfig, command: str = "replay record",
+def record_new(store: Location, cfg: RunConfig, command: str = "replay record",
                progress: Callable[[str], None] = lambda m: None) -> None:
     """Record a new run on this machine's ranks, holding the store's lease throughout."""
-    with writing(store_path, command) as lease:
-        prepare_new(store_path, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
+    with writing(store, command) as lease:
+        prepare_new(store, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
         zero = f", ZeRO-{cfg.zero_stage}" if cfg.launcher is Launcher.DEEPSPEED else ""
         progress(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) ({cfg.launcher}{zero}, "
-                 f"{cfg.precision}) into {store_path}")
-        run_ranks(store_path, cfg, cfg.nproc, False, lease.spec)
+                 f"{cfg.precision}) into {store}")
+        run_ranks(store, cfg, cfg.nproc, False, lease.spec)
 
 
-def record_resume(store_path: str, world_size: int, command: str = "replay record --resume",
+def record_resume(store: Location, world_size: int, command: str = "replay record --resume",
                   progress: Callable[[str], None] = lambda m: None) -> None:
     """Continue a stopped or crashed run on this machine's ranks, holding the store's lease throughout."""
-    with writing(store_path, command, report=lambda m: progress(f"note: {m}")) as lease:
-        r = prepare_resume(store_path, world_size)
+    with writing(store, command, report=lambda m: progress(f"note: {m}")) as lease:
+        r = prepare_resume(store, world_size)
         for note in r.notes:
             progress(f"warning: the environment differs from the recording's: {note} (bitwise continuation is "
                      "not guaranteed)")
-        progress(f"resuming {store_path} from step {r.start} of {r.cfg.steps}" if r.start is not None else
-                 f"{store_path} has no committed checkpoint (it stopped while starting): recording it from step 0")
-        run_ranks(store_path, r.cfg, r.cfg.nproc, r.start is not None, lease.spec)
+        progress(f"resuming {store} from step {r.start} of {r.cfg.steps}" if r.start is not None else
+                 f"{store} has no committed checkpoint (it stopped while starting): recording it from step 0")
+        run_ranks(store, r.cfg, r.cfg.nproc, r.start is not None, lease.spec)
 
 
 def under_outer_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def prepare_new(store_path: str, cfg: RunConfig, world_size: int, local_world: int) -> RunStore:
+def prepare_new(path: Location, cfg: RunConfig, world_size: int, local_world: int) -> RunStore:
     """Validate everything a rank would trip over, then create the store: nothing is written on error."""
     if cfg.threads == 0:
         cfg.threads = max(1, cpu_count() // local_world)
-    path = Path(store_path)
     check_empty(path)
     if cfg.data.path:
         tokens = open_token_file(cfg)
@@ -102,11 +102,10 @@ class Resume:
     notes: list[str]    # how this machine differs from the recording's (bitwise continuation not guaranteed)
 
 
-def prepare_resume(store_path: str, world_size: int) -> Resume:
+def prepare_resume(path: Location, world_size: int) -> Resume:
     """Check the store can be continued bit for bit by this launch (refusing, untouched, where it cannot),
     then cut it back to its last committed checkpoint, or to its start if nothing was committed."""
-    path = Path(store_path)
-    if not path.exists():
+    if not path.children():
         raise StoreError(f"--resume: {path} does not exist; record without --resume to start a run")
     store = RunStore.open(path, mode="a")
     if store.kind != "run":
@@ -184,7 +183,7 @@ def _check_deepspeed(cfg: RunConfig) -> None:
         raise UsageError(f"--launcher deepspeed needs DeepSpeed importable here: {e}") from None
 
 
-def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: str,
+def run_ranks(store: Location, cfg: RunConfig, nproc: int, resume: bool, lease: str,
               pool: RankPool | None = None) -> None:
     """Run the ranks on this machine, writing under `lease` (store/lease.py), and wait; a failing rank
     fails the whole recording. Local ranks run on `pool`, or on the active pool of warm ranks of this
@@ -193,34 +192,34 @@ def run_ranks(store_path: str, cfg: RunConfig, nproc: int, resume: bool, lease: 
         # lazy: the launcher never loads torch and transformers (2 s); its one rank does, here
         from replay.train.trainer import train
 
-        train(store_path, lease, resume=resume)
+        train(store, lease, resume=resume)
         return
     pool = pool or active_pool(nproc)
     if pool is not None and cfg.launcher is Launcher.LOCAL and pool.world_size == nproc:
-        pool.train(store_path, lease, resume=resume)
+        pool.train(store, lease, resume=resume)
         return
     if cfg.launcher is Launcher.DEEPSPEED:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
     port = free_port()
-    args = [sys.executable, "-m", "replay.launch.worker", str(store_path)] + (["--resume"] if resume else [])
+    args = [sys.executable, "-m", "replay.launch.worker", str(store)] + (["--resume"] if resume else [])
     procs = [subprocess.Popen(args, env={**rank_env(rank, nproc, port), LEASE_ENV: lease}) for rank in range(nproc)]
     failures = wait_for_ranks(procs)
     if failures:
         raise ReplayError(f"{failures}; their own messages are above (committed checkpoints are intact: "
-                          f"`replay record --store {store_path} --resume` continues)")
+                          f"`replay record --store {store} --resume` continues)")
 
 
-def wait_for_prepared(store_path: str, launch_id: str, timeout: float = 600) -> None:
+def wait_for_prepared(store: Location, launch_id: str, timeout: float = 600) -> None:
     """Ranks > 0 under an outer launcher: wait until rank 0 has prepared the store for this launch."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if RunStore.open(store_path).manifest.launch_id == launch_id:
+            if RunStore.open(store).manifest.launch_id == launch_id:
                 return
         except ReplayError:
             pass
         time.sleep(0.2)
-    raise StoreError(f"rank 0 did not prepare {store_path} within {timeout:.0f}s")
+    raise StoreError(f"rank 0 did not prepare {store} within {timeout:.0f}s")
 
 
 def _cuda() -> bool:

@@ -18,12 +18,13 @@ from replay.launch.local import free_port, rank_env, wait_for_ranks
 from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV
 from replay.store.lease import ENV as LEASE_ENV
+from replay.store.location import Location
 from replay.store.manifest import CommandInfo
 
 
-def run_script(replay_path: str, command: CommandInfo, resume: bool, lease: str) -> None:
-    """Run the recorded command's ranks writing the replay `replay_path`, and wait; a failing rank fails it."""
-    extra = {**command.env, STORE_ENV: os.path.abspath(replay_path), LEASE_ENV: lease,
+def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str) -> None:
+    """Run the recorded command's ranks writing the replay at `replay`, and wait; a failing rank fails it."""
+    extra = {**command.env, STORE_ENV: str(replay), LEASE_ENV: lease,
              RESUME_ENV: "1" if resume else "0"}
     args = [sys.executable, *command.argv]
     if command.launcher == "torchrun":

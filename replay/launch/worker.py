@@ -14,6 +14,7 @@ import traceback
 
 from replay.errors import ReplayError
 from replay.lifeline import follow_parent
+from replay.store.location import Location
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +29,7 @@ def main(argv: list[str]) -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     if argv[:1] == ["--serve"]:
         return serve(train, int(os.environ["REPLAY_REPLY_FD"]))
-    store, resume = argv[0], "--resume" in argv[1:]
+    store, resume = Location.parse(argv[0]), "--resume" in argv[1:]
     error, code = _attempt(train, store, resume, lease=os.environ[LEASE_ENV])
     if error:
         print(f"rank {rank}: {error}", file=sys.stderr, flush=True)
@@ -45,7 +46,7 @@ def serve(train, reply_fd: int) -> int:
         for line in sys.stdin:
             request = json.loads(line)
             os.environ.update(request.get("env", {}))   # the command's plugins (kernels/plan.py)
-            error, code = _attempt(train, request["store"], request["resume"], lease=request["lease"],
+            error, code = _attempt(train, Location.parse(request["store"]), request["resume"], lease=request["lease"],
                                    keep_group=True)
             replies.write(json.dumps({"error": error, "code": code} if error else {"ok": True}) + "\n")
             replies.flush()
@@ -56,7 +57,7 @@ def serve(train, reply_fd: int) -> int:
     return 0
 
 
-def _attempt(train, store: str, resume: bool, lease: str, **kwargs) -> tuple[str | None, int]:
+def _attempt(train, store: Location, resume: bool, lease: str, **kwargs) -> tuple[str | None, int]:
     try:
         train(store, lease, resume=resume, **kwargs)
     except ReplayError as e:

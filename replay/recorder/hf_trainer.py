@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +60,7 @@ from replay.recorder.loader import RecordedLoader
 from replay.recorder.loop import Loop
 from replay.recorder.state import unwrap
 from replay.store import RunStore
+from replay.store.location import Location, Where
 
 
 class TrainerRecorder(TrainerCallback):
@@ -69,12 +69,12 @@ class TrainerRecorder(TrainerCallback):
     description, n_head, resume). The run's length is the Trainer's `max_steps`; its precision its
     `bf16`/`fp16`. Start the Trainer with `recorder.train(trainer)`."""
 
-    def __init__(self, store: str, **loop_options: Any):
+    def __init__(self, store: Where, **loop_options: Any):
         unknown = set(loop_options) - {"checkpoint_every", "snapshot_every", "snapshot_ring", "spike", "layout",
                                        "description", "n_head", "resume"}
         if unknown:
             raise UsageError(f"TrainerRecorder does not take {', '.join(sorted(unknown))}")
-        self.store, self.options = store, loop_options
+        self.store, self.options = Location.parse(store), loop_options
         self.loop: Loop | None = None
         self._batches: RecordedLoader | None = None
         self._steps = None
@@ -114,7 +114,7 @@ class TrainerRecorder(TrainerCallback):
         recording's last committed one, else 0."""
         replay_store = os.environ.get(STORE_ENV)
         if replay_store:
-            store = RunStore.open(Path(replay_store))
+            store = RunStore.open(replay_store)
             if os.environ.get(RESUME_ENV) == "1":
                 committed = store.checkpoints()
                 if committed:
@@ -122,9 +122,9 @@ class TrainerRecorder(TrainerCallback):
             spec = store.manifest.replay
             assert spec is not None, "a replay's store has its spec"
             return spec.start_checkpoint
-        if not self.options.get("resume") or not (Path(self.store) / "zarr.json").is_file():
+        if not self.options.get("resume") or not (self.store / "zarr.json").exists():
             return 0
-        committed = RunStore.open(Path(self.store)).checkpoints()
+        committed = RunStore.open(self.store).checkpoints()
         return committed[-1].step if committed else 0
 
     # -- the Trainer's events ----------------------------------------------------------------------

@@ -58,6 +58,7 @@ from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState, note_sharding, unwrap
 from replay.recorder.zero import engine_state
 from replay.store.lifecycle import complete_run, note_environment
+from replay.store.location import Where
 from replay.store.manifest import ReplaySpec
 
 
@@ -103,7 +104,7 @@ class Loop:
     usual) and ends it with `loop.log_skipped()` instead of `log`.
     """
 
-    def __init__(self, store: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *, total_steps: int,
+    def __init__(self, store: Where, model: torch.nn.Module, optimizer: Any, *, total_steps: int,
                  scheduler: Any = None, scaler: Any = None, precision: str = "fp32", checkpoint_every: int = 100,
                  snapshot_every: int = 0, snapshot_ring: int = 3, spike: SpikeConfig | None = None,
                  attention: str | None = None, n_head: int | None = None, layout: str | dict | None = None,

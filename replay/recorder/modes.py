@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Literal, Protocol
 
@@ -24,6 +23,7 @@ from replay.recorder import command as cmd
 from replay.recorder.recorder import RecorderConfig
 from replay.store import RunStore
 from replay.store.lease import ENV as LEASE_ENV
+from replay.store.location import Location, Where
 from replay.store.manifest import ReplaySpec
 
 
@@ -32,22 +32,22 @@ class Start:
     """How this process's loop was started."""
 
     mode: Literal["record", "replay"]
-    store: str
+    store: Location
     lease: str | None     # the spec of the lease it writes under; None: rank 0 takes one and prepares the store
     resume: bool
     by_replay_run: bool   # started again by `replay run`: the loop's own errors end the process in one line
 
 
-def decide(store: str | os.PathLike[str], lease: str | None, resume: bool,
+def decide(store: Where, lease: str | None, resume: bool,
            environ: Mapping[str, str] = os.environ) -> Start:
     """The one place the mode is decided: from `replay run`'s environment, the `lease=` argument, or neither."""
     if environ.get(cmd.STORE_ENV):
-        return Start("replay", environ[cmd.STORE_ENV], environ[LEASE_ENV], environ.get(cmd.RESUME_ENV) == "1",
-                     by_replay_run=True)
+        return Start("replay", Location.parse(environ[cmd.STORE_ENV]), environ[LEASE_ENV],
+                     environ.get(cmd.RESUME_ENV) == "1", by_replay_run=True)
     if lease is None:
-        return Start("record", str(store), None, resume, by_replay_run=False)
-    kind = RunStore.open(Path(store)).kind
-    return Start("replay" if kind == "replay" else "record", str(store), lease, resume, by_replay_run=False)
+        return Start("record", Location.parse(store), None, resume, by_replay_run=False)
+    kind = RunStore.open(store).kind
+    return Start("replay" if kind == "replay" else "record", Location.parse(store), lease, resume, by_replay_run=False)
 
 
 class Mode(Protocol):

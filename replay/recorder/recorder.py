@@ -41,6 +41,7 @@ from replay.recorder.writer import BackgroundWriter
 from replay.store import RunStore
 from replay.store.lease import Lease, require
 from replay.store.lifecycle import create_run, no_data, resume_run
+from replay.store.location import Location, Where
 from replay.store.tensors import Packed, pack, whole_buffer
 
 
@@ -69,15 +70,15 @@ class RecorderConfig:
             raise UsageError(f"RecorderConfig.snapshot_every must be >= 0 (0: no snapshots), got {self.snapshot_every}")
 
 
-def create_run_store(path: str, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
+def create_run_store(path: Where, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
     """A new run store for a training loop of your own. `config` describes the run as far as it can
     (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
     with Lease.acquire(path, "create_run_store"):
-        return create_run(path, config, world_size=world_size, launcher=Launcher.CUSTOM,
+        return create_run(Location.parse(path), config, world_size=world_size, launcher=Launcher.CUSTOM,
                           data=no_data(description or "a custom training loop"))
 
 
-def resume_run_store(path: str, world_size: int = 1) -> int | None:
+def resume_run_store(path: Where, world_size: int = 1) -> int | None:
     """Before the ranks of your own loop restart (once): cut the run back to its last committed checkpoint
     and return its step; None when nothing was committed (`Recorder.start` then begins at step 0)."""
     with Lease.acquire(path, "resume_run_store"):
@@ -88,7 +89,7 @@ class Recorder:
     """`lease`: the spec of the lease this rank writes under (store/lease.py), when the command that
     started it holds one; without it, rank 0 takes the store's lease itself (released by `close`)."""
 
-    def __init__(self, store_path: str, state: TrainState, cfg: RecorderConfig, rank: int = 0,
+    def __init__(self, store_path: Where, state: TrainState, cfg: RecorderConfig, rank: int = 0,
                  world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None,
                  lease: str | None = None, extra: Callable[[], dict[str, Any]] | None = None):
         self._lease = None

@@ -24,7 +24,9 @@ from replay.recorder.run_options import RunOptions
 from replay.store import RunStore
 from replay.store.lease import Lease
 from replay.store.lifecycle import create_run, no_data, resume_run
+from replay.store.location import Location
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS, ReplaySpec
+from replay.store.object_lease import ObjectLease
 from replay.store.run_store import check_empty
 
 
@@ -35,7 +37,7 @@ class Recording:
     def __init__(self, start: Start, model: torch.nn.Module, options: RunOptions, rank: int, world: int):
         """`model`: unwrapped (not DDP's)."""
         self.model, self.rank, self.world = model, rank, world
-        self._own_lease: Lease | None = None   # taken by rank 0 of the script's own recording
+        self._own_lease: Lease | ObjectLease | None = None   # taken by rank 0 of the script's own recording
         if start.lease is None:
             self.lease = self._prepare(start.store, options.config(model, world), start.resume, options)
         else:
@@ -48,7 +50,7 @@ class Recording:
 
     # -- the store, before any step ----------------------------------------------------------------
 
-    def _prepare(self, path: str, cfg: RunConfig, resume: bool, options: RunOptions) -> str:
+    def _prepare(self, path: Location, cfg: RunConfig, resume: bool, options: RunOptions) -> str:
         """Rank 0 creates (or, resuming, rewinds) the store under its lease; every rank gets the lease's
         spec, or rank 0's error, after a barrier."""
         message, spec = None, None
@@ -56,7 +58,7 @@ class Recording:
             try:
                 self._own_lease = Lease.acquire(path, f"a training script ({Path(sys.argv[0]).name or 'python'})")
                 spec = self._own_lease.spec
-                if resume and (Path(path) / "zarr.json").is_file():
+                if resume and (path / "zarr.json").exists():
                     self._rewind(path)
                 else:
                     self._create(path, cfg, options)
@@ -74,14 +76,14 @@ class Recording:
         assert spec is not None, "rank 0 prepared the store under its lease"
         return spec
 
-    def _create(self, path: str, cfg: RunConfig, options: RunOptions) -> None:
-        check_empty(Path(path))
+    def _create(self, path: Location, cfg: RunConfig, options: RunOptions) -> None:
+        check_empty(path)
         layout, info = options.model_manifest(self.model, cfg)
         create_run(path, cfg, world_size=self.world, launcher=Launcher.CUSTOM,
                    data=no_data(options.description or "a training script of the user's own"),
                    command=cmd.capture(self.world), layout=layout, model=info, init_from=origin_of(self.model))
 
-    def _rewind(self, path: str) -> None:
+    def _rewind(self, path: Location) -> None:
         store = RunStore.open(path, mode="a")
         m = store.manifest
         if m.kind != "run" or store.capabilities.builtin or not store.capabilities.relaunches_script:

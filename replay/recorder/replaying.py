@@ -29,7 +29,7 @@ class Replaying:
         assert spec is not None, "a replay's store has its spec"
         self.window: ReplaySpec | None = spec
         self._spec = spec
-        self.parent = RunStore.open(store.path / spec.parent)
+        self.parent = RunStore.open(store.location.resolve(spec.parent))
         self.cfg = self.parent.manifest.config   # as recorded
         self.overrides = ReplayOverrides.read(spec, store.manifest.config, self.cfg)
         assert start.lease is not None, "a replay's store is prepared under its launcher's lease"

@@ -3,11 +3,11 @@ overrides, outcomes and verification, read from the nested stores alone (no torc
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from replay.errors import StoreError
 from replay.store import RunStore
+from replay.store.location import Location
 from replay.store.manifest import ReplaySpec
 
 
@@ -23,14 +23,11 @@ def spike_outcome(recorded: list[int], replayed: list[int], spec: ReplaySpec) ->
     return f"spikes at {replayed} (recorded at {in_window})"
 
 
-def list_replays(store_path: str | Path) -> list[dict[str, Any]]:
+def list_replays(store_path: Location) -> list[dict[str, Any]]:
     """Every replay of the run; one that cannot be read is listed as {"id", "error"}, not left out."""
-    root = Path(store_path) / "replays"
     recorded = [e["step"] for e in RunStore.open(store_path).spikes]
     out: list[dict[str, Any]] = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if not path.is_dir():
-            continue
+    for path in [store_path / "replays" / name for name in (store_path / "replays").children()]:
         try:
             store = RunStore.open(path)
             m = store.manifest

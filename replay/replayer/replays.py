@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +31,7 @@ from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
 from replay.store.lifecycle import resume_run
+from replay.store.location import Location
 from replay.store.manifest import Manifest, ReplaySpec
 
 COMPARED = ("loss", "rank_loss", "grad_norm")
@@ -77,7 +76,7 @@ class Verification:
 
 @dataclass
 class Replay:
-    path: Path
+    location: Location
     created: bool                   # False: an identical, complete replay already existed
     verification: Verification | None = None
     environment_notes: list[str] = field(default_factory=list)
@@ -91,10 +90,10 @@ def replay_id(req: ReplayRequest) -> str:
     return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
 
-def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig, bool, bool]:
+def prepare(parent: RunStore, req: ReplayRequest) -> tuple[Location, RunConfig, bool, bool]:
     """Check the request against the record and create (or rewind) the replay's store; nothing is written
-    on error. Returns (replay path, config, whether it still has to run, whether it resumes)."""
-    parent = RunStore.open(store_path, mode="a")
+    on error. Returns (the replay's location, config, whether it still has to run, whether it resumes)."""
+    store_path = parent.location
     if parent.kind != "run":
         raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
     parent.check_relaunchable("replay run")
@@ -127,7 +126,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
                       start_checkpoint_kind=ckpt.kind, checkpoint_every=req.checkpoint_every,
                       overrides=req.overrides.to_dict(), skip=req.overrides.skip, drop=req.overrides.drop,
                       lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head))
-    path = Path(store_path) / "replays" / replay_id(req)
+    path = store_path / "replays" / replay_id(req)
     if (path / "zarr.json").exists():
         kept = _existing(path, spec, req, store_path, recorded.world_size)
         if kept is not None:
@@ -138,7 +137,7 @@ def prepare(store_path: str | Path, req: ReplayRequest) -> tuple[Path, RunConfig
     return path, cfg, True, False
 
 
-def _check_drops(parent: RunStore, drop: list[list[int]], store_path: str | Path) -> None:
+def _check_drops(parent: RunStore, drop: list[list[int]], store_path: Location) -> None:
     """Every dropped sample was trained on at its step, and no step loses all of its samples."""
     ids = parent.read_steps(["sample_ids"])["sample_ids"]
     for step, sample in drop:
@@ -149,7 +148,7 @@ def _check_drops(parent: RunStore, drop: list[list[int]], store_path: str | Path
             raise UsageError(f"--drop leaves no sample of step {step}; skip the step with --skip {step}")
 
 
-def _existing(path: Path, spec: ReplaySpec, req: ReplayRequest, store_path: str | Path,
+def _existing(path: Location, spec: ReplaySpec, req: ReplayRequest, store_path: Location,
               world_size: int) -> tuple[bool, bool] | None:
     """A replay of this name made before: (whether it still has to run, whether it resumes) when it is kept,
     None when it is removed to run anew (discarded, or nothing committed to resume from)."""
@@ -167,7 +166,7 @@ def _existing(path: Path, spec: ReplaySpec, req: ReplayRequest, store_path: str 
     if not (req.resume or req.discard):
         raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted (it reached step "
                          f"{existing.end_step - 1}): pass --resume to continue it or --discard to start it anew")
-    shutil.rmtree(path)
+    path.remove_tree()
     return None
 
 
@@ -176,26 +175,26 @@ def _identity(spec: ReplaySpec) -> tuple[Any, ...]:
     return spec.start, spec.stop, spec.start_checkpoint, spec.overrides
 
 
-def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
+def run(store: Location, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
         command: str = "replay run") -> Replay:
     """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record.
     With a pool of warm ranks (launch/pool.py) of the recorded world size, a local-launcher replay runs
     on them instead of on freshly started ranks. The store's lease is taken first, or, with `under` (a
     bisect's probes), the lease of the process this one works for is checked; the replay's own lease
     is taken in both cases (store/lease.py)."""
-    RunStore.open(store_path)   # a missing store is named before anything is made
-    with writing(Path(store_path) / "replays" / replay_id(req), command, under=under) as lease:
-        path, cfg, pending, resume = prepare(store_path, req)
-        recorded = RunStore.open(store_path).manifest
+    parent = RunStore.open(store)   # a missing store is named before anything is made
+    with writing(store / "replays" / replay_id(req), command, under=under) as lease:
+        path, cfg, pending, resume = prepare(parent, req)
+        recorded = parent.manifest
         notes = environment_notes(recorded.environment)
         if pending and Capabilities.of(recorded).relaunches_script:
             assert recorded.command is not None
             try:
-                run_script(str(path), recorded.command, resume, lease.spec)
+                run_script(path, recorded.command, resume, lease.spec)
             except ReplayError:
                 left = RunStore.open(path)
                 if not resume and left.n_steps == 0 and not left.checkpoints():
-                    shutil.rmtree(path)   # the script refused it before its first step: nothing to keep or resume
+                    path.remove_tree()   # the script refused it before its first step: nothing to keep or resume
                 raise
             reached = RunStore.open(path)
             if reached.manifest.status != "complete":   # the script left its loop (or exited) before the window's end
@@ -203,11 +202,11 @@ def run(store_path: str | Path, req: ReplayRequest, pool: RankPool | None = None
                                   f"before the window {req.start}..{req.stop} was done: it left `loop.steps()` early "
                                   "(a `break`, or a step limit of its own)")
         elif pending:
-            run_ranks(str(path), cfg, cfg.nproc, resume, lease.spec, pool=pool)
-        verification = verify(RunStore.open(store_path), RunStore.open(path))
+            run_ranks(path, cfg, cfg.nproc, resume, lease.spec, pool=pool)
+        done = RunStore.open(path, mode="a")
+        verification = verify(parent, done)
         result = Replay(path, created=pending, verification=verification, environment_notes=notes)
         lease.check()
-        done = RunStore.open(path, mode="a")
         done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec,
                                                         verification=verification.to_dict()))
     return result

@@ -72,7 +72,7 @@ def export(store_path: str | Path, step: int, out: str | Path, model: torch.nn.M
         assert model is not None and optimizer is not None, "_why_no_optimizer checks both are given"
         replicated = store.read_shard(step, 0)["state"]["replicated"]
         if "optimizer" not in replicated:
-            raise StoreError(f"checkpoint {step} of {store.path} holds no optimizer state on rank 0")
+            raise StoreError(f"checkpoint {step} of {store.location} holds no optimizer state on rank 0")
         model.load_state_dict(replicated["model"])
         optimizer.load_state_dict(replicated["optimizer"])
         state = {MODEL: replicated["model"], OPTIMIZER: get_state_dict(model, optimizer)[1]}

@@ -94,13 +94,13 @@ def group_json(attributes: dict[str, Any]) -> bytes:
                       allow_nan=True).encode()
 
 
-def read_group_attributes(path: Path, what: str) -> tuple[bytes, dict[str, Any]]:
-    """The raw bytes of a group's zarr.json and its attributes; a damaged file is named, not parsed wrong."""
-    raw = path.read_bytes()
+def group_attributes(raw: bytes, what: str) -> dict[str, Any]:
+    """The attributes of a group's zarr.json, given its raw bytes; a damaged document is named, not parsed wrong."""
     try:
         doc = json.loads(raw)
         if doc.get("node_type") != "group" or doc.get("zarr_format") != 3 or not isinstance(doc["attributes"], dict):
             raise ValueError("not a Zarr v3 group document")
     except (ValueError, KeyError, UnicodeDecodeError, AttributeError) as e:
-        raise ChecksumError(f"{what} ({path}) is damaged: {str(e).splitlines()[0]}") from None
-    return raw, doc["attributes"]
+        raise ChecksumError(f"{what} is damaged: {str(e).splitlines()[0]}") from None
+    attributes: dict[str, Any] = doc["attributes"]
+    return attributes

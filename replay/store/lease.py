@@ -6,7 +6,8 @@ the holder (its ranks, a bisect's probes, an analysis's Ray tasks) write under t
 its token and check it is still held with that token before each write, so a process whose holder lost
 the lease stops instead of writing. A replay is also written under a lease of its own,
 `STORE/leases/replays/<id>.json`, so that two of a bisect's parallel probes never write one replay.
-Readers (`info`, `batch`, `report`) take nothing.
+Readers (`info`, `batch`, `report`) take nothing. This module is the lease of a store in a directory; on an
+object store the same lease is kept by conditional puts (store/object_lease.py), behind the same functions.
 
 The lease file is written once, whole, and then made visible with an atomic exclusive create (a hard
 link of a complete temporary file): it holds who (command, pid, host, process start time), since when,
@@ -41,10 +42,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay.errors import StoreError
 from replay.processes import alive, start_time
+from replay.store.location import Location, Where
+
+if TYPE_CHECKING:
+    from replay.store.object_lease import ObjectLease
 
 ENV = "REPLAY_LEASE"   # {"file": ..., "token": ...} of the lease a child process writes under
 
@@ -53,8 +58,11 @@ def lease_timeout() -> float:
     return float(os.environ.get("REPLAY_LEASE_TIMEOUT", "60"))
 
 
-def lease_file(store: str | Path, scope: str = "run") -> Path:
-    return Path(store) / "leases" / f"{scope}.json"
+def lease_file(store: Where, scope: str = "run") -> Path:
+    """The lease file of a store in a directory."""
+    local = Location.parse(store).local
+    assert local is not None, "an object store's lease is an object (store/object_lease.py)"
+    return local / "leases" / f"{scope}.json"
 
 
 @dataclass
@@ -104,9 +112,14 @@ def read_holder(path: Path) -> tuple[Holder, float, tuple[int, int]] | None:
     return holder, st.st_mtime, (st.st_dev, st.st_ino)
 
 
-def holder_of(store: str | Path, scope: str = "run") -> Holder | None:
+def holder_of(store: Where, scope: str = "run") -> Holder | None:
     """Who holds the lease now, if anyone living does (for `replay info`)."""
-    found = read_holder(lease_file(store, scope))
+    location = Location.parse(store)
+    if location.local is None:
+        from replay.store import object_lease  # lazy: it builds on this module
+
+        return object_lease.holder_of(location, scope)
+    found = read_holder(lease_file(location, scope))
     if found is None:
         return None
     holder, beat, _ = found
@@ -116,7 +129,7 @@ def holder_of(store: str | Path, scope: str = "run") -> Holder | None:
 class Lease:
     """A held lease. `acquire` refuses with one line naming the living holder, or takes over a dead one."""
 
-    _held: dict[tuple[str, str], Lease] = {}   # this process's leases, by (store, scope): re-entrant
+    _held: dict[tuple[str, str], Lease | ObjectLease] = {}   # this process's leases, by (store, scope): re-entrant
     _lock = threading.Lock()
 
     def __init__(self, store: Path, scope: str, holder: Holder, fd: int, created_dir: bool):
@@ -142,15 +155,21 @@ class Lease:
     # -- taking ----------------------------------------------------------------------------------------------
 
     @classmethod
-    def acquire(cls, store: str | Path, command: str, scope: str = "run",
-                report: Callable[[str], None] | None = None) -> Lease:
-        store = Path(store)
-        key = (str(store.resolve()), scope)
+    def acquire(cls, store: Where, command: str, scope: str = "run",
+                report: Callable[[str], None] | None = None) -> Lease | ObjectLease:
+        location = Location.parse(store)
+        key = (str(location), scope)
         with cls._lock:
             held = cls._held.get(key)
-            if held is not None and held._fd is not None:
+            if held is not None and held.held():
                 held._count += 1
                 return held
+            if location.local is None:
+                from replay.store.object_lease import ObjectLease  # lazy: it builds on this module
+
+                cls._held[key] = ObjectLease.take(location, command, scope, report or _report)
+                return cls._held[key]
+            store = location.local
             created_dir = not store.exists()
             path = lease_file(store, scope)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,8 +268,11 @@ class Lease:
                     self.path.unlink()
             os.close(self._fd)
             self._fd = None
-            self._held.pop((str(self.store.resolve()), self.scope), None)
+            self._held.pop((str(Location.parse(self.store)), self.scope), None)
             _remove_empty(self.store, self._created_dir)
+
+    def held(self) -> bool:
+        return self._fd is not None
 
     def __enter__(self) -> Lease:
         return self
@@ -259,8 +281,12 @@ class Lease:
         self.release()
 
 
-def current_spec(store: str | Path) -> str:
+def current_spec(store: Location) -> str:
     """The spec of the lease `store` is held under now (for ranks of an outer launcher, whose rank 0 took it)."""
+    if store.local is None:
+        from replay.store import object_lease  # lazy: it builds on this module
+
+        return object_lease.current_spec(store)
     found = read_holder(lease_file(store))
     if found is None:
         raise StoreError(f"nobody holds the lease of {store}: its writer is gone")
@@ -270,6 +296,11 @@ def current_spec(store: str | Path) -> str:
 def require(spec: str) -> None:
     """In a process writing for a lease holder (ENV): refuse unless that lease is still held with its token."""
     want = json.loads(spec)
+    if "object" in want:
+        from replay.store import object_lease  # lazy: it builds on this module
+
+        object_lease.require(want)
+        return
     found = read_holder(Path(want["file"]))
     if found is None or found[0].token != want["token"]:
         now = f"now held by {found[0].describe()}" if found else "no longer held"
@@ -314,23 +345,25 @@ def _report(message: str) -> None:
 
 
 @contextlib.contextmanager
-def writing(store: str | Path, command: str, under: str | None = None,
-            report: Callable[[str], None] | None = None) -> Iterator[Lease]:
+def writing(store: Where, command: str, under: str | None = None,
+            report: Callable[[str], None] | None = None) -> Iterator[Lease | ObjectLease]:
     """Hold what a writer of `store` must hold, and yield the lease its helpers write under: the run's
     lease (or, with `under`, the spec of the lease of the process this one works for, checked), and for
     a replay (`RUN/replays/<id>`), the replay's own lease as well."""
-    store = Path(store)
-    is_replay = store.parent.name == "replays" and (store.parent.parent / "zarr.json").is_file()
-    run = store.parent.parent if is_replay else store
-    if run.exists() and not run.is_dir():
+    location = Location.parse(store)
+    is_replay = location.parent.name == "replays" and (location.parent.parent / "zarr.json").exists()
+    run = location.parent.parent if is_replay else location
+    if run.local is not None and run.local.exists() and not run.local.is_dir():
         raise StoreError(f"{run} is not a directory")
     with contextlib.ExitStack() as stack:
+        lease: Lease | ObjectLease | None = None
         if under is not None:
             require(under)
-            lease = None
         else:
-            lease = stack.enter_context(Lease.acquire(run, command, report=report))
+            lease = Lease.acquire(run, command, report=report)
+            stack.callback(lease.release)
         if is_replay:
-            lease = stack.enter_context(Lease.acquire(run, command, scope=f"replays/{store.name}", report=report))
+            lease = Lease.acquire(run, command, scope=f"replays/{location.name}", report=report)
+            stack.callback(lease.release)
         assert lease is not None, "a helper writes into a replay of the run it works for"
         yield lease

@@ -17,7 +17,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Union
 
 import numpy as np
 
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from zarr.abc.store import Store
 
 SCHEMES = ("s3",)   # besides local paths
+
+# What the Python API (Loop, Recorder, RunStore.open) accepts as a store's location; the command line parses
+# its arguments into a `Location` itself.
+Where = Union["Location", str, "os.PathLike[str]"]
 
 
 class Backend(Protocol):
@@ -53,7 +57,7 @@ class Location:
     key: str        # the absolute local path, or the object key prefix in the bucket (no "/" at either end)
 
     @classmethod
-    def parse(cls, text: str | os.PathLike[str] | Location) -> Location:
+    def parse(cls, text: Where) -> Location:
         """A path or an s3://bucket/prefix URL; anything else is refused in one line."""
         if isinstance(text, Location):
             return text

@@ -1,4 +1,5 @@
-"""The run store: one Zarr v3 group on disk that every component reads and writes.
+"""The run store: one Zarr v3 group, in a directory or at s3://bucket/prefix, that every component reads
+and writes.
 
 Layout (all arrays plus JSON attributes; no pickle anywhere):
 
@@ -19,9 +20,11 @@ Layout (all arrays plus JSON attributes; no pickle anywhere):
 Checkpoint <step> holds the state *before* step <step> runs (checkpoint 0 is the initial state).
 Integrity (store/integrity.py): every array chunk carries a CRC-32C; the manifest, the step log's and
 spikes' attributes and a commit record carry the CRC-32C of their own JSON; a commit record holds the
-CRC-32C of every other JSON file of its checkpoint. All are verified on read. With `durable` (the
-default), a commit is written only once everything before it is on disk (fsync), so even a machine
-crash leaves every committed checkpoint readable.
+CRC-32C of every other JSON file of its checkpoint. All are verified on read. A commit record is created
+last and only if there is none (an exclusive create: a hard link on disk, If-None-Match on an object
+store); with `durable` (the default) on disk, only once everything before it is on disk (fsync), so even a
+machine crash leaves every committed checkpoint readable. Where the store lives is a `Location`
+(store/location.py); docs/store.md says what is written in which order on each.
 Concurrency: every rank writes only its own `rank<r>` subtree; the step log, spikes, commits and the
 manifest have a single writer (the coordinator, rank 0), and a store has one writer command at a time
 (store/lease.py).
@@ -31,23 +34,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
-from zarr.storage import LocalStore
 
 from replay.errors import ChecksumError, StoreError, UsageError
 from replay.store.capabilities import Capabilities
-from replay.store.chunks import chunking, read_chunks, write_chunks
-from replay.store.integrity import crc32c, group_json, read_group_attributes, seal, sync_filesystem, unseal, write_file
+from replay.store.chunks import chunking
+from replay.store.integrity import crc32c, group_attributes, group_json, seal, unseal
 from replay.store.layout import MODEL_KEYS, model_key
+from replay.store.location import Location, Where
 from replay.store.manifest import READABLE, SCHEMA, Manifest
 from replay.store.nodes import attributes, member
 from replay.store.sharding import assemble, local_key
@@ -60,12 +61,13 @@ if TYPE_CHECKING:
 _COMPRESSORS = (ZstdCodec(), Crc32cCodec())   # the step log and embedded data: compressed, then checksummed
 
 
-def check_empty(path: Path) -> None:
-    """Refuse a store path that holds anything already (the lease of the command about to create a store
+def check_empty(location: Location) -> None:
+    """Refuse a store location that holds anything already (the lease of the command about to create a store
     there does not count: store/lease.py)."""
-    if path.exists() and not (path.is_dir() and all(p.name == "leases" for p in path.iterdir())):
-        raise StoreError(f"store {path} is not empty: pass --resume to continue the run recorded there, "
-                         "or choose a new --store directory")
+    local = location.local
+    if (local is not None and local.exists() and not local.is_dir()) or set(location.children()) - {"leases"}:
+        raise StoreError(f"store {location} is not empty: pass --resume to continue the run recorded there, "
+                         "or choose a new --store location")
 
 
 def _ckpt_name(step: int) -> str:
@@ -108,39 +110,42 @@ class CheckpointInfo:
 
 
 class RunStore:
-    """A run store opened from a directory. Cheap to open; every read goes to disk. Writing assumes the
+    """A run store opened at a location. Cheap to open; every read goes to the store. Writing assumes the
     caller holds the store's lease (store/lease.py)."""
 
-    def __init__(self, path: str | Path, mode: str, durable: bool = True):
-        self.path = Path(path)
+    def __init__(self, location: Location, mode: str, durable: bool = True):
+        self.location = location
         self.durable = durable   # commits only once everything before them is on disk
-        self._zstore = LocalStore(self.path, read_only=(mode == "r"))
+        self._zstore = location.zarr_store(read_only=(mode == "r"))
         self.root = zarr.open_group(self._zstore, mode="r" if mode == "r" else "r+")
 
     # -- opening -----------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | Path, manifest: Manifest, first_step: int = 0) -> RunStore:
+    def create(cls, where: Where, manifest: Manifest, first_step: int = 0) -> RunStore:
         """A new store: a recorded run, or a replay (whose step log starts at `first_step`)."""
-        path = Path(path)
-        check_empty(path)
+        location = Location.parse(where)
+        check_empty(location)
         assert manifest.schema == SCHEMA, "stores are written in the current schema"
-        path.mkdir(parents=True, exist_ok=True)
-        zarr.create_group(LocalStore(path), attributes=seal(manifest.to_dict()))   # refuses to overwrite a group
-        store = cls(path, mode="a")
+        if location.local is not None:
+            location.local.mkdir(parents=True, exist_ok=True)
+        # refuses to overwrite a group
+        zarr.create_group(location.zarr_store(read_only=False), attributes=seal(manifest.to_dict()))
+        store = cls(location, mode="a")
         store.root.create_group("steps", attributes=seal({"n_steps": 0, "first_step": first_step}))
         store.root.create_group("spikes", attributes=seal({"events": []}))
         store.root.create_group("checkpoints")
         return store
 
     @classmethod
-    def open(cls, path: str | Path, mode: str = "r") -> RunStore:
-        path = Path(path)
-        if not (path / "zarr.json").is_file():
-            what = "does not exist" if not path.exists() else "is not a replay run store (no zarr.json)"
+    def open(cls, where: Where, mode: str = "r") -> RunStore:
+        """The store at a location (a path or a URL, for the Python API: the command line parses them)."""
+        location = path = Location.parse(where)
+        if not (location / "zarr.json").exists():
+            what = "is not a replay run store (no zarr.json)" if location.children() else "does not exist"
             raise StoreError(f"{path} {what}; record a run first with `replay record --store {path}`")
         try:
-            store = cls(path, mode=mode)
+            store = cls(location, mode=mode)
         except Exception as e:  # a damaged zarr.json: name it rather than show a zarr traceback
             raise StoreError(f"{path} cannot be opened as a Zarr store: {str(e).splitlines()[0]}") from None
         meta = store.root.attrs.get("replay")
@@ -158,12 +163,12 @@ class RunStore:
 
     def _sealed(self, attrs: dict[str, Any], what: str) -> dict[str, Any]:
         """A JSON document the store wrote, its checksum verified (schema 1 wrote none)."""
-        return unseal(attrs, f"{self.path}: {what}") if self.schema >= 2 else attrs
+        return unseal(attrs, f"{self.location}: {what}") if self.schema >= 2 else attrs
 
     def check_writable(self) -> None:
         """Refuse to write the run of a store this version cannot write as it was written (an older schema)."""
         if self.schema < SCHEMA:
-            raise StoreError(f"{self.path} was written by an older replay (store schema {self.schema}): its run "
+            raise StoreError(f"{self.location} was written by an older replay (store schema {self.schema}): its run "
                              "can be read, replayed and analysed, not continued; record it again to continue it")
 
 
@@ -189,13 +194,13 @@ class RunStore:
     def check_rebuildable(self, command: str) -> None:
         """Refuse, in one line, what needs the built-in trainer to rebuild the run (a resumed recording)."""
         if not self.capabilities.builtin:
-            raise UsageError(f"{self.path} was recorded by a training loop of your own; `{command}` continues runs "
+            raise UsageError(f"{self.location} was recorded by a training loop of your own; `{command}` continues runs "
                              "of the built-in trainer: run your script again with Loop(..., resume=True)")
 
     def check_relaunchable(self, command: str) -> None:
         """Refuse, in one line, a store whose run cannot be started again (replays, bisect)."""
         if not self.capabilities.relaunchable:
-            raise UsageError(f"{self.path} was recorded by the Recorder API without its command, so `{command}` "
+            raise UsageError(f"{self.location} was recorded by the Recorder API without its command, so `{command}` "
                              "cannot start it again; record with replay.recorder.Loop, which keeps the command")
 
     # -- bisect sessions (replay/bisect) ------------------------------------------------------------
@@ -229,7 +234,7 @@ class RunStore:
         try:
             return np.asarray(member(self.root, name, zarr.Array)[rows])
         except Exception as e:   # the codec's mismatch, a truncated or missing chunk, undecodable bytes
-            raise ChecksumError(f"{self.path}: {name} is damaged ({str(e).splitlines()[0]}); the store is "
+            raise ChecksumError(f"{self.location}: {name} is damaged ({str(e).splitlines()[0]}); the store is "
                                 "corrupted there") from None
 
     # -- step log ----------------------------------------------------------------------------------
@@ -319,17 +324,16 @@ class RunStore:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _ckpt_dir(self, step: int) -> Path:
-        return self.path / "checkpoints" / _ckpt_name(step)
+    def _ckpt_dir(self, step: int) -> Location:
+        return self.location / "checkpoints" / _ckpt_name(step)
 
     def _scan(self) -> list[tuple[int, str, Any]]:
         """Every checkpoint directory: (step, "committed" | "uncommitted" | "damaged", its commit or why)."""
-        root = self.path / "checkpoints"
         out: list[tuple[int, str, Any]] = []
-        for entry in sorted(root.iterdir()) if root.is_dir() else []:
-            if not (entry.is_dir() and entry.name.isdigit()):
+        for name in (self.location / "checkpoints").children():
+            if not name.isdigit():
                 continue
-            step = int(entry.name)
+            step = int(name)
             try:
                 commit = self._read_commit(step)
             except ChecksumError as e:
@@ -341,14 +345,15 @@ class RunStore:
     def _read_commit(self, step: int) -> dict[str, Any] | None:
         """The verified commit record of checkpoint `step`, or None if it has none (yet)."""
         path = self._ckpt_dir(step) / "zarr.json"
-        if not path.is_file():
+        raw = path.read()
+        if raw is None:
             return None
         if self.schema < 2:
             legacy: dict[str, Any] | None = attributes(zarr.open_group(
                 self._zstore, path=f"checkpoints/{_ckpt_name(step)}", mode="r")).get("commit")
             return legacy
         what = f"checkpoint {step}: its commit record"
-        raw, attrs = read_group_attributes(path, what)
+        attrs = group_attributes(raw, f"{what} ({path})")
         if not attrs:
             return None
         if set(attrs) != {"commit"} or not isinstance(attrs["commit"], dict):
@@ -388,17 +393,16 @@ class RunStore:
             skeleton, index, size, segments = lay.skeleton, lay.index, lay.size, lay.segments()
         n, chunk = chunking(size)
         shard = self._ckpt_dir(step) / f"rank{rank}"
-        (shard / "tensors").mkdir(parents=True, exist_ok=True)
-        # Everything before the shard's document is plain writes: until that document (renamed into place)
-        # says done, and the commit after it, nothing of this shard is read. Durable: all of it reaches the
-        # disk (one flush of the filesystem) before that document exists; the flush before the commit
-        # takes the document itself there.
-        write_file(shard / "tensors" / "zarr.json", _bytes_array_json(n * chunk, chunk), durable=False, atomic=False)
-        write_chunks(shard / "tensors", segments, n, chunk, after_chunk)
+        # Everything before the shard's document is plain writes: until that document (written whole) says
+        # done, and the commit after it, nothing of this shard is read. Durable on disk: all of it reaches
+        # the disk (one flush of the filesystem) before that document exists; the flush before the commit
+        # takes the document itself there. On an object store every put is durable when it returns.
+        (shard / "tensors" / "zarr.json").write(_bytes_array_json(n * chunk, chunk))
+        (shard / "tensors").write_chunks(segments, n, chunk, after_chunk)
         if self.durable:
-            sync_filesystem(shard)
-        write_file(shard / "zarr.json", group_json({"done": True, "skeleton": skeleton, "index": index,
-                                                     "size": size, "chunks": n, "chunk_bytes": chunk}), durable=False)
+            shard.sync()
+        (shard / "zarr.json").write(group_json({"done": True, "skeleton": skeleton, "index": index, "size": size,
+                                                "chunks": n, "chunk_bytes": chunk}))
 
     def commit_checkpoint(self, step: int, kind: str, world_size: int, timeout: float = 600.0) -> None:
         """Wait until every rank's shard is done, then write the commit record (checksums inside)."""
@@ -411,38 +415,38 @@ class RunStore:
                 raw = _done_shard(shard / "zarr.json")
                 if raw is not None:
                     files[f"rank{rank}/zarr.json"] = f"{crc32c(raw):08x}"
-                    meta = (shard / "tensors" / "zarr.json").read_bytes()
+                    meta = (shard / "tensors" / "zarr.json").read()
+                    assert meta is not None, "a shard's array metadata is written before its document"
                     files[f"rank{rank}/tensors/zarr.json"] = f"{crc32c(meta):08x}"
                     break
                 if time.monotonic() > deadline:
                     raise StoreError(f"checkpoint {step}: rank {rank} never finished its shard")
                 time.sleep(0.01)
         if self.durable:   # the step log and every shard reach the disk before the commit that vouches for them
-            sync_filesystem(self.path)
+            self.location.sync()
         commit = seal({"step": step, "kind": kind, "world_size": world_size, "time": time.time(), "files": files})
-        write_file(self._ckpt_dir(step) / "zarr.json", group_json({"commit": commit}), self.durable)
+        if not (self._ckpt_dir(step) / "zarr.json").create(group_json({"commit": commit})):
+            raise StoreError(f"{self.location}: checkpoint {step} is committed already (by another writer?): this "
+                             "process stops writing")
 
     def _shard_doc(self, step: int, rank: int) -> dict[str, Any]:
         """One rank's shard document of a committed checkpoint, checked against the commit record."""
         commit = self._commit(step)
         key = f"rank{rank}/zarr.json"
         if key not in commit["files"]:
-            raise StoreError(f"{self.path}: checkpoint {step} has no shard for rank {rank}")
+            raise StoreError(f"{self.location}: checkpoint {step} has no shard for rank {rank}")
         shard = self._ckpt_dir(step) / f"rank{rank}"
         what = f"checkpoint {step} rank {rank}: its index and non-tensor state"
-        try:
-            raw, attrs = read_group_attributes(shard / "zarr.json", what)
-        except FileNotFoundError:
-            raise ChecksumError(f"{what} ({shard / 'zarr.json'}) is missing: the store is corrupted there") from None
+        raw = (shard / "zarr.json").read()
+        if raw is None:
+            raise ChecksumError(f"{what} ({shard / 'zarr.json'}) is missing: the store is corrupted there")
+        attrs = group_attributes(raw, f"{what} ({shard / 'zarr.json'})")
         if f"{crc32c(raw):08x}" != commit["files"][key]:
             raise ChecksumError(f"{what} ({shard / 'zarr.json'}) does not match its checksum: the store is "
                                 "corrupted there")
         meta = shard / "tensors" / "zarr.json"
-        try:
-            meta_ok = f"{crc32c(meta.read_bytes()):08x}" == commit["files"][f"rank{rank}/tensors/zarr.json"]
-        except FileNotFoundError:
-            meta_ok = False
-        if not meta_ok:
+        meta_raw = meta.read()
+        if meta_raw is None or f"{crc32c(meta_raw):08x}" != commit["files"][f"rank{rank}/tensors/zarr.json"]:
             raise ChecksumError(f"checkpoint {step} rank {rank}: the metadata of its array tensors ({meta}) does "
                                 "not match its checksum: the store is corrupted there")
         return attrs
@@ -535,9 +539,9 @@ class RunStore:
 
     def _read_chunks(self, step: int, rank: int, doc: dict[str, Any], first: int, last: int) -> np.ndarray:
         index, chunk = doc["index"], doc["chunk_bytes"]
-        return read_chunks(self._ckpt_dir(step) / f"rank{rank}" / "tensors", first, last, chunk,
-                           f"checkpoint {step} rank {rank}: array tensors",
-                           contents=lambda i: _chunk_contents(index, i * chunk, (i + 1) * chunk))
+        return (self._ckpt_dir(step) / f"rank{rank}" / "tensors").read_chunks(
+            first, last, chunk, f"checkpoint {step} rank {rank}: array tensors",
+            contents=lambda i: _chunk_contents(index, i * chunk, (i + 1) * chunk))
 
     def shard_index(self, step: int, rank: int) -> dict[str, dict[str, Any]]:
         """What one rank's shard holds: {key: dtype, shape, offset, nbytes} (no tensor is read)."""
@@ -552,9 +556,9 @@ class RunStore:
         return zarr.open_group(self._zstore, path=f"checkpoints/{_ckpt_name(step)}/rank{rank}", mode="r")
 
     def _commit(self, step: int) -> dict[str, Any]:
-        commit = self._read_commit(step) if self._ckpt_dir(step).is_dir() else None
+        commit = self._read_commit(step)
         if not commit:
-            raise StoreError(f"{self.path}: no committed checkpoint at step {step}")
+            raise StoreError(f"{self.location}: no committed checkpoint at step {step}")
         return commit
 
     def rewind(self, verify_world_size: int) -> int | None:
@@ -577,7 +581,7 @@ class RunStore:
                 self.verify_shard(last, rank)
         for step, state, _ in scan:
             if last is None or step > last or state != "committed":
-                shutil.rmtree(self._ckpt_dir(step))
+                self._ckpt_dir(step).remove_tree()
         self.truncate_steps(last or 0)
         self.truncate_spikes(last or 0)
         return last
@@ -591,12 +595,12 @@ def _chunk_contents(index: dict[str, dict[str, Any]], lo: int, hi: int) -> str:
     return f" (holding {', '.join(keys[:3])}{f' and {len(keys) - 3} more tensors' if len(keys) > 3 else ''})"
 
 
-def _done_shard(path: Path) -> bytes | None:
+def _done_shard(document: Location) -> bytes | None:
     """The raw shard document once its rank has written it whole, else None."""
+    raw = document.read()
     try:
-        raw = path.read_bytes()
-        return raw if json.loads(raw)["attributes"].get("done") else None
-    except (FileNotFoundError, ValueError, KeyError):
+        return raw if raw is not None and json.loads(raw)["attributes"].get("done") else None
+    except (ValueError, KeyError):
         return None
 
 

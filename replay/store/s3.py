@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -32,6 +32,9 @@ from replay.errors import ChecksumError, StoreError
 from replay.store.chunks import THREADS, chunk_bytes, each
 from replay.store.integrity import crc32c
 
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig
+
 PART_BYTES = 8 << 20        # a chunk above this goes up as a multipart upload, its parts in parallel
 PART_CONCURRENCY = 4
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -41,7 +44,7 @@ def endpoint() -> str:
     return os.environ.get("AWS_ENDPOINT_URL", "") or "AWS S3"
 
 
-def _client_options() -> dict[str, Any]:
+def _client_options() -> ClientConfig:
     url = os.environ.get("AWS_ENDPOINT_URL", "")
     if urlparse(url).scheme != "http":
         return {}
@@ -51,7 +54,7 @@ def _client_options() -> dict[str, Any]:
                      "in the clear: use https, or set AWS_ALLOW_HTTP=true if that network is yours")
 
 
-def _retry() -> dict[str, Any]:
+def _retry() -> RetryConfig:
     # a server restarting (or a network blip) is waited out for this long before an operation fails
     seconds = float(os.environ.get("REPLAY_S3_RETRY_SECONDS", "60"))
     return {"max_retries": 100, "retry_timeout": timedelta(seconds=seconds),
@@ -114,6 +117,14 @@ class S3Backend:
                 return False
         return True
 
+    def create_versioned(self, key: str, data: bytes) -> str | None:
+        """`create`, returning the new object's e_tag (None if there was one already)."""
+        with errors(self.bucket, key):
+            try:
+                return str(obstore.put(self.store, key, data, mode="create")["e_tag"])
+            except (ox.AlreadyExistsError, ox.PreconditionError):
+                return None
+
     def head(self, key: str) -> dict[str, Any] | None:
         """An object's size, e_tag and last_modified; None where there is none."""
         with errors(self.bucket, key):
@@ -165,7 +176,7 @@ class S3Backend:
     def sync(self, key: str) -> None:
         """Nothing to do: a put has returned only once the object is stored."""
 
-    def zarr_store(self, key: str, read_only: bool) -> ObjectStore:
+    def zarr_store(self, key: str, read_only: bool) -> ObjectStore[S3Store]:
         return ObjectStore(_s3(self.bucket, key), read_only=read_only)
 
     def write_chunks(self, key: str, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
@@ -181,7 +192,7 @@ class S3Backend:
             data = chunk_bytes(segments, i * chunk, chunk, scratch)
             crc = crc32c(data).to_bytes(4, "little")
             with errors(self.bucket, f"{key}/c/{i}"):
-                obstore.put(self.store, f"{key}/c/{i}", [memoryview(data).cast("B"), crc], chunk_size=PART_BYTES,
+                obstore.put(self.store, f"{key}/c/{i}", [data.data, crc], chunk_size=PART_BYTES,
                             max_concurrency=PART_CONCURRENCY)
             with lock:
                 done += 1
@@ -202,7 +213,7 @@ class S3Backend:
                 except (FileNotFoundError, ox.NotFoundError):
                     raise ChecksumError(f"{what} chunk {i}{contents(i)} is missing ({where}): the store is "
                                         "corrupted there") from None
-            got = np.frombuffer(raw, dtype=np.uint8)
+            got = np.frombuffer(memoryview(raw), dtype=np.uint8)
             if len(got) != chunk + 4:
                 raise ChecksumError(f"{what} chunk {i}{contents(i)} has {len(got)} bytes, not {chunk + 4} "
                                     f"({where}): the store is corrupted there")

@@ -27,6 +27,7 @@ from replay.recorder.loop import Loop
 from replay.recorder.state import DeepSpeedTrainState, TorchTrainState
 from replay.store import RunStore
 from replay.store.lease import require
+from replay.store.location import Location
 from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.train.model import build_model, lm_loss, lr_factor
@@ -65,11 +66,11 @@ def init_distributed(r: Rank, cfg: RunConfig) -> None:
         dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo", device_id=None)
 
 
-def train(store_path: str, lease: str, resume: bool = False, keep_group: bool = False) -> None:
-    """Train (or resume, or replay) the run in `store_path` as this rank, writing under `lease` (the spec of
+def train(location: Location, lease: str, resume: bool = False, keep_group: bool = False) -> None:
+    """Train (or resume, or replay) the run at `location` as this rank, writing under `lease` (the spec of
     the launching command's lease: store/lease.py)."""
     require(lease)
-    store = RunStore.open(store_path)
+    store = RunStore.open(location)
     cfg = store.manifest.config
     r = Rank.from_env(cfg)
     configure_determinism(cfg.threads)
@@ -86,7 +87,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
     """One client of the loop API (replay.recorder.Loop), like any script: the Loop restores, hands out the
     recorded sample ids in a replay, applies its overrides from `--from` on, and ends after the window."""
     spec = store.manifest.replay
-    parent = RunStore.open(store.path / spec.parent) if spec else None
+    parent = RunStore.open(store.location.resolve(spec.parent)) if spec else None
     data = load_data(cfg, parent or store)
     recorded = parent.manifest.config if parent else cfg   # a replay builds the model as recorded
     # transformers types PreTrainedModel.to (a decorated method) as taking the model: a wrong stub
@@ -105,7 +106,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
         state = TorchTrainState(ddp, optimizer, scheduler)
         step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, data, r)
     probe = NumericsProbe(model) if cfg.numerics else None
-    loop = Loop(str(store.path), model, optimizer, total_steps=cfg.steps, scheduler=scheduler, state=state,
+    loop = Loop(store.location, model, optimizer, total_steps=cfg.steps, scheduler=scheduler, state=state,
                 lease=lease, resume=resume, apply_attention=lambda plan: apply_plan(model, plan),
                 skipped_numerics=probe.skipped if probe else None)
     drop: dict[int, set[int]] = {}
