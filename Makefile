@@ -57,6 +57,7 @@ bench: setup
 	$(PY) benchmarks/bench_loader.py
 	$(PY) benchmarks/bench_sharded.py
 	$(PY) benchmarks/bench_dcp.py
+	$(PY) benchmarks/bench_object_store.py
 
 # Every GPU test and GPU measurement (a CUDA GPU; see docs/gpu.md), into runs/gpu-check/report.md.
 gpu-check: setup

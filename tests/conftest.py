@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +24,8 @@ from filelock import FileLock
 from replay.launch.pool import RankPool
 from replay.lifeline import child_env, guarded
 from replay.processes import alive, descendants
+from replay.store.location import Location
+from tests.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +60,8 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, proces
 # fails (`_refuse_processes`), so the tiers cannot drift apart.
 INTEGRATION_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local",
                         "planted_data", "planted_layer", "two_node_cluster", "other_seed", "interpreted",
-                        "token_file", "replayed_store", "analysed_store", "rank_pool", "on_rank_pool"}
+                        "token_file", "replayed_store", "analysed_store", "rank_pool", "on_rank_pool",
+                        "s3_server", "s3_store"}
 
 
 def pytest_collection_modifyitems(items):
@@ -159,6 +163,28 @@ def ray_local() -> Iterator[str]:
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
         yield ray.get_runtime_context().gcs_address
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[S3Server]:
+    """This worker's S3 server (SeaweedFS on 127.0.0.1, tests/s3server.py), started at its first use (about
+    1.5 s) and stopped at the end of the session."""
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_server, monkeypatch, request) -> Location:
+    """A fresh, empty prefix of the S3 server's bucket, with the AWS_* variables that reach it set for the
+    test (and for the processes it starts)."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+    return Location.parse(f"s3://{s3_server.bucket}/{name}-{uuid.uuid4().hex[:8]}")
 
 
 BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
