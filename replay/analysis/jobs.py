@@ -24,7 +24,7 @@ from replay.analysis.names import DISTANCES
 from replay.analysis.series import is_store, series_of
 from replay.analysis.series import prepare as prepare_series
 from replay.errors import ReplayError, StoreError, UsageError
-from replay.launch.ray_cluster import ray_session, run_tasks
+from replay.launch.ray_cluster import ray_session, run_tasks, worker_options
 from replay.store import RunStore
 from replay.store.foreign import open_series
 from replay.store.layout import model_key
@@ -212,7 +212,7 @@ def _check_store_visible(store: Location) -> None:
     # lazy: ray (0.3 s) only once Ray work starts (launch/ray_cluster.py)
     import ray
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, **worker_options())
     def visible(where: Location) -> str:
         try:
             return "" if (where / "zarr.json").exists() else "it is not there"

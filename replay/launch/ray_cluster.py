@@ -43,8 +43,8 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
         _check_reachable(address)
     if owned:
         kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR", "log_to_driver": False}
-        if address:   # its workers reach an object store as this process does (store/s3.py)
-            kwargs.update(address=address, runtime_env={"env_vars": configuration()})
+        if address:
+            kwargs["address"] = address
         else:   # a cluster of our own, even where `ray start` left one running on this machine
             kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
         if not address:   # the local cluster's processes must not outlive this one (lifeline.py)
@@ -113,9 +113,9 @@ def _quiet_stderr() -> Iterator[None]:
 
 def worker_options() -> dict[str, Any]:
     """What Ray workers must see of this process's environment that they may not inherit (they can be on
-    other nodes, or started before it was set): attention plugins (kernels/plan.py) and a test's
-    armed fault (replay/faults.py)."""
-    env = {**plugin_env(), **faults.armed()}
+    other nodes, or started before it was set): attention plugins (kernels/plan.py), how to reach a store
+    on an object store (store/s3.py) and a test's armed fault (replay/faults.py)."""
+    env = {**plugin_env(), **configuration(), **faults.armed()}
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
