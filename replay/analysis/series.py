@@ -58,6 +58,7 @@ def prepare(checkpoints: Location, into: Location | None, heads: int | None, lay
             if had is None or store.location.resolve(had.location) != checkpoints:
                 raise UsageError(f"{where} holds the analysis of something else: give another --into")
             store.update_manifest(series=info, config=_config(series))
+            spikes = [*spikes, *(e["step"] for e in store.spikes if e.get("source") == "given")]   # kept
         else:
             store = RunStore.create(where, Manifest(
                 kind="series", config=_config(series), world_size=1, launcher=Launcher.CUSTOM,
