@@ -69,6 +69,7 @@ def main() -> None:
 
     from replay.analysis import jobs, tasks
     from replay.analysis import metrics as M
+    from replay.analysis.items import Source
     from replay.store import RunStore
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -90,7 +91,7 @@ def main() -> None:
         cfg = run.manifest.config.model
 
         def matrices(step: int) -> list[dict]:
-            return tasks.read_layers(run, step, range(cfg.n_layer))
+            return tasks.read_layers(Source(run.location, step), range(cfg.n_layer))
 
         mats = matrices(2)
         spectral = best_of(3, lambda: [M.weight_metrics(m, cfg.n_head) for m in mats])

@@ -95,7 +95,7 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, sets: list[str] 
                                       f"precision={'bf16' if device == 'cuda' else 'fp32'}"])
     data = make_data(cfg, builtin_corpus(cfg.data.corpus_bytes))
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
-    path = str(create_run_store(str(workdir / "run"), cfg).path)
+    path = str(create_run_store(str(workdir / "run"), cfg).location)
 
     def make_step():   # a training loop of the user's own, as the README's Python API shows it
         model = build_model(cfg.model, data.vocab_size, cfg.seed).to(device)
@@ -236,7 +236,7 @@ def bench_throughput(workdir: Path, sets: list[str], label: str, repeats: int) -
         timed("store write, fsync", lambda: store_write(2 * rep + 2, durable=True))
         timed("store read", lambda: store.read_shard(2 * rep + 1, 0))
         for step in (2 * rep + 1, 2 * rep + 2):
-            shutil.rmtree(store.path / "checkpoints" / f"{step:08d}")
+            shutil.rmtree(store.location.local / "checkpoints" / f"{step:08d}")
 
     def torch_round(_rep: int) -> None:
         timed("torch.save", lambda: torch.save(tree, files["torch"]))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from replay.analysis import series
 from replay.analysis.jobs import analyze as run_analysis
 from replay.analysis.jobs import compare as run_compare
 from replay.analysis.localise import localise_store
@@ -274,12 +275,13 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
                         resume=resume, discard=discard, allow_changed=allow_changed)
-    result = run_replay(store, req)
+    result = run_replay(store, req, warn=lambda m: click.echo(f"warning: {m}", err=True))
     v = result.verification
     assert v is not None, "run() verifies every replay"
     if as_json:
         click.echo(json.dumps({"replay": str(result.location), "ran": result.created,
-                               "environment_differences": result.environment_notes, "verification": v.to_dict()},
+                               "environment_differences": result.environment_notes, "warnings": result.warnings,
+                               "verification": v.to_dict()},
                               indent=2))
         return
     for note in result.environment_notes:
@@ -374,13 +376,35 @@ def _ray_options(fn):
                         "Its workers must see the store at the same path.")(fn)
 
 
+def _series_options(fn):
+    """What checkpoints replay did not record may not say (analysis/series.py)."""
+    fn = click.option("--layout", help="Where their attention weights are: hf-gpt2, nanogpt, hf-llama or a JSON "
+                      "mapping of their keys (default: found from their config or tensor names).")(fn)
+    return click.option("--heads", type=int, help="Attention heads of their model, where the checkpoints do not "
+                        "say it (DCP).")(fn)
+
+
+def _layout_option(value: str | None):
+    if value is None or not value.lstrip().startswith("{"):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ReplayError(f"--layout is neither a layout name nor a JSON mapping: {e}") from None
+
+
 @main.command()
 @click.argument("store", type=STORE)
 @_ray_options
+@_series_options
+@click.option("--spike", "spikes", type=int, multiple=True,
+              help="Checkpoints replay did not record: a step to rank the heads before (besides their losses' spikes).")
+@click.option("--into", type=STORE, help="Checkpoints replay did not record: the store of their analysis "
+              f"(default: {series.INTO} in their folder).")
 @click.option("--top", default=5, show_default=True, help="Rows of the localisation ranking to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary and rankings as JSON.")
 @_main_errors
-def analyze(store, ray_address, workers, top, as_json) -> None:
+def analyze(store, ray_address, workers, heads, layout, spikes, into, top, as_json) -> None:
     """Per-layer and per-head metrics of every checkpoint, and replay weight distances, on Ray.
 
     Spectral norms (W_Q, W_K, W_V, W_O per head and whole, W_Q,h W_K,h^T per head, MLP), update
@@ -389,7 +413,9 @@ def analyze(store, ray_address, workers, top, as_json) -> None:
     computed. Then, for every recorded spike, ranks the layers and heads whose metrics moved most
     against their own history before it.
     """
-    summary = run_analysis(store, ray_address, workers, progress=lambda m: click.echo(m, err=True))
+    summary = run_analysis(store, ray_address, workers, progress=lambda m: click.echo(m, err=True), heads=heads,
+                           layout=_layout_option(layout), spikes=spikes, into=into)
+    store = into or series.analysis_store(store)
     found = localise_store(store)
     if as_json:
         click.echo(json.dumps({"computed": summary.computed, "already_done": summary.skipped,
@@ -459,6 +485,7 @@ def _sample_lines(store: Location):
 def report(store, out) -> None:
     """One self-contained HTML page: loss and grad norm with spikes and replays, the localisation
     ranking, per-head spectral-norm heatmaps and weight distances (PNGs embedded; no server needed)."""
+    store = series.analysis_store(store)
     click.echo(f"wrote {write_report(store, out, warn=lambda m: click.echo(f'warning: {m}', err=True))}")
 
 
@@ -466,16 +493,18 @@ def report(store, out) -> None:
 @click.argument("store_a", type=STORE)
 @click.argument("store_b", type=STORE)
 @_ray_options
+@_series_options
 @click.option("--json", "as_json", is_flag=True, help="Print every distance as JSON.")
 @_main_errors
-def compare(store_a, store_b, ray_address, workers, as_json) -> None:
+def compare(store_a, store_b, ray_address, workers, heads, layout, as_json) -> None:
     """Weight distances of STORE_B against STORE_A at their common checkpoints.
 
     Per tensor: max |difference|, Frobenius, relative Frobenius and Wasserstein-1 of the value
     distributions (scipy); the table prints each step's largest over tensors, and all of it is stored in
     STORE_A/analysis/distances/.
     """
-    result = run_compare(store_a, store_b, ray_address, workers, progress=lambda m: click.echo(m, err=True))
+    result = run_compare(store_a, store_b, ray_address, workers, progress=lambda m: click.echo(m, err=True),
+                         heads=heads, layout=_layout_option(layout))
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

@@ -31,7 +31,7 @@ from replay.launch.ray_cluster import ray_session
 from replay.replayer.replays import ReplayRequest
 from replay.replayer.replays import run as replay
 from replay.store import RunStore
-from replay.store.location import Location
+from replay.store.location import Location, Where
 
 PRESET, NPROC = "spike", 2
 FIX = "lr-scale=0.5"
@@ -62,7 +62,8 @@ class DemoResult:
         return out
 
 
-def run_demo(store: Location, progress: Callable[[str], None]) -> DemoResult:
+def run_demo(store: Where, progress: Callable[[str], None]) -> DemoResult:
+    store = Location.parse(store)
     stages: dict[str, float] = {}
     t = time.perf_counter()
 

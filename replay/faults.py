@@ -7,6 +7,7 @@ With REPLAY_FAULT_ONCE=<dir>, a fault fires once over all processes (the first t
 that directory), so a retry succeeds.
 
     shard-half:STEP:RANK       rank RANK half-way through its shard of checkpoint STEP      SIGKILL
+    shard-pause:STEP:RANK      there too: it waits (ONCE/paused made) until ONCE/go exists   a pause
     before-commit:STEP:RANK    rank RANK once its shard of STEP is written, before the commit  SIGKILL
     bisect-kill:N              the bisect driver once N probes have run                    SIGKILL
     analysis-driver-kill:N     the analysis driver after N work items                      SIGKILL
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 ENV, ONCE = "REPLAY_FAULT", "REPLAY_FAULT_ONCE"
@@ -39,7 +41,17 @@ def hit(point: str, *where: int) -> None:
             continue
         if point == "analysis-io":
             raise OSError(f"injected transient I/O error reading checkpoint {where[0]}")
+        if point == "shard-pause":   # the test does to the store what it wants meanwhile (a server restart)
+            _pause(Path(os.environ[ONCE]))
+            return
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause(marks: Path, timeout: float = 300.0) -> None:
+    (marks / "paused").touch()
+    deadline = time.monotonic() + timeout
+    while not (marks / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _first(spec: str) -> bool:

@@ -17,13 +17,14 @@ from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import holder_of
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.run_store import micro_batches
 from replay.train.data import load_data
 
 
-def summarize(path: Location) -> dict[str, Any]:
+def summarize(path: Where) -> dict[str, Any]:
     """Everything `replay info` shows, as plain data (its --json)."""
+    path = Location.parse(path)
     store = RunStore.open(path)
     m = store.manifest
     cfg = m.config
@@ -161,9 +162,10 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def step_batch(path: Location, step: int, rank: int | None = None) -> list[dict[str, Any]]:
+def step_batch(path: Where, step: int, rank: int | None = None) -> list[dict[str, Any]]:
     """The samples of `step` as recorded in `path` (a run, or a replay: its own steps, which start at its
     start checkpoint), with their text where the store can name it."""
+    path = Location.parse(path)
     store = RunStore.open(path)
     if not store.first_step <= step < store.end_step:
         held = f"steps {store.first_step}..{store.end_step - 1}" if store.n_steps else "no steps yet"

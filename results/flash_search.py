@@ -285,6 +285,7 @@ def signature(store: Path, step: int | None = None) -> dict[str, Any]:
     spectral norm of W_Q,h and of W_Q,h W_K,h^T; with --numerics, per layer, the median cosine of successive
     W_Q gradient errors and the mean tied-maxima rate over the run."""
     from replay.analysis import metrics as M
+    from replay.analysis.items import Source
     from replay.analysis.tasks import read_layers
     from replay.store import RunStore
 
@@ -292,7 +293,7 @@ def signature(store: Path, step: int | None = None) -> dict[str, Any]:
     cfg = run.manifest.config.model
     step = run.checkpoints()[-1].step if step is None else step
     out: dict[str, Any] = {"step": step, "w_q": [], "w_qk": []}
-    for mats in read_layers(run, step, range(cfg.n_layer)):
+    for mats in read_layers(Source(run.location, step), range(cfg.n_layer)):
         w = M.weight_metrics(mats, cfg.n_head)
         out["w_q"].append(float(w["spectral_head"][0].max()))
         out["w_qk"].append(float(w["spectral_qk"].max()))

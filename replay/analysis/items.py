@@ -7,15 +7,25 @@ from dataclasses import dataclass
 
 from replay.errors import UsageError
 from replay.store import RunStore
+from replay.store.foreign import ForeignSeries
 from replay.store.layout import Layout, layout_of
 from replay.store.location import Location
 
 
 @dataclass
 class Source:
-    location: Location                  # the store holding the checkpoint
+    location: Location                  # the store holding the checkpoint, or the folder of a foreign series
     step: int
-    committed_at: float = 0.0           # identifies this checkpoint (a rewound run writes a new one)
+    committed_at: float | str = 0.0     # identifies this checkpoint (a rewound run writes a new one; a foreign
+                                        # checkpoint rewritten has another identity)
+    series: ForeignSeries | None = None   # a checkpoint replay did not record: read through its series
+
+    def open(self) -> tuple[RunStore | ForeignSeries, Layout]:
+        """What reads the checkpoint's tensors (`read_model`, `model_shapes`), and where its weights are."""
+        if self.series is not None:
+            return self.series, Layout.from_dict(self.series.layout)
+        store = RunStore.open(self.location)
+        return store, weight_layout(store)
 
 
 @dataclass

@@ -10,7 +10,7 @@ where it stopped.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +21,15 @@ from replay import faults
 from replay.analysis import results as R
 from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
 from replay.analysis.names import DISTANCES
+from replay.analysis.series import is_store, series_of
+from replay.analysis.series import prepare as prepare_series
 from replay.errors import ReplayError, StoreError, UsageError
-from replay.launch.ray_cluster import ray_session, run_tasks
+from replay.launch.ray_cluster import ray_session, run_tasks, worker_options
 from replay.store import RunStore
+from replay.store.foreign import open_series
 from replay.store.layout import model_key
 from replay.store.lease import writing
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS
 from replay.train.data import load_data
 
@@ -52,10 +55,27 @@ def run_item(item: MetricItem | DistanceItem) -> str:
 
 # -- planning (driver) ----------------------------------------------------------------------------
 
+def own_sources(store: RunStore) -> list[Source]:
+    """A store's own committed checkpoints, or the checkpoints a series store analyses, by step."""
+    if store.kind == "series":
+        found = series_of(store)
+        return [Source(found.location, c.step, c.identity, found) for c in found.checkpoints]
+    return [Source(store.location, c.step, c.committed_at) for c in store.checkpoints()]
+
+
+def sources_at(where: Location, heads: int | None = None, layout: str | dict[str, Any] | None = None
+               ) -> list[Source]:
+    """The checkpoints at `where`: a run store's, or those of a folder of checkpoints replay did not record."""
+    if is_store(where):
+        return own_sources(RunStore.open(where))
+    found = open_series(where, heads=heads, layout=layout)
+    return [Source(found.location, c.step, c.identity, found) for c in found.checkpoints]
+
+
 def checkpoint_sources(store: RunStore) -> list[Source]:
     """Every checkpoint a store's trajectory passes through, by step: a replay's own checkpoints
     preceded by the parent's checkpoint it started from."""
-    own = [Source(store.location, c.step, c.committed_at) for c in store.checkpoints()]
+    own = own_sources(store)
     spec = store.manifest.replay   # a replay's (None for a run)
     if spec is not None:
         parent = store.location.resolve(spec.parent)
@@ -126,28 +146,26 @@ def _committed_at(src: Source) -> float:
     return next(c.committed_at for c in RunStore.open(src.location).checkpoints() if c.step == src.step)
 
 
-def plan_distances(store: RunStore, table: str, reference: RunStore, other: RunStore
+def plan_distances(store: RunStore, table: str, reference: list[Source], other: list[Source]
                    ) -> tuple[list[DistanceItem], int, list[int]]:
-    """Distance items of `other` against `reference` at the steps both have a checkpoint, stored in
+    """Distance items of the checkpoints `other` against `reference` at the steps both have, stored in
     `store`'s table; returns (items to compute, how many already done, the matching steps)."""
-    ref_steps = {c.step: c.committed_at for c in reference.checkpoints()}
-    own = {c.step: c.committed_at for c in other.checkpoints()}
-    steps = [s for s in own if s in ref_steps]
+    ref = {s.step: s for s in reference}
+    own = {s.step: s for s in other}
+    steps = [s for s in own if s in ref]
     if not steps:
         return [], 0, []
-    shapes = reference.model_shapes(steps[0])
+    a, b = ref[steps[0]], own[steps[0]]
+    shapes = a.open()[0].model_shapes(a.step)
     tensors = [model_key(name) for name in shapes]   # labelled by their keys in an unsharded run's shard
-    if shapes != other.model_shapes(steps[0]):
-        raise UsageError(f"{reference.location} and {other.location} hold different models (tensor names or shapes "
-                         "differ); weight distances need the same architecture")
-    ref_path, other_path = reference.location, other.location
-    dist = R.DistanceTable.open_or_create(store.location, table, ref_path.relative(store.location),
-                                          other_path.relative(store.location), tensors)
-    rows = [{"step": s, "committed_at": [ref_steps[s], own[s]]} for s in steps]
-    index = dist.plan(rows)
+    if shapes != b.open()[0].model_shapes(b.step):
+        raise UsageError(f"{a.location} and {b.location} hold different models (tensor names or shapes differ); "
+                         "weight distances need the same architecture")
+    dist = R.DistanceTable.open_or_create(store.location, table, a.location.relative(store.location),
+                                          b.location.relative(store.location), tensors)
+    index = dist.plan([{"step": s, "committed_at": [ref[s].committed_at, own[s].committed_at]} for s in steps])
     done = dist.done()
-    items = [DistanceItem(store.location, table, index[i], Source(ref_path, s), Source(other_path, s),
-                          tensors)
+    items = [DistanceItem(store.location, table, index[i], ref[s], own[s], tensors)
              for i, s in enumerate(steps) if not done[index[i]]]
     return items, len(steps) - len(items), steps
 
@@ -194,7 +212,7 @@ def _check_store_visible(store: Location) -> None:
     # lazy: ray (0.3 s) only once Ray work starts (launch/ray_cluster.py)
     import ray
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, **worker_options())
     def visible(where: Location) -> str:
         try:
             return "" if (where / "zarr.json").exists() else "it is not there"
@@ -208,17 +226,24 @@ def _check_store_visible(store: Location) -> None:
         raise UsageError(f"the Ray workers cannot read {store} ({why}): {where}")
 
 
-def analyze(store_path: Location, address: str | None = None, workers: int | None = None,
-            progress: Callable[[str], None] = lambda s: None, every: int = 1) -> Summary:
+def analyze(where: Where, address: str | None = None, workers: int | None = None,
+            progress: Callable[[str], None] = lambda s: None, every: int = 1, *, heads: int | None = None,
+            layout: str | dict[str, Any] | None = None, spikes: Sequence[int] = (),
+            into: Location | None = None) -> Summary:
     """Metrics for every checkpoint of a run and of its replays, and each replay's weight distances
-    against its parent; only what is not done yet."""
-    run = RunStore.open(store_path)
-    if run.kind != "run":
+    against its parent; only what is not done yet. `where` may also be a folder of checkpoints replay did
+    not record (analysis/series.py: `heads`, `layout` where they do not say, `spikes` to look before,
+    `into` for the store of their results)."""
+    store_path = Location.parse(where)
+    run = RunStore.open(store_path) if is_store(store_path) else \
+        prepare_series(store_path, into, heads, layout, list(spikes))
+    if run.kind == "replay":
         raise UsageError(f"{store_path} is a replay; analyze the run it belongs to")
-    weight_layout(run)
-    if not run.checkpoints():
-        raise UsageError(f"{store_path} has no committed checkpoint to analyse")
-    with writing(store_path, "replay analyze") as lease, ray_session(address, workers) as slots:
+    if run.kind == "run":
+        weight_layout(run)
+        if not run.checkpoints():
+            raise UsageError(f"{store_path} has no committed checkpoint to analyse")
+    with writing(run.location, "replay analyze") as lease, ray_session(address, workers) as slots:
         items: list[Any] = []
         skipped = 0
         for store in [run, *replay_stores(run, progress)]:
@@ -226,7 +251,7 @@ def analyze(store_path: Location, address: str | None = None, workers: int | Non
             items += new
             skipped += done
             if store.kind == "replay":
-                distances, done, _ = plan_distances(store, "parent", run, store)
+                distances, done, _ = plan_distances(store, "parent", own_sources(run), own_sources(store))
                 items += distances
                 skipped += done
         progress(f"{skipped} work items already done")
@@ -237,27 +262,31 @@ def analyze(store_path: Location, address: str | None = None, workers: int | Non
         return execute(items, slots, progress, Summary(skipped=skipped), every)
 
 
-def compare(a_path: Location, b_path: Location, address: str | None = None, workers: int | None = None,
-            progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Weight distances of B against A at their matching checkpoints, stored in A's analysis group."""
-    a, b = RunStore.open(a_path), RunStore.open(b_path)
+def compare(a_where: Where, b_where: Where, address: str | None = None, workers: int | None = None,
+            progress: Callable[[str], None] = lambda s: None, *, heads: int | None = None,
+            layout: str | dict[str, Any] | None = None) -> dict[str, Any]:
+    """Weight distances of B against A at their matching checkpoints, stored in A's analysis group (for a
+    folder of checkpoints replay did not record, its series store: analysis/series.py)."""
+    a_path, b_path = Location.parse(a_where), Location.parse(b_where)
     if a_path == b_path:
         raise UsageError("compare needs two different stores")
-    if not {c.step for c in a.checkpoints()} & {c.step for c in b.checkpoints()}:
+    reference, other = sources_at(a_path, heads, layout), sources_at(b_path, heads, layout)
+    if not {s.step for s in reference} & {s.step for s in other}:
         raise UsageError(f"{a_path} and {b_path} have no checkpoint at a common step; record both with the "
                          "same --checkpoint-every")
-    table = compare_table_name(a, b)
-    with writing(a_path, "replay compare") as lease, ray_session(address, workers) as slots:
-        items, skipped, steps = plan_distances(a, table, a, b)
+    a = RunStore.open(a_path) if is_store(a_path) else prepare_series(a_path, None, heads, layout, [])
+    table = compare_table_name(a.location, b_path)
+    with writing(a.location, "replay compare") as lease, ray_session(address, workers) as slots:
+        items, skipped, steps = plan_distances(a, table, reference, other)
         for item in items:
             item.lease = lease.spec
         execute(items, slots, progress)
-    entry = R.read_distances(a_path)[table]
+    entry = R.read_distances(a.location)[table]
     return {"reference": str(a_path), "other": str(b_path), "table": f"analysis/distances/{table}",
             "steps": entry["step"].tolist(), "tensors": entry["tensor"],
             **{m: entry[m].tolist() for m in DISTANCES}, "computed": len(items), "reused": skipped}
 
 
-def compare_table_name(a: RunStore, b: RunStore) -> str:
-    rel = b.location.relative(a.location)
+def compare_table_name(a: Location, b: Location) -> str:
+    rel = b.relative(a)
     return "vs-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in rel).strip("_")

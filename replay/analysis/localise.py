@@ -34,7 +34,7 @@ from replay.analysis.results import read_metrics
 from replay.recorder import spikes
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
-from replay.store.location import Location
+from replay.store.location import Location, Where
 
 # (metric, matrix or None): the signals of a head [checkpoint, layer, (matrix,) head] ...
 HEAD_SIGNALS = [("spectral_qk", None), *[("spectral_head", m) for m in HEAD_MATRICES],
@@ -221,9 +221,10 @@ def departure(series: np.ndarray, floor: float = 0.0) -> tuple[int | None, float
     return since, z_last
 
 
-def localise_store(store_path: Location) -> list[Localisation]:
+def localise_store(store_path: Where) -> list[Localisation]:
     """A Localisation for every recorded spike of a run, each read from the densest trajectory that
     covers it (not `found` where too few checkpoints precede it)."""
+    store_path = Location.parse(store_path)
     trajectories = [("run", read_metrics(store_path))]
     for r in list_replays(store_path):
         bitwise = (r.get("verification") or {}).get("bitwise")

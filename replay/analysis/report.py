@@ -23,7 +23,7 @@ from replay.analysis.results import read_distances, read_metrics
 from replay.bisect.session import Session
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
-from replay.store.location import Location
+from replay.store.location import Location, Where
 
 
 def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
@@ -52,7 +52,12 @@ def _mark_spikes(ax, spikes: list[int]) -> None:
 
 
 def _curves(run: RunStore, replays: list[dict[str, Any]], spikes: list[int]) -> str:
-    steps = run.read_steps(["loss", "grad_norm"])
+    series = run.manifest.series
+    if series is not None:   # checkpoints replay did not record: the training losses they say, if any
+        logged = np.array(series.losses, dtype=float).reshape(-1, 2)
+        steps = {"step": logged[:, 0], "loss": logged[:, 1], "grad_norm": np.full(len(logged), np.nan)}
+    else:
+        steps = run.read_steps(["loss", "grad_norm"])
 
     def draw(fig):
         ax1, ax2 = fig.subplots(1, 2)
@@ -63,9 +68,10 @@ def _curves(run: RunStore, replays: list[dict[str, Any]], spikes: list[int]) -> 
             label = f"{r['id']}" + (f" {r['overrides']}" if r["overrides"] else "")
             ax1.plot(rep["step"], rep["loss"], lw=1, alpha=0.8, label=label)
             ax2.plot(rep["step"], rep["grad_norm"], lw=1, alpha=0.8, label=label)
-        for ax, name in ((ax1, "loss"), (ax2, "grad norm")):
+        for ax, name, values in ((ax1, "loss", steps["loss"]), (ax2, "grad norm", steps["grad_norm"])):
             _mark_spikes(ax, spikes)
-            ax.set_yscale("log")
+            if np.any(np.asarray(values) > 0):   # checkpoints replay did not record may log none
+                ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_title(name)
         ax1.legend(fontsize=6, loc="upper right")
@@ -196,10 +202,11 @@ document.querySelectorAll('img.figure').forEach(function(i){if(i.complete&&i.nat
 document.body.setAttribute('data-figures-rendered',String(n));});</script>"""
 
 
-def write_report(store_path: Location, out: str | Path | None = None, top: int = 10,
+def write_report(store_path: Where, out: str | Path | None = None, top: int = 10,
                  warn: Callable[[str], None] = lambda m: None) -> Path:
     """The report, as one HTML file: `out`, or the store's report.html (a store on an object store: the
     store's name with -report.html, in the current directory)."""
+    store_path = Location.parse(store_path)
     run = RunStore.open(store_path)
     local = store_path.local
     out = Path(out) if out else local / "report.html" if local else Path(f"{store_path.name}-report.html")
@@ -216,11 +223,14 @@ def write_report(store_path: Location, out: str | Path | None = None, top: int =
     table = read_metrics(store_path)
     found = localise_store(store_path)
     figures = []
+    what = (f"{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
+            f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m.world_size} ranks "
+            f"({m.launcher}); {run.n_steps} steps recorded" if m.series is None else
+            f"{m.series.format} checkpoints replay did not record, at "
+            f"{html.escape(str(store_path.resolve(m.series.location)))}: {cfg.model.n_layer} layers, "
+            f"{cfg.model.n_head} heads, d={cfg.model.n_embd}; {len(m.series.losses)} training losses logged")
     parts = [f"<h1>replay report: {html.escape(str(store_path))}</h1>",
-             f"<p>{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
-             f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m.world_size} ranks "
-             f"({m.launcher}); {run.n_steps} steps recorded; spikes at {spikes or 'none'}. "
-             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
+             f"<p>{what}; spikes at {spikes or 'none'}. Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
              *[f"<p class=warning>Replay {html.escape(r['id'])} cannot be read and is left out: "
                f"{html.escape(r['error'])}</p>" for r in unreadable],
              "<h2>Loss and grad norm</h2><p>The run in black, its replays overlaid (with their overrides); "

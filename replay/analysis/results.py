@@ -22,7 +22,7 @@ import numpy as np
 import zarr
 
 from replay.analysis.names import DISTANCES, HEAD_MATRICES, MATRICES
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.nodes import attributes, member
 
 SCHEMA = 1
@@ -48,6 +48,9 @@ METRICS: dict[str, tuple[str, ...]] = {
 
 def _open_group(store: Location, path: str, mode: Literal["r", "r+"] = "r") -> zarr.Group:
     return zarr.open_group(store.zarr_store(read_only=(mode == "r")), path=path, mode=mode)
+
+
+# The readers below are also the Python API of the results: they take a path or URL as well (`Where`).
 
 
 def _array(group: zarr.Group, name: str) -> zarr.Array[Any]:
@@ -168,8 +171,9 @@ def write_metrics(store_path: Location, row: int, block: tuple[int, int], block_
     _array(group, "done")[row, block_index] = 1
 
 
-def read_metrics(store_path: Location) -> dict[str, Any] | None:
+def read_metrics(where: Where) -> dict[str, Any] | None:
     """Every computed row of `analysis/`, sorted by step: {"step": [n], metric: [n, layer, ...], "attrs"}."""
+    store_path = Location.parse(where)
     if not has_analysis(store_path):
         return None
     group = _open_group(store_path, GROUP)
@@ -233,8 +237,9 @@ def write_distances(store_path: Location, name: str, row: int, values: dict[str,
     _array(group, "done")[row] = 1
 
 
-def read_distances(store_path: Location) -> dict[str, dict[str, Any]]:
+def read_distances(where: Where) -> dict[str, dict[str, Any]]:
     """Every distance table of a store: {name: {"step", "tensor", metric: [n, tensor], "attrs"}}."""
+    store_path = Location.parse(where)
     root = store_path / GROUP / "distances"
     out = {}
     for name in root.children():
@@ -254,8 +259,8 @@ def read_distances(store_path: Location) -> dict[str, dict[str, Any]]:
     return out
 
 
-def analysis_status(store_path: Location) -> dict[str, Any]:
+def analysis_status(where: Where) -> dict[str, Any]:
     """What `replay analyze` has stored: the steps analysed in full, and each distance table's steps."""
-    table = read_metrics(store_path)
+    table = read_metrics(where)
     return {"checkpoints": [] if table is None else [int(x) for x in table["step"]],
-            "distances": {name: [int(x) for x in t["step"]] for name, t in read_distances(store_path).items()}}
+            "distances": {name: [int(x) for x in t["step"]] for name, t in read_distances(where).items()}}

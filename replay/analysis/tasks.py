@@ -14,7 +14,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GPT2Model
 from replay import faults
 from replay.analysis import metrics as M
 from replay.analysis import results as R
-from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layout
+from replay.analysis.items import DistanceItem, MetricItem, Source
 from replay.analysis.names import DISTANCES
 from replay.errors import StoreError
 from replay.kernels.registry import hf_attention_modules, per_query_head, register
@@ -39,24 +39,20 @@ def run(item: MetricItem | DistanceItem) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def read_layers(store: RunStore, step: int, layers: range) -> list[dict[str, np.ndarray]]:
+def read_layers(src: Source, layers: range) -> list[dict[str, np.ndarray]]:
     """Each layer's weight matrices at a checkpoint, as (in, out), by analysis name (store/layout.py)."""
-    layout = weight_layout(store)
+    reader, layout = src.open()
     keys = {layer: layout.keys(layer) for layer in layers}
-    tensors = store.read_model(step, [k for layer in keys.values() for k in layer.values()])
+    tensors = reader.read_model(src.step, [k for layer in keys.values() for k in layer.values()])
     return [layout.matrices({role: tensors[key].float().numpy() for role, key in keys[layer].items()})
             for layer in layers]
 
 
-def _read_layers(src: Source, layers: range) -> list[dict[str, np.ndarray]]:
-    return read_layers(RunStore.open(src.location), src.step, layers)
-
-
 def compute_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     layers = range(*item.block)
-    cur = _read_layers(item.ckpt, layers)
-    prev = _read_layers(item.prev, layers) if item.prev else [None] * len(layers)
-    before = _read_layers(item.before, layers) if item.before else [None] * len(layers)
+    cur = read_layers(item.ckpt, layers)
+    prev = read_layers(item.prev, layers) if item.prev else [None] * len(layers)
+    before = read_layers(item.before, layers) if item.before else [None] * len(layers)
     per_layer = []
     for i in range(len(layers)):
         values = M.weight_metrics(cur[i], item.n_head)
@@ -168,7 +164,7 @@ def _keep_output(outputs: dict, layer: int, module, args, output) -> None:
 
 def compute_distances(item: DistanceItem) -> dict[str, np.ndarray]:
     names = [key.removeprefix(MODEL_KEYS) for key in item.tensors]
-    a = RunStore.open(item.reference.location).read_model(item.reference.step, names)
-    b = RunStore.open(item.other.location).read_model(item.other.step, names)
+    a = item.reference.open()[0].read_model(item.reference.step, names)
+    b = item.other.open()[0].read_model(item.other.step, names)
     rows = [M.tensor_distances(a[n].float().numpy(), b[n].float().numpy()) for n in names]
     return {metric: np.array([r[metric] for r in rows]) for metric in DISTANCES}

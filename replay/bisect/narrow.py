@@ -43,7 +43,7 @@ from replay.replayer.replays import ReplayRequest, replay_id
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import Lease, writing
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.object_lease import ObjectLease
 
 PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
@@ -495,5 +495,6 @@ class Bisect:
             seconds=seconds, workers=self.width)
 
 
-def bisect(store_path: Location, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> Session:
+def bisect(store_path: Where, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> Session:
+    store_path = Location.parse(store_path)
     return Bisect(store_path, cfg, progress).run()

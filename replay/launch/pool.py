@@ -29,6 +29,7 @@ from replay.errors import ReplayError
 from replay.kernels.plan import plugin_env
 from replay.launch.local import free_port, rank_env, wait_for_outcomes
 from replay.store.location import Location
+from replay.store.s3 import configuration
 
 
 class RankPoolError(ReplayError):
@@ -78,7 +79,8 @@ class RankPool:
         """Train the (already prepared) store on every rank, writing under `lease` (store/lease.py); raises
         ReplayError if any rank fails."""
         self.start()
-        request = (json.dumps({"store": str(store), "resume": resume, "lease": lease, "env": plugin_env()})
+        request = (json.dumps({"store": str(store), "resume": resume, "lease": lease,
+                               "env": {**plugin_env(), **configuration()}})
                    + "\n").encode()
         try:
             for proc in self._procs:

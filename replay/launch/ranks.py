@@ -25,10 +25,10 @@ from replay.launch.local import free_port, rank_env, wait_for_ranks
 from replay.launch.pool import RankPool, active_pool
 from replay.recorder.host import environment_notes
 from replay.store import RunStore
-from replay.store.lease import ENV as LEASE_ENV
+from replay.store.holder import ENV as LEASE_ENV
 from replay.store.lease import writing
 from replay.store.lifecycle import create_run, resume_run
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.manifest import DataInfo, Manifest
 from replay.store.run_store import check_empty
 from replay.train.data import (
@@ -44,9 +44,10 @@ from replay.train.data import (
 )
 
 
-def record_new(store: Location, cfg: RunConfig, command: str = "replay record",
+def record_new(store: Where, cfg: RunConfig, command: str = "replay record",
                progress: Callable[[str], None] = lambda m: None) -> None:
     """Record a new run on this machine's ranks, holding the store's lease throughout."""
+    store = Location.parse(store)
     with writing(store, command) as lease:
         prepare_new(store, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
         zero = f", ZeRO-{cfg.zero_stage}" if cfg.launcher is Launcher.DEEPSPEED else ""
@@ -55,9 +56,10 @@ def record_new(store: Location, cfg: RunConfig, command: str = "replay record",
         run_ranks(store, cfg, cfg.nproc, False, lease.spec)
 
 
-def record_resume(store: Location, world_size: int, command: str = "replay record --resume",
+def record_resume(store: Where, world_size: int, command: str = "replay record --resume",
                   progress: Callable[[str], None] = lambda m: None) -> None:
     """Continue a stopped or crashed run on this machine's ranks, holding the store's lease throughout."""
+    store = Location.parse(store)
     with writing(store, command, report=lambda m: progress(f"note: {m}")) as lease:
         r = prepare_resume(store, world_size)
         for note in r.notes:

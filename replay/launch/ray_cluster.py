@@ -18,6 +18,7 @@ from replay import faults
 from replay.errors import ReplayError, UsageError
 from replay.kernels.plan import plugin_env
 from replay.lifeline import Guardian
+from replay.store.s3 import configuration
 
 RETRIES = 3
 
@@ -112,9 +113,9 @@ def _quiet_stderr() -> Iterator[None]:
 
 def worker_options() -> dict[str, Any]:
     """What Ray workers must see of this process's environment that they may not inherit (they can be on
-    other nodes, or started before it was set): attention plugins (kernels/plan.py) and a test's
-    armed fault (replay/faults.py)."""
-    env = {**plugin_env(), **faults.armed()}
+    other nodes, or started before it was set): attention plugins (kernels/plan.py), how to reach a store
+    on an object store (store/s3.py) and a test's armed fault (replay/faults.py)."""
+    env = {**plugin_env(), **configuration(), **faults.armed()}
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 

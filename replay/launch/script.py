@@ -17,7 +17,7 @@ from replay.errors import ReplayError
 from replay.launch.local import free_port, rank_env, wait_for_ranks
 from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV
-from replay.store.lease import ENV as LEASE_ENV
+from replay.store.holder import ENV as LEASE_ENV
 from replay.store.location import Location
 from replay.store.manifest import CommandInfo
 

@@ -19,7 +19,7 @@ from replay.store.location import Location
 
 def main(argv: list[str]) -> int:
     # lazy: follow_parent() comes first, before these seconds of imports (the end of this file)
-    from replay.store.lease import ENV as LEASE_ENV
+    from replay.store.holder import ENV as LEASE_ENV
     from replay.train.trainer import train
 
     rank = os.environ.get("RANK", "?")

@@ -22,7 +22,7 @@ from replay.errors import ReplayError
 from replay.recorder import command as cmd
 from replay.recorder.recorder import RecorderConfig
 from replay.store import RunStore
-from replay.store.lease import ENV as LEASE_ENV
+from replay.store.holder import ENV as LEASE_ENV
 from replay.store.location import Location, Where
 from replay.store.manifest import ReplaySpec
 

@@ -332,6 +332,7 @@ class Recorder:
         def half_way(i: int, n: int) -> None:
             if i == max(1, n // 2):
                 faults.hit("shard-half", step, rank)
+                faults.hit("shard-pause", step, rank)
 
         def write() -> None:
             store.write_shard(step, rank, packed, after_chunk=half_way)

@@ -7,7 +7,7 @@ from typing import Any
 
 from replay.errors import StoreError
 from replay.store import RunStore
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.manifest import ReplaySpec
 
 
@@ -23,8 +23,9 @@ def spike_outcome(recorded: list[int], replayed: list[int], spec: ReplaySpec) ->
     return f"spikes at {replayed} (recorded at {in_window})"
 
 
-def list_replays(store_path: Location) -> list[dict[str, Any]]:
+def list_replays(store_path: Where) -> list[dict[str, Any]]:
     """Every replay of the run; one that cannot be read is listed as {"id", "error"}, not left out."""
+    store_path = Location.parse(store_path)
     recorded = [e["step"] for e in RunStore.open(store_path).spikes]
     out: list[dict[str, Any]] = []
     for path in [store_path / "replays" / name for name in (store_path / "replays").children()]:

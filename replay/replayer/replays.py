@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
 from replay.store.lifecycle import resume_run
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.store.manifest import Manifest, ReplaySpec
 
 COMPARED = ("loss", "rank_loss", "grad_norm")
@@ -80,6 +81,7 @@ class Replay:
     created: bool                   # False: an identical, complete replay already existed
     verification: Verification | None = None
     environment_notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # e.g. the nearest checkpoint is damaged
 
 
 def replay_id(req: ReplayRequest) -> str:
@@ -90,9 +92,11 @@ def replay_id(req: ReplayRequest) -> str:
     return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
 
-def prepare(parent: RunStore, req: ReplayRequest) -> tuple[Location, RunConfig, bool, bool]:
+def prepare(parent: RunStore, req: ReplayRequest,
+            warn: Callable[[str], None] = lambda m: None) -> tuple[Location, RunConfig, bool, bool]:
     """Check the request against the record and create (or rewind) the replay's store; nothing is written
-    on error. Returns (the replay's location, config, whether it still has to run, whether it resumes)."""
+    on error. Returns (the replay's location, config, whether it still has to run, whether it resumes);
+    `warn` hears of what the replay works around (a damaged checkpoint nearer the window)."""
     store_path = parent.location
     if parent.kind != "run":
         raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
@@ -108,6 +112,11 @@ def prepare(parent: RunStore, req: ReplayRequest) -> tuple[Location, RunConfig, 
     if not before:
         raise UsageError(f"no committed checkpoint at or before step {req.start} in {store_path}")
     ckpt = before[-1]
+    damaged = [(step, why) for step, why in parent.damaged_checkpoints() if ckpt.step < step <= req.start]
+    if damaged:
+        step, why = damaged[-1]
+        warn(f"checkpoint {step} is damaged ({why}): the replay starts from checkpoint {ckpt.step} instead, "
+             f"{step - ckpt.step} steps earlier")
     recorded = parent.manifest
     caps = Capabilities.of(recorded)
     cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), caps)
@@ -175,16 +184,23 @@ def _identity(spec: ReplaySpec) -> tuple[Any, ...]:
     return spec.start, spec.stop, spec.start_checkpoint, spec.overrides
 
 
-def run(store: Location, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
-        command: str = "replay run") -> Replay:
+def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
+        command: str = "replay run", warn: Callable[[str], None] = lambda m: None) -> Replay:
     """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record.
     With a pool of warm ranks (launch/pool.py) of the recorded world size, a local-launcher replay runs
     on them instead of on freshly started ranks. The store's lease is taken first, or, with `under` (a
     bisect's probes), the lease of the process this one works for is checked; the replay's own lease
     is taken in both cases (store/lease.py)."""
+    store = Location.parse(store)
     parent = RunStore.open(store)   # a missing store is named before anything is made
     with writing(store / "replays" / replay_id(req), command, under=under) as lease:
-        path, cfg, pending, resume = prepare(parent, req)
+        warnings: list[str] = []
+
+        def note(message: str) -> None:
+            warnings.append(message)
+            warn(message)
+
+        path, cfg, pending, resume = prepare(parent, req, note)
         recorded = parent.manifest
         notes = environment_notes(recorded.environment)
         if pending and Capabilities.of(recorded).relaunches_script:
@@ -205,7 +221,8 @@ def run(store: Location, req: ReplayRequest, pool: RankPool | None = None, under
             run_ranks(path, cfg, cfg.nproc, resume, lease.spec, pool=pool)
         done = RunStore.open(path, mode="a")
         verification = verify(parent, done)
-        result = Replay(path, created=pending, verification=verification, environment_notes=notes)
+        result = Replay(path, created=pending, verification=verification, environment_notes=notes,
+                        warnings=warnings)
         lease.check()
         done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec,
                                                         verification=verification.to_dict()))

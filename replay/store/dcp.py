@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from replay.config import Launcher
 from replay.errors import StoreError, UsageError
 from replay.store.layout import MODEL_KEYS
+from replay.store.location import Where
 from replay.store.run_store import RunStore
 
 MODEL, OPTIMIZER = "model", "optimizer"   # the top-level keys of an exported directory
@@ -52,7 +53,7 @@ def model_names(store: RunStore, step: int) -> list[str]:
     return names + [n for n in (sharding.tensors if sharding else {}) if n not in names]
 
 
-def export(store_path: str | Path, step: int, out: str | Path, model: torch.nn.Module | None = None,
+def export(store_path: Where, step: int, out: str | Path, model: torch.nn.Module | None = None,
            optimizer: torch.optim.Optimizer | None = None) -> Exported:
     """Write checkpoint `step` of the run in `store_path` to the DCP directory `out` (new or empty). With
     `model` and `optimizer` (the run's kinds, any weights: the checkpoint is loaded into them), the optimizer

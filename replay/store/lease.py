@@ -40,22 +40,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from replay.errors import StoreError
-from replay.processes import alive, start_time
+from replay.processes import start_time
+from replay.store import object_lease
+from replay.store.holder import HELD, Holder, lease_timeout
 from replay.store.location import Location, Where
-
-if TYPE_CHECKING:
-    from replay.store.object_lease import ObjectLease
-
-ENV = "REPLAY_LEASE"   # {"file": ..., "token": ...} of the lease a child process writes under
-
-
-def lease_timeout() -> float:
-    return float(os.environ.get("REPLAY_LEASE_TIMEOUT", "60"))
+from replay.store.object_lease import ObjectLease
 
 
 def lease_file(store: Where, scope: str = "run") -> Path:
@@ -63,34 +56,6 @@ def lease_file(store: Where, scope: str = "run") -> Path:
     local = Location.parse(store).local
     assert local is not None, "an object store's lease is an object (store/object_lease.py)"
     return local / "leases" / f"{scope}.json"
-
-
-@dataclass
-class Holder:
-    command: str
-    pid: int
-    host: str
-    since: float
-    token: str
-    start: int | None = None          # the pid's start time (clock ticks since boot), where /proc has it
-    took_over: dict[str, Any] | None = None     # the dead holder this one replaced
-
-    def describe(self) -> str:
-        return (f"`{self.command}` (pid {self.pid} on {self.host} since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))})")
-
-    def alive(self, heartbeat: float, timeout: float) -> bool:
-        if self.host != socket.gethostname():
-            return time.time() - heartbeat < timeout
-        if self.start is not None and os.path.isdir("/proc"):
-            return alive(self.pid, self.start)
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 def read_holder(path: Path) -> tuple[Holder, float, tuple[int, int]] | None:
@@ -116,8 +81,6 @@ def holder_of(store: Where, scope: str = "run") -> Holder | None:
     """Who holds the lease now, if anyone living does (for `replay info`)."""
     location = Location.parse(store)
     if location.local is None:
-        from replay.store import object_lease  # lazy: it builds on this module
-
         return object_lease.holder_of(location, scope)
     found = read_holder(lease_file(location, scope))
     if found is None:
@@ -129,7 +92,6 @@ def holder_of(store: Where, scope: str = "run") -> Holder | None:
 class Lease:
     """A held lease. `acquire` refuses with one line naming the living holder, or takes over a dead one."""
 
-    _held: dict[tuple[str, str], Lease | ObjectLease] = {}   # this process's leases, by (store, scope): re-entrant
     _lock = threading.Lock()
 
     def __init__(self, store: Path, scope: str, holder: Holder, fd: int, created_dir: bool):
@@ -160,15 +122,13 @@ class Lease:
         location = Location.parse(store)
         key = (str(location), scope)
         with cls._lock:
-            held = cls._held.get(key)
+            held: Lease | ObjectLease | None = HELD.get(key)
             if held is not None and held.held():
                 held._count += 1
                 return held
             if location.local is None:
-                from replay.store.object_lease import ObjectLease  # lazy: it builds on this module
-
-                cls._held[key] = ObjectLease.take(location, command, scope, report or _report)
-                return cls._held[key]
+                held = HELD[key] = ObjectLease.take(location, command, scope, report or _report)
+                return held
             store = location.local
             created_dir = not store.exists()
             path = lease_file(store, scope)
@@ -181,7 +141,7 @@ class Lease:
                 _remove_empty(store, created_dir)
                 raise
             lease = cls(store, scope, holder, fd, created_dir)
-            cls._held[key] = lease
+            HELD[key] = lease
             return lease
 
     @classmethod
@@ -268,7 +228,7 @@ class Lease:
                     self.path.unlink()
             os.close(self._fd)
             self._fd = None
-            self._held.pop((str(Location.parse(self.store)), self.scope), None)
+            HELD.pop((str(Location.parse(self.store)), self.scope), None)
             _remove_empty(self.store, self._created_dir)
 
     def held(self) -> bool:
@@ -281,11 +241,10 @@ class Lease:
         self.release()
 
 
-def current_spec(store: Location) -> str:
+def current_spec(where: Where) -> str:
     """The spec of the lease `store` is held under now (for ranks of an outer launcher, whose rank 0 took it)."""
+    store = Location.parse(where)
     if store.local is None:
-        from replay.store import object_lease  # lazy: it builds on this module
-
         return object_lease.current_spec(store)
     found = read_holder(lease_file(store))
     if found is None:
@@ -297,8 +256,6 @@ def require(spec: str) -> None:
     """In a process writing for a lease holder (ENV): refuse unless that lease is still held with its token."""
     want = json.loads(spec)
     if "object" in want:
-        from replay.store import object_lease  # lazy: it builds on this module
-
         object_lease.require(want)
         return
     found = read_holder(Path(want["file"]))

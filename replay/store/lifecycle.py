@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from replay.config import Launcher, RunConfig
-from replay.store.location import Location
+from replay.store.location import Where
 from replay.store.manifest import CommandInfo, DataInfo, Manifest, ModelInfo, ResumeInfo
 from replay.store.run_store import RunStore
 
@@ -29,7 +29,7 @@ def no_data(source: str) -> DataInfo:
     return DataInfo(embedded=False, path=None, bytes=0, method="none", digest="", source=source)
 
 
-def create_run(path: Location, config: RunConfig, *, world_size: int, launcher: Launcher, data: DataInfo,
+def create_run(path: Where, config: RunConfig, *, world_size: int, launcher: Launcher, data: DataInfo,
                command: CommandInfo | None = None, layout: dict[str, Any] | None = None,
                model: ModelInfo | None = None, init_from: str | None = None) -> RunStore:
     """A new run's store, "running" from now on; refused (untouched) where `path` holds anything already."""

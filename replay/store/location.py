@@ -110,7 +110,7 @@ class Location:
 
     def resolve(self, reference: str) -> Location:
         """The location a store recorded as `reference` (`relative`'s result): a URL, or a path from here."""
-        if "://" in reference or (self.scheme == "file" and os.path.isabs(reference)):
+        if "://" in reference or os.path.isabs(reference):   # `relative` across roots: the whole location
             return Location.parse(reference)
         return self / reference
 

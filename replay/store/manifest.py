@@ -83,8 +83,19 @@ class ModelInfo:
 
 
 @dataclass
+class SeriesInfo:
+    """Checkpoints replay did not record (store/foreign/), whose analysis a store of kind "series" holds."""
+
+    location: str                  # their folder or prefix, as seen from the store (store/location.py `relative`)
+    format: str                    # "hf-trainer", "dcp" or "nanogpt"
+    heads: int
+    layout: dict[str, Any]         # store/layout.py
+    losses: list[list[float]] = field(default_factory=list)   # [step, training loss] where the checkpoints say it
+
+
+@dataclass
 class Manifest:
-    kind: str                      # "run" or "replay"
+    kind: str                      # "run", "replay" or "series"
     config: RunConfig
     world_size: int
     launcher: Launcher             # what it can do: store/capabilities.py
@@ -101,6 +112,7 @@ class Manifest:
     model: ModelInfo | None = None       # a transformers model of the user's own: what the analysis probe needs
     sharding: Sharding | None = None     # a model sharded across ranks: each rank's pieces (store/sharding.py)
     init_from: str | None = None         # the DCP directory its initial state was loaded from (recorder/dcp.py)
+    series: SeriesInfo | None = None     # kind "series": the checkpoints it analyses
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -125,6 +137,8 @@ class Manifest:
             out["sharding"] = self.sharding.to_dict()
         if self.init_from is not None:
             out["init_from"] = self.init_from
+        if self.series is not None:
+            out["series"] = asdict(self.series)
         if self.replay is not None:
             spec = asdict(self.replay)
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
@@ -148,7 +162,7 @@ class Manifest:
                    command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"),
                    model=ModelInfo(**d["model"]) if d.get("model") else None,
                    sharding=Sharding.from_dict(d["sharding"]) if d.get("sharding") else None,
-                   init_from=d.get("init_from"))
+                   init_from=d.get("init_from"), series=SeriesInfo(**d["series"]) if d.get("series") else None)
 
     @property
     def replay_spec(self) -> ReplaySpec:

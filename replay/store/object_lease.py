@@ -33,7 +33,7 @@ from typing import Any
 
 from replay.errors import StoreError
 from replay.processes import start_time
-from replay.store.lease import Holder, Lease, lease_timeout
+from replay.store.holder import HELD, Holder, lease_timeout
 from replay.store.location import Location
 from replay.store.s3 import S3Backend, backend
 
@@ -160,7 +160,7 @@ class ObjectLease:
             if head is not None and head["e_tag"] == self._e_tag and not self._lost:
                 s3.delete(self.where.key)
             self._e_tag = None
-        Lease._held.pop((str(self.store), self.scope), None)
+        HELD.pop((str(self.store), self.scope), None)
 
     def held(self) -> bool:
         return self._e_tag is not None

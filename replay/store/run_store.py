@@ -149,7 +149,7 @@ class RunStore:
         except Exception as e:  # a damaged zarr.json: name it rather than show a zarr traceback
             raise StoreError(f"{path} cannot be opened as a Zarr store: {str(e).splitlines()[0]}") from None
         meta = store.root.attrs.get("replay")
-        if not isinstance(meta, dict) or meta.get("kind") not in ("run", "replay"):
+        if not isinstance(meta, dict) or meta.get("kind") not in ("run", "replay", "series"):
             raise StoreError(f"{path} is a Zarr group but not a replay run store")
         if meta.get("schema") not in READABLE:
             raise StoreError(f"{path} has store schema {meta.get('schema')}, written by another version of replay; "

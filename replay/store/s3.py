@@ -40,6 +40,16 @@ PART_CONCURRENCY = 4
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
+# the configuration a process needs to reach the store (a Ray cluster's workers get it from the driver)
+ENV_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+            "AWS_ALLOW_HTTP", "REPLAY_S3_RETRY_SECONDS")
+
+
+def configuration() -> dict[str, str]:
+    """The variables of ENV_VARS this process has."""
+    return {name: os.environ[name] for name in ENV_VARS if name in os.environ}
+
+
 def endpoint() -> str:
     return os.environ.get("AWS_ENDPOINT_URL", "") or "AWS S3"
 

@@ -27,7 +27,7 @@ from replay.recorder.loop import Loop
 from replay.recorder.state import DeepSpeedTrainState, TorchTrainState
 from replay.store import RunStore
 from replay.store.lease import require
-from replay.store.location import Location
+from replay.store.location import Location, Where
 from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.train.model import build_model, lm_loss, lr_factor
@@ -66,9 +66,10 @@ def init_distributed(r: Rank, cfg: RunConfig) -> None:
         dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo", device_id=None)
 
 
-def train(location: Location, lease: str, resume: bool = False, keep_group: bool = False) -> None:
+def train(location: Where, lease: str, resume: bool = False, keep_group: bool = False) -> None:
     """Train (or resume, or replay) the run at `location` as this rank, writing under `lease` (the spec of
     the launching command's lease: store/lease.py)."""
+    location = Location.parse(location)
     require(lease)
     store = RunStore.open(location)
     cfg = store.manifest.config

@@ -172,7 +172,7 @@ def test_replay_distances_against_the_run(analysed_store):
     name = DIVERGING_REPLAY[-1]
     replay = RunStore.open(analysed_store / "replays" / name)
     run = RunStore.open(analysed_store)
-    dist = read_distances(replay.path)["parent"]
+    dist = read_distances(replay.location)["parent"]
     assert dist["step"].tolist() == [20]
     a, b = _weights(run, 20), _weights(replay, 20)
     keys = [t.removeprefix("/state/replicated/model/") for t in dist["tensor"]]

@@ -17,6 +17,7 @@ import pytest
 from replay.bisect.narrow import Bisect, BisectConfig
 from replay.errors import UsageError
 from replay.store import RunStore
+from replay.store.location import Location
 from tests.bisect.conftest import DATA_SPIKE_STEP, DEFECT
 from tests.conftest import REPO, error_line, killed_by_fault, replay_cli, tree_snapshot
 
@@ -134,5 +135,5 @@ def test_no_spike_is_its_own_exit_code_and_bad_fixes_are_one_line(two_rank_store
 def test_bad_bisect_input_is_refused_before_anything_runs(spike_store, cfg, expected):
     before = tree_snapshot(spike_store)
     with pytest.raises(UsageError, match=re.escape(expected)):
-        Bisect(str(spike_store), cfg)
+        Bisect(Location.parse(spike_store), cfg)
     assert tree_snapshot(spike_store) == before

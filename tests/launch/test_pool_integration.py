@@ -36,4 +36,4 @@ def test_a_rank_that_dies_fails_the_replay_and_the_next_starts_a_fresh_pool(stor
         monkeypatch.delenv("REPLAY_FAULT")
         again = run(store_copy, ReplayRequest(12, 14, resume=True), pool=pool)
         assert again.created and again.verification.bitwise
-        assert RunStore.open(again.path).manifest.status == "complete"
+        assert RunStore.open(again.location).manifest.status == "complete"

@@ -49,7 +49,7 @@ def recorded(tmp_path) -> RunStore:
 
 
 def test_an_export_loads_with_dcp_into_a_fresh_model_bit_for_bit(recorded, tmp_path):
-    exported = export(recorded.path, 2, tmp_path / "dcp", *_parts(seed=1))
+    exported = export(recorded.location, 2, tmp_path / "dcp", *_parts(seed=1))
     assert exported.optimizer and exported.tensors == 5
     model, optimizer = _parts(seed=2)
     model_state, optimizer_state = get_state_dict(model, optimizer)   # DCP's own layout, filled by dcp.load
@@ -66,7 +66,7 @@ def test_an_export_loads_with_dcp_into_a_fresh_model_bit_for_bit(recorded, tmp_p
 
 
 def test_without_the_model_and_optimizer_objects_the_model_alone_is_exported(recorded, tmp_path):
-    exported = export(recorded.path, 1, tmp_path / "dcp")
+    exported = export(recorded.location, 1, tmp_path / "dcp")
     assert not exported.optimizer and "model only" in exported.line() and "optimizer objects" in exported.line()
     model, _ = _parts(seed=3)
     state = {"model": model.state_dict()}
@@ -84,7 +84,7 @@ def test_a_sharded_checkpoint_exports_its_whole_tensors(tmp_path):
         replicated = {"model": {"b": bias}} if rank == 0 else {}
         store.write_shard(0, rank, {"state": {"replicated": replicated, "local": {"model": {"w": piece}}}})
     store.commit_checkpoint(0, "regular", 2)
-    exported = export(store.path, 0, tmp_path / "dcp", *_parts())   # objects given: still no optimizer
+    exported = export(store.location, 0, tmp_path / "dcp", *_parts())   # objects given: still no optimizer
     assert not exported.optimizer and "fsdp2-sharded" in exported.why_not
     state = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(2)}}
     with quiet_single_process():
@@ -93,7 +93,7 @@ def test_a_sharded_checkpoint_exports_its_whole_tensors(tmp_path):
 
 
 def test_the_round_trip_starts_a_recording_whose_checkpoint_0_is_the_exported_one(recorded, tmp_path):
-    export(recorded.path, 2, tmp_path / "dcp", *_parts(seed=1))
+    export(recorded.location, 2, tmp_path / "dcp", *_parts(seed=1))
     model, optimizer = _parts(seed=4)
     loaded = load_dcp(tmp_path / "dcp", model, optimizer)
     assert loaded.optimizer and loaded.tensors == 5
@@ -123,12 +123,12 @@ def test_refusals_are_one_line(recorded, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     cases = [
-        (lambda: export(recorded.path, 5, tmp_path / "a"), StoreError, "no committed checkpoint at step 5 "
+        (lambda: export(recorded.location, 5, tmp_path / "a"), StoreError, "no committed checkpoint at step 5 "
          r"\(committed: 0, 1, 2\)"),
-        (lambda: export(recorded.path, 1, tmp_path / "full"), UsageError, "is not an empty directory"),
+        (lambda: export(recorded.location, 1, tmp_path / "full"), UsageError, "is not an empty directory"),
         (lambda: load_dcp(tmp_path / "full", *_parts()), UsageError, "is not a DCP checkpoint directory"),
     ]
-    export(recorded.path, 1, tmp_path / "model-only")
+    export(recorded.location, 1, tmp_path / "model-only")
     cases += [
         (lambda: load_dcp(tmp_path / "model-only", *_parts()), UsageError, "holds no optimizer state"),
         (lambda: load_dcp(tmp_path / "model-only", torch.nn.Linear(2, 2)), UsageError,

@@ -70,7 +70,7 @@ def test_a_replay_and_a_resumed_run_restore_the_ids_drawn_ahead_of_their_first_s
                          optimizer)
     path = tmp_path / "run" / "replays" / replay_id(ReplayRequest(start=3, stop=5))
     with writing(path, "a test's replay") as lease:
-        prepare(tmp_path / "run", ReplayRequest(start=3, stop=5))
+        prepare(RunStore.open(tmp_path / "run"), ReplayRequest(start=3, stop=5))
         model, optimizer = _parts()
         torch.manual_seed(99)   # the draw before the first step comes from other RNG states than the record's
         replayed = _prefetching(Loop(path, model, optimizer, total_steps=6, lease=lease.spec), model, optimizer)
@@ -95,7 +95,7 @@ def test_a_replay_that_skips_a_step_hands_its_prefetched_successor_the_successor
     req = ReplayRequest(start=2, stop=5, overrides=Overrides(skip=[3]))
     path = tmp_path / "run" / "replays" / replay_id(req)
     with writing(path, "a test's replay") as lease:
-        prepare(tmp_path / "run", req)
+        prepare(RunStore.open(tmp_path / "run"), req)
         model, optimizer = _parts()
         replayed = _prefetching(Loop(path, model, optimizer, total_steps=6, lease=lease.spec), model, optimizer)
     assert sorted(replayed) == [2, 4, 5]   # step 2's prefetch was drawn for step 3: step 4 trains on its own ids
@@ -168,7 +168,7 @@ def test_an_attention_counterfactual_under_dropout_trains_the_recorded_ids_and_r
         req = ReplayRequest(start=3, stop=5, overrides=Overrides(attention="reference-emu:dtype=bf16"), name=name)
         path = tmp_path / "run" / "replays" / replay_id(req)
         with writing(path, "a test's replay") as lease:
-            prepare(tmp_path / "run", req)
+            prepare(RunStore.open(tmp_path / "run"), req)
             model, optimizer = parts()
             runs.append(_attention_run(Loop(path, model, optimizer, total_steps=6, lease=lease.spec), model,
                                        optimizer))

@@ -101,7 +101,7 @@ def test_a_distributed_sampler_is_told_the_epoch_by_the_loader(tmp_path):
 def _replay(run, req, dl_sampler=None, draw_ahead=False, accum=ACCUM):
     path = run / "replays" / replay_id(req)
     with writing(path, "a test's replay") as lease:   # as `replay run` prepares the replay's store
-        prepare(run, req)
+        prepare(RunStore.open(run), req)
         model, optimizer = _parts()   # untrained: the checkpoint restores it
         loop = Loop(path, model, optimizer, total_steps=8, lease=lease.spec)
         return _train(loop, model, optimizer, _loader(dl_sampler), ahead=draw_ahead, accum=accum), path
@@ -194,14 +194,14 @@ def test_a_replay_stopped_and_resumed_continues_from_its_own_checkpoint(tmp_path
     for name, stop_after in (("whole", None), ("cut", 3)):
         req = ReplayRequest(start=3, stop=7, checkpoint_every=2, name=name, overrides=Overrides(skip=[4]))
         with writing(tmp_path / "run" / "replays" / name, "a test's replay") as lease:
-            prepare(tmp_path / "run", req)
+            prepare(RunStore.open(tmp_path / "run"), req)
             model, optimizer = _parts()
             replays[name] = _train(Loop(tmp_path / "run" / "replays" / name, model, optimizer, total_steps=8,
                                         lease=lease.spec), model, optimizer, _loader(), stop_after=stop_after)
     assert sorted(replays["cut"]) == [3]   # stopped after step 3, whose checkpoint 4 is its last
     req = ReplayRequest(start=3, stop=7, checkpoint_every=2, name="cut", overrides=Overrides(skip=[4]), resume=True)
     with writing(tmp_path / "run" / "replays" / "cut", "a test's replay") as lease:
-        prepare(tmp_path / "run", req)
+        prepare(RunStore.open(tmp_path / "run"), req)
         model, optimizer = _parts()
         resumed = _train(Loop(tmp_path / "run" / "replays" / "cut", model, optimizer, total_steps=8,
                               lease=lease.spec, resume=True), model, optimizer, _loader())

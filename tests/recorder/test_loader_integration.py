@@ -43,7 +43,7 @@ def test_worker_processes_fetch_what_the_training_process_would_and_replay_it(tm
     req = ReplayRequest(start=4, stop=7)   # from checkpoint 3, in the middle of an epoch: workers start there
     path = tmp_path / "w2" / "replays" / replay_id(req)
     with writing(path, "a test's replay") as lease:
-        prepare(tmp_path / "w2", req)
+        prepare(RunStore.open(tmp_path / "w2"), req)
         model, optimizer = _parts()
         replayed = _train(Loop(path, model, optimizer, total_steps=8, lease=lease.spec), model, optimizer, _workers(2))
     assert sorted(replayed) == [3, 4, 5, 6, 7] and all(replayed[s] == runs[2][s] for s in replayed)

@@ -15,21 +15,23 @@ from replay.recorder.modes import Start, decide
 from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
-from replay.store.lease import ENV as LEASE_ENV
+from replay.store.holder import ENV as LEASE_ENV
 from replay.store.lease import writing
 from replay.store.lifecycle import create_run, no_data
+from replay.store.location import Location
 from replay.store.manifest import Manifest, ReplaySpec
 
 
 def test_the_script_run_as_it_is_records_and_prepares_its_store(tmp_path):
-    assert decide(tmp_path / "run", None, False, environ={}) == Start("record", str(tmp_path / "run"), None, False,
-                                                                     by_replay_run=False)
+    run = Location.parse(tmp_path / "run")
+    assert decide(tmp_path / "run", None, False, environ={}) == Start("record", run, None, False, by_replay_run=False)
     assert decide(tmp_path / "run", None, True, environ={}).resume
 
 
 def test_replay_runs_environment_makes_a_replay_whatever_the_script_passes(tmp_path):
     env = {STORE_ENV: "/runs/a/replays/w", LEASE_ENV: "spec", RESUME_ENV: "1"}
-    assert decide(tmp_path / "run", None, False, environ=env) == Start("replay", "/runs/a/replays/w", "spec", True,
+    replay = Location.parse("/runs/a/replays/w")
+    assert decide(tmp_path / "run", None, False, environ=env) == Start("replay", replay, "spec", True,
                                                                       by_replay_run=True)
     assert not decide(tmp_path / "run", None, True, environ={**env, RESUME_ENV: "0"}).resume
 
@@ -40,8 +42,9 @@ def test_a_launchers_lease_records_or_replays_as_the_prepared_stores_kind_says(t
     RunStore.create(tmp_path / "replay", Manifest(kind="replay", config=cfg, world_size=1, launcher="local",
                                                   data=no_data("test"), created=0.0,
                                                   replay=ReplaySpec("../..", 1, 2, 0, "regular", 0, {})))
-    assert decide(tmp_path / "run", "spec", False, environ={}) == Start("record", str(tmp_path / "run"), "spec",
-                                                                       False, by_replay_run=False)
+    run = Location.parse(tmp_path / "run")
+    assert decide(tmp_path / "run", "spec", False, environ={}) == Start("record", run, "spec", False,
+                                                                       by_replay_run=False)
     assert decide(tmp_path / "replay", "spec", True, environ={}).mode == "replay"
 
 
@@ -76,7 +79,7 @@ def test_a_replay_restores_the_checkpoint_before_its_window_and_trains_the_recor
     req = ReplayRequest(start=4, stop=6, overrides=Overrides(skip=[5]))
     path = _replay_path(tmp_path / "run", req)
     with writing(path, "a test's replay") as lease:   # as `replay run` prepares the replay's store
-        prepare(tmp_path / "run", req)
+        prepare(RunStore.open(tmp_path / "run"), req)
         model, optimizer = _model()   # the same model, untrained: the checkpoint restores it
         loop = Loop(path, model, optimizer, total_steps=8, lease=lease.spec)
         assert (loop.replaying, loop.window.start, loop.window.stop) == (True, 4, 6)
@@ -93,7 +96,7 @@ def test_a_replay_refuses_a_loader_that_draws_other_samples(tmp_path):
     _run(Loop(tmp_path / "run", model, optimizer, total_steps=4, checkpoint_every=2), model, optimizer)
     req = ReplayRequest(start=2, stop=3)
     with writing(_replay_path(tmp_path / "run", req), "a test's replay") as lease:
-        prepare(tmp_path / "run", req)
+        prepare(RunStore.open(tmp_path / "run"), req)
         model, optimizer = _model()
         with pytest.raises(ReplayError, match="step 2, rank 0: the loader drew samples"):
             _run(Loop(_replay_path(tmp_path / "run", req), model, optimizer, total_steps=4, lease=lease.spec),

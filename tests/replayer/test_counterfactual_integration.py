@@ -51,9 +51,9 @@ def test_scoped_lr_scale_halves_only_that_layers_or_heads_update(store_copy):
         layer = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(lr_scale=0.5, layers=[1])), pool=pool)
         head = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(lr_scale=0.5, units=[[1, 0]])), pool=pool)
     before = _model(RunStore.open(store_copy), 10)
-    after = _model(RunStore.open(plain.path), 11)
+    after = _model(RunStore.open(plain.location), 11)
     for result, scope in ((layer, {"layer": 1, "unit": None}), (head, {"layer": None, "unit": (1, 0)})):
-        got = _model(RunStore.open(result.path), 11)
+        got = _model(RunStore.open(result.location), 11)
         n_scaled = 0
         for name, p0 in before.items():
             mask = _scaled(name, scope["unit"], scope["layer"])
@@ -74,7 +74,7 @@ def test_a_dropped_sample_leaves_the_step_the_mean_loss_of_the_rest(store_copy):
     dropped = int(ids[0, 0, 1])
     with RankPool(2) as pool:
         result = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(drop=[[10, dropped]])), pool=pool)
-    replayed = RunStore.open(result.path).read_steps(["loss", "rank_loss"])
+    replayed = RunStore.open(result.location).read_steps(["loss", "rank_loss"])
     recorded = record.read_steps(["rank_loss"])["rank_loss"][10]
 
     # every sample's loss at checkpoint 10, computed here with transformers' GPT-2 on the stored weights
@@ -113,7 +113,7 @@ def test_malformed_scopes_and_drops_are_named(text, parse, expected):
 def test_bad_counterfactuals_are_refused_before_anything_is_written(store_copy, overrides, expected):
     before = tree_snapshot(store_copy)
     with pytest.raises(UsageError, match=expected):
-        prepare(store_copy, ReplayRequest(12, 14, overrides=overrides))
+        prepare(RunStore.open(store_copy), ReplayRequest(12, 14, overrides=overrides))
     assert tree_snapshot(store_copy) == before
 
 

@@ -87,6 +87,20 @@ def test_corrupted_start_checkpoint_is_named_and_nothing_written(store_copy):
     assert tree_snapshot(store_copy) == before
 
 
+def test_a_damaged_nearest_checkpoint_is_named_and_the_replay_starts_from_the_one_before(store_copy):
+    commit = store_copy / "checkpoints" / "00000020" / "zarr.json"
+    raw = bytearray(commit.read_bytes())
+    raw[raw.index(b'"kind"') + 9] ^= 0x01            # one bit of the commit record's own JSON
+    commit.write_bytes(bytes(raw))
+    result = replay_cli("run", str(store_copy), "--from", "22", "--to", "23", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "checkpoint 20 is damaged" in warnings[0] and "from checkpoint 10" in warnings[0]
+    answer = json.loads(result.stdout)
+    assert answer["warnings"] == [warnings[0].removeprefix("warning: ")]
+    assert answer["verification"]["bitwise"] and answer["verification"]["steps"] == [10, 23]
+
+
 def test_recorded_spike_is_reproduced_by_a_plain_replay(spike_store, tmp_path):
     store_path = tmp_path / "spike"
     shutil.copytree(spike_store, store_path)

@@ -11,6 +11,7 @@ from replay.config import RunConfig
 from replay.errors import StoreError
 from replay.store import RunStore
 from replay.store.lifecycle import complete_run, create_run, no_data, note_environment, resume_run
+from replay.store.location import Location
 
 
 def _rows(start: int, k: int) -> dict[str, np.ndarray]:
@@ -32,7 +33,7 @@ def test_a_new_run_is_running_with_what_it_was_given(tmp_path):
     assert (m.kind, m.status, m.world_size, m.launcher, m.config.steps, m.layout) == ("run", "running", 2, "custom",
                                                                                    9, {"q": "x"})
     assert (m.data.embedded, m.data.path, m.data.method, m.data.source) == (False, None, "none", "my own loader")
-    assert store.path == tmp_path / "run"
+    assert store.location == Location.parse(tmp_path / "run")
 
 
 def test_a_used_path_is_refused_untouched(tmp_path):
