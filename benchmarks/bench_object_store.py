@@ -107,7 +107,7 @@ def bench(workdir: Path, server: S3Server, sets: list[str], label: str, repeats:
         read_back[name] = RunStore.open(where).read_shard(0, 0)
 
     def raw_put(key: str) -> None:
-        obstore.put(client, key, memoryview(raw), chunk_size=s3.PART_BYTES, max_concurrency=s3.PART_CONCURRENCY)
+        obstore.put(client, key, raw.data, chunk_size=s3.PART_BYTES, max_concurrency=s3.PART_CONCURRENCY)
 
     def raw_get(key: str) -> None:
         read_back["obstore"] = obstore.get(client, key).bytes()
