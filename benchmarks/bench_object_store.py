@@ -16,7 +16,7 @@ timed alone (the page cache's dirty data flushed first, untimed):
 - torch.save: torch.save to a local file then fsync (as durable), torch.load(weights_only=True).
 
 Medians, throughput and the ratios; then that the state read back from S3 equals the written one bit for
-bit. The full run takes about a minute and a half on 2 cores; --quick a 4-layer, 128-wide model (seconds):
+bit. The full run takes 1-3 minutes on 2 cores; --quick a 4-layer, 128-wide model (about 9 s):
 
     .venv/bin/python benchmarks/bench_object_store.py [--quick] [--dir DIR]
 """
@@ -107,7 +107,7 @@ def bench(workdir: Path, server: S3Server, sets: list[str], label: str, repeats:
         read_back[name] = RunStore.open(where).read_shard(0, 0)
 
     def raw_put(key: str) -> None:
-        obstore.put(client, key, memoryview(raw), chunk_size=s3.PART_BYTES, max_concurrency=s3.PART_CONCURRENCY)
+        obstore.put(client, key, raw.data, chunk_size=s3.PART_BYTES, max_concurrency=s3.PART_CONCURRENCY)
 
     def raw_get(key: str) -> None:
         read_back["obstore"] = obstore.get(client, key).bytes()
