@@ -25,6 +25,7 @@ from replay.analysis.series import is_store, series_of
 from replay.analysis.series import prepare as prepare_series
 from replay.errors import ReplayError, StoreError, UsageError
 from replay.launch.ray_cluster import ray_session, run_tasks, worker_options
+from replay.replayer.listing import replays
 from replay.store import RunStore
 from replay.store.foreign import open_series
 from replay.store.layout import model_key
@@ -172,13 +173,12 @@ def plan_distances(store: RunStore, table: str, reference: list[Source], other: 
 
 def replay_stores(store: RunStore, progress: Callable[[str], None] = lambda s: None) -> list[RunStore]:
     """The run's replays that can be read; each one that cannot is named through `progress`."""
-    root = store.location / "replays"
     out = []
-    for path in [root / name for name in root.children()]:
-        try:
-            out.append(RunStore.open(path))
-        except StoreError as e:
-            progress(f"warning: replay {path.name} cannot be read, so it is not analysed: {e}")
+    for path, opened in replays(store.location):
+        if isinstance(opened, StoreError):
+            progress(f"warning: replay {path.name} cannot be read, so it is not analysed: {opened}")
+        else:
+            out.append(opened)
     return out
 
 

@@ -3,6 +3,7 @@ overrides, outcomes and verification, read from the nested stores alone (no torc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from replay.errors import StoreError
@@ -23,15 +24,26 @@ def spike_outcome(recorded: list[int], replayed: list[int], spec: ReplaySpec) ->
     return f"spikes at {replayed} (recorded at {in_window})"
 
 
+def replays(run: Location) -> Iterator[tuple[Location, RunStore | StoreError]]:
+    """Every replay of a run: its store, or why it cannot be opened."""
+    for path in [run / "replays" / name for name in (run / "replays").children()]:
+        try:
+            yield path, RunStore.open(path)
+        except StoreError as e:
+            if path.children():   # else a folder an object store lists a moment after it was emptied
+                yield path, e
+
+
 def list_replays(store_path: Where) -> list[dict[str, Any]]:
     """Every replay of the run; one that cannot be read is listed as {"id", "error"}, not left out."""
     store_path = Location.parse(store_path)
     recorded = [e["step"] for e in RunStore.open(store_path).spikes]
     out: list[dict[str, Any]] = []
-    for path in [store_path / "replays" / name for name in (store_path / "replays").children()]:
+    for path, store in replays(store_path):
         try:
-            store = RunStore.open(path)
-            m = store.manifest
+            if isinstance(store, StoreError):   # it cannot be opened
+                raise store
+            m = store.manifest                  # or its documents cannot be read
             spikes = [e["step"] for e in store.spikes]
         except StoreError as e:
             out.append({"id": path.name, "error": str(e)})

@@ -339,7 +339,10 @@ class RunStore:
             except ChecksumError as e:
                 out.append((step, "damaged", str(e)))
                 continue
-            out.append((step, "committed", commit) if commit else (step, "uncommitted", None))
+            if commit:
+                out.append((step, "committed", commit))
+            elif (self.location / "checkpoints" / name).children():   # an object store may list a folder
+                out.append((step, "uncommitted", None))                  # emptied a moment ago
         return out
 
     def _read_commit(self, step: int) -> dict[str, Any] | None:

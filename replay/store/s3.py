@@ -239,9 +239,9 @@ class S3Backend:
 
 def backend(bucket: str) -> S3Backend:
     """The bucket's backend (one client per bucket and configuration, kept for the process)."""
-    return _backend(bucket, os.environ.get("AWS_ENDPOINT_URL", ""), os.environ.get("AWS_ACCESS_KEY_ID", ""))
+    return _backend(bucket, tuple(os.environ.get(name, "") for name in ENV_VARS))
 
 
 @functools.cache
-def _backend(bucket: str, endpoint_url: str, key_id: str) -> S3Backend:
+def _backend(bucket: str, config: tuple[str, ...]) -> S3Backend:
     return S3Backend(bucket)
