@@ -31,18 +31,19 @@ class LocalBackend:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, data, durable)
 
-    def create(self, key: str, data: bytes) -> bool:
+    def create(self, key: str, data: bytes, durable: bool) -> bool:
         path = Path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        write_file(tmp, data, durable=True, atomic=False)
+        write_file(tmp, data, durable=durable, atomic=False)
         try:
             os.link(tmp, path)
         except FileExistsError:
             return False
         finally:
             tmp.unlink()
-        fsync_dir(path.parent)   # the new name, on disk
+        if durable:
+            fsync_dir(path.parent)   # the new name, on disk
         return True
 
     def exists(self, key: str) -> bool:

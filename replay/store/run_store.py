@@ -428,7 +428,7 @@ class RunStore:
         if self.durable:   # the step log and every shard reach the disk before the commit that vouches for them
             self.location.sync()
         commit = seal({"step": step, "kind": kind, "world_size": world_size, "time": time.time(), "files": files})
-        if not (self._ckpt_dir(step) / "zarr.json").create(group_json({"commit": commit})):
+        if not (self._ckpt_dir(step) / "zarr.json").create(group_json({"commit": commit}), self.durable):
             raise StoreError(f"{self.location}: checkpoint {step} is committed already (by another writer?): this "
                              "process stops writing")
 

@@ -119,7 +119,7 @@ class S3Backend:
         with errors(self.bucket, key):
             obstore.put(self.store, key, data)
 
-    def create(self, key: str, data: bytes) -> bool:
+    def create(self, key: str, data: bytes, durable: bool) -> bool:
         with errors(self.bucket, key):
             try:
                 obstore.put(self.store, key, data, mode="create")
