@@ -34,12 +34,11 @@ def chunking(size: int) -> tuple[int, int]:
     return n, max(mmap.PAGESIZE, -(-size // n // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
-def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
-                 after_chunk: Callable[[int, int], object] | None = None) -> None:
-    """Write chunks 0..n-1 of the bytes given as (offset, uint8 array) segments (gaps and the tail are zero).
-    `after_chunk(i, n)` runs once the i-th chunk to finish is written."""
-    chunk_dir = array_dir / "c"
-    chunk_dir.mkdir(parents=True, exist_ok=True)
+def put_chunks(put: Callable[[int, list[memoryview | bytes]], object], segments: list[tuple[int, np.ndarray]],
+               n: int, chunk: int, after_chunk: Callable[[int, int], object] | None = None) -> None:
+    """Chunks 0..n-1 of the bytes given as (offset, uint8 array) segments (gaps and the tail are zero), each
+    handed to `put(i, [its bytes, their CRC-32C])`, several at once. `after_chunk(i, n)` runs once the i-th
+    chunk to finish is put."""
     scratch = threading.local()
     done = 0
     lock = threading.Lock()
@@ -47,17 +46,29 @@ def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int
     def write(i: int) -> None:
         nonlocal done
         data = chunk_bytes(segments, i * chunk, chunk, scratch)
-        fd = os.open(chunk_dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _write_all(fd, [data.data, crc32c(data).to_bytes(4, "little")])
-        finally:
-            os.close(fd)
+        put(i, [data.data, crc32c(data).to_bytes(4, "little")])
         with lock:
             done += 1
             if after_chunk:
                 after_chunk(done, n)
 
     each(write, range(n))
+
+
+def write_chunks(array_dir: Path, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
+                 after_chunk: Callable[[int, int], object] | None = None) -> None:
+    """`put_chunks` into the chunk files `array_dir/c/<i>`."""
+    chunk_dir = array_dir / "c"
+    chunk_dir.mkdir(parents=True, exist_ok=True)
+
+    def put(i: int, buffers: list[memoryview | bytes]) -> None:
+        fd = os.open(chunk_dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, buffers)
+        finally:
+            os.close(fd)
+
+    put_chunks(put, segments, n, chunk, after_chunk)
 
 
 def chunk_bytes(segments: list[tuple[int, np.ndarray]], lo: int, size: int, scratch: threading.local) -> np.ndarray:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from replay.errors import StoreError
 from replay.processes import alive
 
 ENV = "REPLAY_LEASE"   # the spec of the lease a child process writes under
@@ -51,3 +53,43 @@ class Holder:
         return True
 
 
+
+
+class HeldLease:
+    """What a held lease of either kind (store/lease.py's `Lease`, store/object_lease.py's `ObjectLease`) does
+    alike: its holder, re-entrant holding, a heartbeat every `timeout / 6` s, the refusal once taken over."""
+
+    def __init__(self, store: Any, scope: str, holder: Holder):
+        self.store, self.scope, self.holder = store, scope, holder
+        self._count = 1
+        self._lost: str | None = None   # who took it over
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"lease-{scope}", daemon=True)
+        self._beat.start()
+
+    @property
+    def token(self) -> str:
+        return self.holder.token
+
+    def _heartbeat(self) -> None:
+        period = lease_timeout() / 6
+        while not self._stop.wait(period):
+            self._renew()
+
+    def _renew(self) -> None:
+        """Renew the lease, or note who took it over."""
+        raise NotImplementedError
+
+    def _refuse_if_lost(self) -> None:
+        if self._lost:
+            raise StoreError(f"{self.store}: this process lost its lease to {self._lost}, which took over the "
+                             "store (this process was considered dead); it stops writing")
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> HeldLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -46,7 +46,7 @@ from pathlib import Path
 from replay.errors import StoreError
 from replay.processes import start_time
 from replay.store import object_lease
-from replay.store.holder import HELD, Holder, lease_timeout
+from replay.store.holder import HELD, HeldLease, Holder, lease_timeout
 from replay.store.location import Location, Where
 from replay.store.object_lease import ObjectLease
 
@@ -89,25 +89,16 @@ def holder_of(store: Where, scope: str = "run") -> Holder | None:
     return holder if holder.alive(beat, lease_timeout()) else None
 
 
-class Lease:
+class Lease(HeldLease):
     """A held lease. `acquire` refuses with one line naming the living holder, or takes over a dead one."""
 
     _lock = threading.Lock()
 
     def __init__(self, store: Path, scope: str, holder: Holder, fd: int, created_dir: bool):
-        self.store, self.scope, self.holder = store, scope, holder
         self.path = lease_file(store, scope)
         self._fd: int | None = fd
         self._created_dir = created_dir
-        self._count = 1
-        self._lost: str | None = None
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name=f"lease-{scope}", daemon=True)
-        self._beat.start()
-
-    @property
-    def token(self) -> str:
-        return self.holder.token
+        super().__init__(store, scope, holder)
 
     @property
     def spec(self) -> str:
@@ -190,12 +181,7 @@ class Lease:
 
     # -- holding -----------------------------------------------------------------------------------------------
 
-    def _heartbeat(self) -> None:
-        period = lease_timeout() / 6
-        while not self._stop.wait(period):
-            self._check_ownership()
-
-    def _check_ownership(self) -> None:
+    def _renew(self) -> None:   # the heartbeat: the file's modification time, touched
         if self._lost or self._fd is None:
             return
         try:
@@ -211,10 +197,8 @@ class Lease:
 
     def check(self) -> None:
         """Raise if this lease was taken over (this process must stop writing)."""
-        self._check_ownership()
-        if self._lost:
-            raise StoreError(f"{self.store}: this process lost its lease to {self._lost}, which took over the "
-                             "store (this process was considered dead); it stops writing")
+        self._renew()
+        self._refuse_if_lost()
 
     def release(self) -> None:
         with self._lock:
@@ -233,12 +217,6 @@ class Lease:
 
     def held(self) -> bool:
         return self._fd is not None
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def current_spec(where: Where) -> str:

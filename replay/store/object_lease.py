@@ -33,7 +33,7 @@ from typing import Any
 
 from replay.errors import StoreError
 from replay.processes import start_time
-from replay.store.holder import HELD, Holder, lease_timeout
+from replay.store.holder import HELD, HeldLease, Holder, lease_timeout
 from replay.store.location import Location
 from replay.store.s3 import S3Backend, backend
 
@@ -65,24 +65,15 @@ def read_holder(where: Location) -> tuple[Holder, float, str] | None:
                          "delete it") from None
 
 
-class ObjectLease:
+class ObjectLease(HeldLease):
     """A held lease on an object store (store/lease.py's `Lease` for a directory)."""
 
     def __init__(self, store: Location, scope: str, holder: Holder, e_tag: str):
-        self.store, self.scope, self.holder = store, scope, holder
         self.where = lease_object(store, scope)
         self._e_tag: str | None = e_tag
         self._beats = 0
-        self._lost: str | None = None
-        self._count = 1
         self._mutex = threading.Lock()
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name=f"lease-{scope}", daemon=True)
-        self._beat.start()
-
-    @property
-    def token(self) -> str:
-        return self.holder.token
+        super().__init__(store, scope, holder)
 
     @property
     def spec(self) -> str:
@@ -115,19 +106,15 @@ class ObjectLease:
             holder.took_over = None            # another challenger won it: look again
         raise StoreError(f"could not take the lease {where}: it keeps changing hands; try again")
 
-    def _heartbeat(self) -> None:
-        period = lease_timeout() / 6
-        while not self._stop.wait(period):
-            try:
-                self._renew()
-            except StoreError:
-                pass                           # the server is away: the next beat tries again
-
-    def _renew(self) -> None:
+    def _renew(self) -> None:   # the heartbeat: the object rewritten, if it is still the one this holder wrote
         with self._mutex:
             if self._lost or self._e_tag is None:
                 return
-            e_tag = _backend(self.where).replace(self.where.key, _encode(self.holder, self._beats + 1), self._e_tag)
+            try:
+                e_tag = _backend(self.where).replace(self.where.key, _encode(self.holder, self._beats + 1),
+                                                     self._e_tag)
+            except StoreError:
+                return                         # the server is away: the next beat tries again
             if e_tag is None:
                 self._lose()
             else:
@@ -145,9 +132,7 @@ class ObjectLease:
                 head = _backend(self.where).head(self.where.key)
                 if head is None or head["e_tag"] != self._e_tag:
                     self._lose()
-        if self._lost:
-            raise StoreError(f"{self.store}: this process lost its lease to {self._lost}, which took over the "
-                             "store (this process was considered dead); it stops writing")
+        self._refuse_if_lost()
 
     def release(self) -> None:
         with self._mutex:
@@ -164,12 +149,6 @@ class ObjectLease:
 
     def held(self) -> bool:
         return self._e_tag is not None
-
-    def __enter__(self) -> ObjectLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def holder_of(store: Location, scope: str = "run") -> Holder | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ from obstore.store import S3Store
 from zarr.storage import ObjectStore
 
 from replay.errors import ChecksumError, StoreError
-from replay.store.chunks import THREADS, chunk_bytes, each
+from replay.store.chunks import THREADS, each, put_chunks
 from replay.store.integrity import crc32c
 
 if TYPE_CHECKING:
@@ -193,23 +192,12 @@ class S3Backend:
                      after_chunk: Callable[[int, int], object] | None) -> None:
         """Chunk objects `<key>/c/<i>`: the bytes then their CRC-32C, as Zarr's crc32c codec writes them, each
         uploaded in parallel parts (from the tensors' own memory where one segment covers the chunk)."""
-        scratch = threading.local()
-        done = 0
-        lock = threading.Lock()
-
-        def write(i: int) -> None:
-            nonlocal done
-            data = chunk_bytes(segments, i * chunk, chunk, scratch)
-            crc = crc32c(data).to_bytes(4, "little")
+        def put(i: int, buffers: list[memoryview | bytes]) -> None:
             with errors(self.bucket, f"{key}/c/{i}"):
-                obstore.put(self.store, f"{key}/c/{i}", [data.data, crc], chunk_size=PART_BYTES,
+                obstore.put(self.store, f"{key}/c/{i}", buffers, chunk_size=PART_BYTES,
                             max_concurrency=PART_CONCURRENCY)
-            with lock:
-                done += 1
-                if after_chunk:
-                    after_chunk(done, n)
 
-        each(write, range(n))
+        put_chunks(put, segments, n, chunk, after_chunk)
 
     def read_chunks(self, key: str, first: int, last: int, chunk: int, what: str,
                     contents: Callable[[int], str]) -> np.ndarray:
