@@ -63,17 +63,18 @@ def _client_options() -> ClientConfig:
                      "in the clear: use https, or set AWS_ALLOW_HTTP=true if that network is yours")
 
 
-def _retry() -> RetryConfig:
+def _retry(seconds: float | None = None) -> RetryConfig:
     # a server restarting (or a network blip) is waited out for this long before an operation fails
-    seconds = float(os.environ.get("REPLAY_S3_RETRY_SECONDS", "60"))
+    seconds = float(os.environ.get("REPLAY_S3_RETRY_SECONDS", "60")) if seconds is None else seconds
     return {"max_retries": 100, "retry_timeout": timedelta(seconds=seconds),
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2),
                         "base": 2.0}}
 
 
-def _s3(bucket: str, prefix: str | None = None) -> S3Store:
+def _s3(bucket: str, prefix: str | None = None, retry_seconds: float | None = None) -> S3Store:
     try:
-        return S3Store(bucket, prefix=prefix or None, client_options=_client_options(), retry_config=_retry())
+        return S3Store(bucket, prefix=prefix or None, client_options=_client_options(),
+                       retry_config=_retry(retry_seconds))
     except (ValueError, ox.BaseError) as e:
         raise StoreError(f"cannot configure S3 for bucket {bucket}: {str(e).splitlines()[0]} (set "
                          "AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and, for another server, "
@@ -92,10 +93,28 @@ def errors(bucket: str, key: str) -> Iterator[None]:
     except (FileNotFoundError, ox.NotFoundError, ox.AlreadyExistsError, ox.PreconditionError):
         raise
     except ox.BaseError as e:
-        text = _first(e)
-        if "NoSuchBucket" in str(e):
-            raise StoreError(f"bucket {bucket} does not exist on {endpoint()}: create it first") from None
-        raise StoreError(f"cannot reach {where} on {endpoint()}: {text}") from None
+        raise StoreError(_explain(e, bucket, f"cannot reach {where} on {endpoint()}")) from None
+
+
+def _explain(e: BaseException, bucket: str, otherwise: str) -> str:
+    if "NoSuchBucket" in str(e):
+        return f"bucket {bucket} does not exist on {endpoint()}: create it first"
+    if "169.254.169.254" in str(e):   # no key in the environment, so obstore asked for an instance's role
+        return (f"no S3 credentials for bucket {bucket}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+                "AWS_ENDPOINT_URL for a server other than AWS)")
+    return f"{otherwise}: {_first(e)}"
+
+
+def _probe(bucket: str) -> None:
+    """Fail in one line, within seconds, where the endpoint cannot be reached at all (a mistyped address):
+    once reached, a server that goes away is waited out for REPLAY_S3_RETRY_SECONDS."""
+    try:
+        obstore.head(_s3(bucket, retry_seconds=8), ".replay-probe")
+    except (FileNotFoundError, ox.NotFoundError, ox.PermissionDeniedError, ox.UnauthenticatedError):
+        pass   # an answer: the server is there
+    except ox.BaseError as e:
+        raise StoreError(_explain(e, bucket, f"cannot reach the S3 endpoint {endpoint()} for bucket {bucket} "
+                                             "(check AWS_ENDPOINT_URL)")) from None
 
 
 def _first(e: BaseException) -> str:
@@ -105,6 +124,7 @@ def _first(e: BaseException) -> str:
 class S3Backend:
     def __init__(self, bucket: str):
         self.bucket = bucket
+        _probe(bucket)
         self.store = _s3(bucket)
 
     def read(self, key: str) -> bytes | None:

@@ -112,6 +112,19 @@ def test_a_holder_whose_lease_object_was_replaced_stops_writing(s3_store):
     assert (s3_store / "leases" / "run.json").exists()   # the new holder's lease is not removed by the old one
 
 
+def test_what_cannot_reach_a_bucket_is_named_in_one_line_and_quickly(s3_store, monkeypatch):
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    start = time.monotonic()
+    line = error_line(replay_cli("info", str(s3_store)))
+    assert line.startswith(f"error: cannot reach the S3 endpoint {closed} for bucket {s3_store.bucket} (check "
+                           "AWS_ENDPOINT_URL)") and time.monotonic() - start < 20
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://192.0.2.1:8333")   # plain HTTP to another machine
+    assert "would send the credentials in the clear" in error_line(replay_cli("info", str(s3_store)))
+
+
 @pytest.fixture
 def recorded(s3_store, rank_pool) -> Location:
     result = replay_cli("record", "--store", str(s3_store), "--steps", "12", "--nproc", "2", "--checkpoint-every",
