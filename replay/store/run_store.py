@@ -140,19 +140,19 @@ class RunStore:
     @classmethod
     def open(cls, where: Where, mode: str = "r") -> RunStore:
         """The store at a location (a path or a URL, for the Python API: the command line parses them)."""
-        location = path = Location.parse(where)
+        location = Location.parse(where)
         if not (location / "zarr.json").exists():
             what = "is not a replay run store (no zarr.json)" if location.children() else "does not exist"
-            raise StoreError(f"{path} {what}; record a run first with `replay record --store {path}`")
+            raise StoreError(f"{location} {what}; record a run first with `replay record --store {location}`")
         try:
             store = cls(location, mode=mode)
         except Exception as e:  # a damaged zarr.json: name it rather than show a zarr traceback
-            raise StoreError(f"{path} cannot be opened as a Zarr store: {str(e).splitlines()[0]}") from None
+            raise StoreError(f"{location} cannot be opened as a Zarr store: {str(e).splitlines()[0]}") from None
         meta = store.root.attrs.get("replay")
         if not isinstance(meta, dict) or meta.get("kind") not in ("run", "replay", "series"):
-            raise StoreError(f"{path} is a Zarr group but not a replay run store")
+            raise StoreError(f"{location} is a Zarr group but not a replay run store")
         if meta.get("schema") not in READABLE:
-            raise StoreError(f"{path} has store schema {meta.get('schema')}, written by another version of replay; "
+            raise StoreError(f"{location} has store schema {meta.get('schema')}, written by another version of replay; "
                              f"this one reads schemas {', '.join(map(str, READABLE))}")
         _ = store.manifest   # its checksum, verified
         return store
