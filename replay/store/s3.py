@@ -109,7 +109,8 @@ def _probe(bucket: str) -> None:
     """Fail in one line, within seconds, where the endpoint cannot be reached at all (a mistyped address):
     once reached, a server that goes away is waited out for REPLAY_S3_RETRY_SECONDS."""
     try:
-        obstore.head(_s3(bucket, retry_seconds=8), ".replay-probe")
+        seconds = min(8.0, float(os.environ.get("REPLAY_S3_RETRY_SECONDS", "60")))
+        obstore.head(_s3(bucket, retry_seconds=seconds), ".replay-probe")
     except (FileNotFoundError, ox.NotFoundError, ox.PermissionDeniedError, ox.UnauthenticatedError):
         pass   # an answer: the server is there
     except ox.BaseError as e:
