@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test test-fast lint bench soak results gpu-check clean
+.PHONY: setup demo test test-fast lint bench soak soak-s3 results gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,10 @@ results: setup
 # with an uninterrupted run), then single-bit flips all over every file of a checkpoint; prints the counts.
 soak: setup
 	$(PY) -m tests.soak
+
+# The same soak with every store in the bucket of a SeaweedFS S3 server on 127.0.0.1 (tests/s3server.py).
+soak-s3: setup
+	$(PY) -m tests.soak --s3
 
 bench: setup
 	$(PY) benchmarks/bench_record.py

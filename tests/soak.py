@@ -3,9 +3,10 @@ compared bit for bit with an uninterrupted run; and flipped bits in a committed 
 on read with one line naming the checkpoint and the file or array.
 
 The suite runs a few trials of each (tests/launch/test_soak_integration.py); `make soak` runs 30 kills and flips bits
-all over every file of a checkpoint, and prints the counts:
+all over every file of a checkpoint, and prints the counts; with --s3, every store is in the bucket of a
+SeaweedFS server started for it on 127.0.0.1 (tests/s3server.py):
 
-    .venv/bin/python -m tests.soak [--kills 30] [--flips-per-file 20] [--seed S]
+    .venv/bin/python -m tests.soak [--kills 30] [--flips-per-file 20] [--seed S] [--s3]
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import argparse
 import contextlib
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from replay.errors import ChecksumError
 from replay.lifeline import child_env
 from replay.processes import descendants
 from replay.store import RunStore
+from replay.store.location import Location, Where
 from tests.conftest import TWO_RANK_ARGS, assert_gone, tensors_equal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +45,7 @@ def replay_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "replay", *map(str, args)]
 
 
-def record_reference(path: Path) -> Path:
+def record_reference(path: Location) -> Location:
     """The uninterrupted run every trial is compared with (the suite reuses its own: tests/conftest.py)."""
     subprocess.run(replay_command("record", "--store", path, *RECIPE), check=True, capture_output=True,
                    cwd=REPO, env=child_env())
@@ -62,7 +64,7 @@ class KillTrial:
     error: str             # the killed command's last line
 
 
-def killed_launch(store: Path, rng: random.Random, how: str, at_step: int, fault: str | None = None) -> KillTrial:
+def killed_launch(store: Location, rng: random.Random, how: str, at_step: int, fault: str | None = None) -> KillTrial:
     """`replay record` the recipe into `store` (`--resume` if it holds a run), and SIGKILL it, the whole group
     or one rank, once rank 0 has reported `at_step`, plus a random fraction of a step; or with `fault`, let
     the fault hook kill it at its precise point (REPLAY_FAULT). Checks that no process of the launch is left
@@ -98,11 +100,11 @@ def killed_launch(store: Path, rng: random.Random, how: str, at_step: int, fault
     return KillTrial(how, at_step, landed, resumes[-1].from_step if resumes else 0, last_line[0])
 
 
-def kill_trial(reference: Path, workdir: Path, rng: random.Random, how: str, at_step: int | None = None,
+def kill_trial(reference: Where, workdir: Where, rng: random.Random, how: str, at_step: int | None = None,
                fault: str | None = None) -> KillTrial:
     """A fresh recording of the reference recipe, SIGKILLed at a random step (or `at_step`, or by `fault`),
     then resumed to completion; the result must equal the reference bit for bit (AssertionError otherwise)."""
-    store = workdir / "run"
+    store = Location.parse(workdir) / "run"
     trial = killed_launch(store, rng, how, rng.randrange(-1, LAST_KILL + 1) if at_step is None else at_step, fault)
     again = RECIPE if not (store / "zarr.json").exists() else ["--resume"]   # killed before the store existed
     result = subprocess.run(replay_command("record", "--store", store, *again), cwd=REPO, env=child_env(),
@@ -113,13 +115,13 @@ def kill_trial(reference: Path, workdir: Path, rng: random.Random, how: str, at_
     return KillTrial(how, trial.at_step, trial.landed, resumes[-1].from_step if resumes else 0, trial.error)
 
 
-def chained_kills(reference: Path, workdir: Path, plan: list[tuple[str, int | None, str | None]],
+def chained_kills(reference: Where, workdir: Where, plan: list[tuple[str, int | None, str | None]],
                   rng: random.Random) -> list[KillTrial]:
     """One recording killed once per entry of `plan` (how, at step (None: random from where it stands), fault),
     each kill's launch resuming the last; after each, what is committed must be the reference's, and the
     last resume runs to completion, bit for bit the reference. Cheaper than independent trials (the suite's
     way; `make soak` runs independent ones)."""
-    store, trials = workdir / "run", []
+    store, trials = Location.parse(workdir) / "run", []
     for how, at_step, fault in plan:
         committed = RunStore.open(store).checkpoints() if (store / "zarr.json").exists() else []
         start = committed[-1].step if committed else 0
@@ -133,7 +135,7 @@ def chained_kills(reference: Path, workdir: Path, plan: list[tuple[str, int | No
     return trials
 
 
-def assert_prefix(store_path: Path, reference: Path) -> None:
+def assert_prefix(store_path: Where, reference: Where) -> None:
     """What a killed run committed is the reference's: its last committed checkpoint, every rank's state,
     and the step log before it, bit for bit."""
     a, b = RunStore.open(store_path), RunStore.open(reference)
@@ -171,7 +173,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def assert_same_run(a_path: Path, b_path: Path) -> None:
+def assert_same_run(a_path: Where, b_path: Where) -> None:
     """Step log, checkpoints and the final state of every rank: equal bit for bit."""
     a, b = RunStore.open(a_path), RunStore.open(b_path)
     assert a.manifest.status == "complete" and a.n_steps == b.n_steps
@@ -197,15 +199,25 @@ class FlipTrial:
     message: str
 
 
-def checkpoint_files(store: Path, step: int) -> list[Path]:
-    return sorted(p for p in (store / "checkpoints" / f"{step:08d}").rglob("*") if p.is_file())
+def checkpoint_files(store: Where, step: int) -> list[Location]:
+    """Every file (or object) of a checkpoint."""
+    def walk(where: Location) -> list[Location]:
+        found = []
+        for name in where.children():
+            child = where / name
+            found += [child] if child.exists() else walk(child)
+        return found
+
+    return sorted(walk(Location.parse(store) / "checkpoints" / f"{step:08d}"), key=str)
 
 
-def flip_trial(store: Path, step: int, path: Path, byte: int, bit: int) -> FlipTrial:
+def flip_trial(store: Where, step: int, path: Location, byte: int, bit: int) -> FlipTrial:
     """Flip one bit of a committed checkpoint's file, read the checkpoint (every rank), restore the bit."""
-    data = bytearray(path.read_bytes())
+    raw = path.read()
+    assert raw is not None, path
+    data = bytearray(raw)
     data[byte] ^= 1 << bit
-    path.write_bytes(bytes(data))
+    path.write(bytes(data))
     message = ""
     try:
         run = RunStore.open(store)
@@ -215,26 +227,33 @@ def flip_trial(store: Path, step: int, path: Path, byte: int, bit: int) -> FlipT
         message = str(e)
     finally:
         data[byte] ^= 1 << bit
-        path.write_bytes(bytes(data))
-    rel = path.relative_to(store / "checkpoints" / f"{step:08d}")
-    names_it = str(rel) in message or (rel.parts[-2] == "c" and f"array tensors chunk {rel.name} " in message)
-    return FlipTrial(str(rel), byte, bit, bool(message), bool(message) and "\n" not in message and
+        path.write(bytes(data))
+    rel = path.relative(Location.parse(store) / "checkpoints" / f"{step:08d}")
+    parts = rel.split("/")
+    names_it = rel in message or (parts[-2] == "c" and f"array tensors chunk {parts[-1]} " in message)
+    return FlipTrial(rel, byte, bit, bool(message), bool(message) and "\n" not in message and
                      f"checkpoint {step}" in message and names_it, message)
 
 
-def random_flips(store: Path, step: int, n: int, rng: random.Random) -> list[FlipTrial]:
+def random_flips(store: Where, step: int, n: int, rng: random.Random) -> list[FlipTrial]:
     files = checkpoint_files(store, step)
     trials = []
     for _ in range(n):
         path = rng.choice(files)
-        trials.append(flip_trial(store, step, path, rng.randrange(path.stat().st_size), rng.randrange(8)))
+        trials.append(flip_trial(store, step, path, rng.randrange(_size(path)), rng.randrange(8)))
     return trials
 
 
-def flips_over_every_file(store: Path, step: int, per_file: int, rng: random.Random) -> list[FlipTrial]:
+def _size(path: Location) -> int:
+    raw = path.read()
+    assert raw is not None, path
+    return len(raw)
+
+
+def flips_over_every_file(store: Where, step: int, per_file: int, rng: random.Random) -> list[FlipTrial]:
     trials = []
     for path in checkpoint_files(store, step):
-        size = path.stat().st_size
+        size = _size(path)
         for byte in rng.sample(range(size), min(per_file, size)):
             trials.append(flip_trial(store, step, path, byte, rng.randrange(8)))
     return trials
@@ -243,26 +262,43 @@ def flips_over_every_file(store: Path, step: int, per_file: int, rng: random.Ran
 # -- make soak --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _stores(tmp: Path, s3: bool) -> Iterator[Location]:
+    """Where the soak's stores go: `tmp`, or a bucket of an S3 server of its own."""
+    if not s3:
+        yield Location.parse(tmp)
+        return
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp / "s3")
+    server.start()
+    os.environ.update(server.env)
+    try:
+        yield Location.parse(f"s3://{server.bucket}/soak")
+    finally:
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=30)
     ap.add_argument("--flips-per-file", type=int, default=40)
     ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--s3", action="store_true", help="every store in a local S3 server's bucket")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     print(f"soak, seed {args.seed}: {args.kills} kills of `replay record {' '.join(RECIPE)}`, alternating the "
           "whole process group and one rank, at random steps (every sixth as the ranks start), each resumed and "
-          "compared bit for bit", flush=True)
-    with tempfile.TemporaryDirectory(prefix="replay-soak-") as tmp:
-        reference = record_reference(Path(tmp) / "reference")
+          "compared bit for bit" + (", every store on S3" if args.s3 else ""), flush=True)
+    with tempfile.TemporaryDirectory(prefix="replay-soak-") as tmp, _stores(Path(tmp), args.s3) as base:
+        reference = record_reference(base / "reference")
         trials = []
         t0 = time.perf_counter()
         for i in range(args.kills):
-            work = Path(tmp) / f"kill-{i}"
-            work.mkdir()
+            work = base / f"kill-{i}"
             trial = kill_trial(reference, work, rng, ("group", "rank")[i % 2], at_step=-1 if i % 6 == 2 else None)
             trials.append(trial)
-            shutil.rmtree(work)
+            work.remove_tree()
             print(f"  kill {i + 1:>2}: {trial.how:<5} at step {trial.at_step:>3} ({trial.landed}), resumed from "
                   f"checkpoint {trial.resumed_from}: bit for bit the uninterrupted run", flush=True)
         by = Counter(t.landed for t in trials)
