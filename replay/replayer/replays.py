@@ -203,7 +203,8 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
         path, cfg, pending, resume = prepare(parent, req, note)
         recorded = parent.manifest
         notes = environment_notes(recorded.environment)
-        if pending and Capabilities.of(recorded).relaunches_script:
+        script = pending and Capabilities.of(recorded).relaunches_script
+        if script:
             assert recorded.command is not None
             try:
                 run_script(path, recorded.command, resume, lease.spec)
@@ -212,14 +213,13 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
                 if not resume and left.n_steps == 0 and not left.checkpoints():
                     path.remove_tree()   # the script refused it before its first step: nothing to keep or resume
                 raise
-            reached = RunStore.open(path)
-            if reached.manifest.status != "complete":   # the script left its loop (or exited) before the window's end
-                raise ReplayError(f"the training script ended without an error after step {reached.end_step - 1}, "
-                                  f"before the window {req.start}..{req.stop} was done: it left `loop.steps()` early "
-                                  "(a `break`, or a step limit of its own)")
         elif pending:
             run_ranks(path, cfg, cfg.nproc, resume, lease.spec, pool=pool)
         done = RunStore.open(path, mode="a")
+        if script and done.manifest.status != "complete":   # the script left its loop (or exited) before the end
+            raise ReplayError(f"the training script ended without an error after step {done.end_step - 1}, "
+                              f"before the window {req.start}..{req.stop} was done: it left `loop.steps()` early "
+                              "(a `break`, or a step limit of its own)")
         verification = verify(parent, done)
         result = Replay(path, created=pending, verification=verification, environment_notes=notes,
                         warnings=warnings)
