@@ -218,7 +218,7 @@ def info(store, as_json) -> None:
 
 
 def _print_info(store: Location, as_json: bool) -> None:
-    summary = summarize(store)
+    summary = summarize(series.analysis_store(store))
     click.echo(json.dumps(summary, indent=2) if as_json else "\n".join(info_lines(summary)))
 
 

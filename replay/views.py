@@ -33,6 +33,8 @@ def summarize(path: Where) -> dict[str, Any]:
     data = m.data
     return {
         "path": str(path),
+        "kind": m.kind,
+        "series": dataclasses.asdict(m.series) if m.series else None,
         "status": m.status,
         "schema": m.schema,
         "config": cfg.to_dict(),
@@ -92,6 +94,8 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
     """`replay info` in words."""
     cfg, ck = summary["config"], summary["checkpoints"]
     m = cfg["model"]
+    if summary["series"]:
+        return _series_lines(summary)
     lines = [f"run store   {summary['path']}  ({summary['status']})"]
     if summary["writer"]:
         lines.append(f"writer      {summary['writer']} is writing it now")
@@ -122,11 +126,7 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"            {len(summary['uncommitted_checkpoints'])} uncommitted (ignored): "
                      f"{', '.join(map(str, summary['uncommitted_checkpoints']))}")
     lines += [f"            damaged: {d['error']}" for d in summary["damaged_checkpoints"]]
-    lines.append(f"spikes      {len(summary['spikes'])}")
-    for e in summary["spikes"]:
-        lines.append(f"            step {e['step']}: loss {e['loss']:.4f} vs baseline {e['baseline']:.4f} (robust z "
-                     f"{e['score']:.1f})" if isinstance(e["score"], (int, float))
-                     else f"            step {e['step']}: loss {e['loss']} (non-finite)")
+    lines += _spike_lines(summary["spikes"])
     probes = {key for b in summary["bisect"] for key in b["probes"]}
     shown = [r for r in summary["replays"] if r["id"] not in probes and "error" not in r]
     lines.append(f"replays     {len(summary['replays'])}"
@@ -160,6 +160,29 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         f"; {len(summary['analysis']['distances'])} weight-distance tables (replay report {path})" if analysed
         else f" (replay analyze {path})"))
     return lines
+
+
+def _spike_lines(spikes: list[dict[str, Any]]) -> list[str]:
+    lines = [f"spikes      {len(spikes)}"]
+    for e in spikes:
+        lines.append(f"            step {e['step']}: given with --spike" if "score" not in e else
+                     f"            step {e['step']}: loss {e['loss']:.4f} vs baseline {e['baseline']:.4f} (robust z "
+                     f"{e['score']:.1f})" if isinstance(e["score"], (int, float))
+                     else f"            step {e['step']}: loss {e['loss']} (non-finite)")
+    return lines
+
+
+def _series_lines(summary: dict[str, Any]) -> list[str]:
+    """`replay info` of the analysis of checkpoints replay did not record (analysis/series.py)."""
+    s, m = summary["series"], summary["config"]["model"]
+    analysed = summary["analysis"]["checkpoints"]
+    where = Location.parse(summary["path"]).resolve(s["location"])
+    return [f"analysis of {s['format']} checkpoints replay did not record  {summary['path']}",
+            f"checkpoints {where}: {m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, "
+            f"layout {s['layout'].get('name', 'custom')}",
+            f"losses      {len(s['losses'])} logged", *_spike_lines(summary["spikes"]),
+            f"analysis    {len(analysed)} checkpoints analysed"
+            + (f" ({', '.join(map(str, analysed))}); `replay report` shows them" if analysed else "")]
 
 
 def step_batch(path: Where, step: int, rank: int | None = None) -> list[dict[str, Any]]:

@@ -67,6 +67,9 @@ def test_a_trainers_checkpoints_are_analysed_reported_and_compared_without_a_rec
     assert dict(map(tuple, RunStore.open(out / INTO).manifest.series.losses)) == logged
 
     assert "wrote" in replay_cli("report", str(out)).stdout
+    info = replay_cli("info", str(out)).stdout
+    assert f"analysis of hf-trainer checkpoints replay did not record  {out / INTO}" in info
+    assert "step 6: given with --spike" in info and "4 checkpoints analysed (2, 4, 6, 8)" in info
     html = (out / INTO / "report.html").read_text()
     assert "hf-trainer checkpoints replay did not record" in html and html.count('<img class="figure"') >= 2
 
