@@ -73,8 +73,9 @@ class RecorderConfig:
 def create_run_store(path: Where, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
     """A new run store for a training loop of your own. `config` describes the run as far as it can
     (model shape, steps, precision); `description` says what the data was (it is not embedded)."""
-    with Lease.acquire(path, "create_run_store"):
-        return create_run(Location.parse(path), config, world_size=world_size, launcher=Launcher.CUSTOM,
+    location = Location.parse(path)
+    with Lease.acquire(location, "create_run_store"):
+        return create_run(location, config, world_size=world_size, launcher=Launcher.CUSTOM,
                           data=no_data(description or "a custom training loop"))
 
 
@@ -92,17 +93,18 @@ class Recorder:
     def __init__(self, store_path: Where, state: TrainState, cfg: RecorderConfig, rank: int = 0,
                  world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None,
                  lease: str | None = None, extra: Callable[[], dict[str, Any]] | None = None):
+        location = Location.parse(store_path)
         self._lease = None
         guard: Callable[[], None] | None
         if lease is not None:
             require(lease)
             guard = functools.partial(require, lease)
         elif rank == 0:
-            self._lease = Lease.acquire(store_path, f"a Python Recorder ({Path(sys.argv[0]).name or 'python'})")
+            self._lease = Lease.acquire(location, f"a Python Recorder ({Path(sys.argv[0]).name or 'python'})")
             guard = self._lease.check
         else:
             guard = None
-        self.store = RunStore.open(store_path, mode="a")
+        self.store = RunStore.open(location, mode="a")
         self.state, self.cfg = state, cfg
         self.rank, self.world = rank, world_size
         self.coordinator = rank == 0
