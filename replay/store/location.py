@@ -4,7 +4,7 @@
     raw = (loc / "zarr.json").read()                  # None where there is nothing
     (loc / "checkpoints" / "00000010" / "zarr.json").create(data)   # only if absent, atomically
 
-A `Location` is a value (hashable, picklable, printed as the path or URL it was given as) that every layer
+A `Location` is a value (hashable, picklable, printed as its absolute path or its URL) that every layer
 passes on; what it does goes to the backend of its scheme: store/local.py (files: atomic renames, fsync)
 or store/s3.py (objects: conditional puts, multipart uploads). Nothing below the command line opens a
 store from a string.

@@ -178,7 +178,7 @@ def test_the_analysis_reads_each_checkpoint_from_the_bucket(recorded, ray_local)
                             model["transformer.h.1.attn.c_proj.weight"].T, store.manifest.config.model.n_head)
 
 
-def test_a_server_restarted_in_the_middle_of_a_checkpoints_upload_loses_nothing(two_rank_store, s3_store,
+def test_a_server_killed_and_restarted_in_the_middle_of_a_checkpoints_upload_loses_nothing(two_rank_store, s3_store,
                                                                                s3_server, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -186,8 +186,8 @@ def test_a_server_restarted_in_the_middle_of_a_checkpoints_upload_loses_nothing(
                                                    "REPLAY_FAULT_ONCE": str(marks)})
     _wait_for(lambda: (marks / "paused").exists() or proc.poll() is not None, what="rank 1 half-way through step 20")
     assert proc.poll() is None, proc.communicate()
-    s3_server.stop()                       # rank 1 is half-way through its shard of checkpoint 20
-    (marks / "go").touch()                 # ... and goes on writing to a server that is not there
+    s3_server.kill()                       # rank 1 is half-way through its shard of checkpoint 20
+    (marks / "go").touch()                 # ... and goes on writing to a server that was killed
     time.sleep(1.5)
     s3_server.start()
     out, err = proc.communicate(timeout=300)
