@@ -70,6 +70,23 @@ def test_a_run_recorded_on_s3_is_the_run_recorded_on_disk_and_replays_bit_for_bi
     assert [c["step"] for c in info["checkpoints"]] == [0, 10, 20, 30] and info["writer"] is None
     assert [r["id"] for r in info["replays"]] == ["steps-13-19"]
     assert (s3_store / "leases").children() in ([], ["replays"])   # every lease released
+    batch = json.loads(replay_cli("batch", str(s3_store), "--step", "7", "--json").stdout)
+    assert batch == json.loads(replay_cli("batch", str(two_rank_store), "--step", "7", "--json").stdout)
+
+
+def test_compare_reads_a_store_in_a_bucket_against_one_on_disk(two_rank_store, s3_store, rank_pool, ray_local):
+    result = replay_cli("record", "--store", str(s3_store), *TWO_RANK_ARGS[:2], "--nproc", "2", "--seed", "7",
+                        "--checkpoint-every", "10", ranks=rank_pool)   # another seed: other weights
+    assert result.returncode == 0, result.stderr
+    compared = replay_cli("compare", str(s3_store), str(two_rank_store), "--workers", "2", "--json")
+    assert compared.returncode == 0, compared.stderr
+    distances = json.loads(compared.stdout)
+    assert distances["steps"] == [0, 10, 20, 30] and distances["reference"] == str(s3_store)
+    a, b = RunStore.open(str(s3_store)), RunStore.open(two_rank_store)
+    key = "transformer.h.0.attn.c_attn.weight"
+    column = distances["tensors"].index(MODEL + key)
+    expected = (a.read_model(30, [key])[key] - b.read_model(30, [key])[key]).abs().max().item()
+    assert distances["max_abs"][3][column] == pytest.approx(expected, rel=1e-6) and expected > 0
 
 
 def test_one_writer_a_living_one_refuses_a_second_and_a_dead_ones_lease_is_taken_over(s3_store):
