@@ -373,7 +373,7 @@ def _ray_options(fn):
     fn = click.option("--workers", type=int, help="Most work items at once (default: every CPU of the cluster).")(fn)
     return click.option("--ray-address", envvar="RAY_ADDRESS", default=None,
                         help="host:port of a Ray cluster's head (default: RAY_ADDRESS, else a local cluster). "
-                        "Its workers must see the store at the same path.")(fn)
+                        "Its workers must see the store at the same path, or reach its bucket.")(fn)
 
 
 def _series_options(fn):
@@ -412,6 +412,9 @@ def analyze(store, ray_address, workers, heads, layout, spikes, into, top, as_js
     replay's weight distances against the run, into STORE/analysis. Only what is not done yet is
     computed. Then, for every recorded spike, ranks the layers and heads whose metrics moved most
     against their own history before it.
+
+    STORE may also be a folder (or s3:// prefix) of checkpoints replay did not record: transformers
+    Trainer checkpoint-* folders, torch.distributed.checkpoint folders or nanoGPT ckpt.pt files.
     """
     summary = run_analysis(store, ray_address, workers, progress=lambda m: click.echo(m, err=True), heads=heads,
                            layout=_layout_option(layout), spikes=spikes, into=into)
