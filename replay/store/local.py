@@ -26,6 +26,20 @@ class LocalBackend:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
+    def read_range(self, key: str, start: int, length: int) -> bytes | None:
+        try:
+            fd = os.open(key, os.O_RDONLY)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        try:
+            return os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int | None:
+        path = Path(key)
+        return path.stat().st_size if path.is_file() else None
+
     def write(self, key: str, data: bytes, durable: bool) -> None:
         path = Path(key)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,8 @@ class Backend(Protocol):
     """What a scheme does for a location (store/local.py, store/s3.py). `key` is the location's key."""
 
     def read(self, key: str) -> bytes | None: ...
+    def read_range(self, key: str, start: int, length: int) -> bytes | None: ...
+    def size(self, key: str) -> int | None: ...
     def write(self, key: str, data: bytes, durable: bool) -> None: ...
     def create(self, key: str, data: bytes, durable: bool) -> bool: ...
     def exists(self, key: str) -> bool: ...
@@ -129,6 +131,14 @@ class Location:
     def read(self) -> bytes | None:
         """The whole object or file; None where there is none."""
         return self.backend.read(self.key)
+
+    def read_range(self, start: int, length: int) -> bytes | None:
+        """Bytes [start, start + length) of the object or file (fewer at its end); None where there is none."""
+        return self.backend.read_range(self.key, start, length)
+
+    def size(self) -> int | None:
+        """The object's or file's size in bytes; None where there is none."""
+        return self.backend.size(self.key)
 
     def write(self, data: bytes, durable: bool = False) -> None:
         """Replace the object or file whole: a reader sees the old bytes or the new, never part of them

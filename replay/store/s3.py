@@ -135,6 +135,19 @@ class S3Backend:
             except (FileNotFoundError, ox.NotFoundError):
                 return None
 
+    def read_range(self, key: str, start: int, length: int) -> bytes | None:
+        if length <= 0:
+            return b"" if self.exists(key) else None
+        with errors(self.bucket, key):
+            try:
+                return bytes(obstore.get_range(self.store, key, start=start, length=length))
+            except (FileNotFoundError, ox.NotFoundError):
+                return None
+
+    def size(self, key: str) -> int | None:
+        head = self.head(key)
+        return None if head is None else int(head["size"])
+
     def write(self, key: str, data: bytes, durable: bool) -> None:
         with errors(self.bucket, key):
             obstore.put(self.store, key, data)

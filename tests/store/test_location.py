@@ -87,3 +87,11 @@ def test_local_children_remove_tree_and_a_missing_file(tmp_path):
     assert root.children() == ["a.json", "b"] and (root / "a.json").exists() and not (root / "b").exists()
     (root / "b").remove_tree()
     assert root.children() == ["a.json"]
+
+
+def test_a_local_range_and_size_read_only_what_is_asked(tmp_path):
+    f = Location.parse(tmp_path / "blob")
+    assert f.size() is None and f.read_range(0, 4) is None
+    f.write(bytes(range(100)))
+    assert f.size() == 100 and f.read_range(10, 5) == bytes(range(10, 15))
+    assert f.read_range(95, 10) == bytes(range(95, 100)) and f.read_range(100, 3) == b""

@@ -27,6 +27,14 @@ def test_an_object_reads_back_as_written_and_a_missing_one_reads_as_none(s3_stor
     assert not (s3_store / "checkpoints").exists()   # a prefix is not an object
 
 
+def test_a_range_and_a_size_read_only_what_is_asked(s3_store):
+    f = s3_store / "blob"
+    assert f.size() is None and f.read_range(0, 4) is None
+    f.write(bytes(range(100)))
+    assert f.size() == 100 and f.read_range(10, 5) == bytes(range(10, 15))
+    assert f.read_range(95, 10) == bytes(range(95, 100))
+
+
 def test_create_writes_only_where_there_is_nothing(s3_store):
     doc = s3_store / "lease.json"
     assert doc.create(b"first") is True

@@ -3,8 +3,8 @@ safetensors (one `model.safetensors`, or `model.safetensors.index.json` and its 
 trainer_state.json.
 
 A safetensors file is 8 bytes (the header's length, little-endian), a JSON header naming each tensor's
-dtype, shape and byte range, then the bytes: a local file is read as the header then only the asked
-tensors' ranges; an object is read whole, once per call.
+dtype, shape and byte range, then the bytes: a file or an object is read as its header, then only the
+asked tensors' byte ranges.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def checkpoint(loc: Location) -> ForeignCheckpoint:
         if f.local is None:
             tags.append(object_tag(f))
         else:
-            _, raw = _local_header(f)
+            raw = _header(f)[0]
             tags.append(f"{digest(raw)}:{sampled_digest(f.local, len(raw))}")
     return ForeignCheckpoint(step, loc, digest((loc / INDEX).read() or b"", *tags))
 
@@ -126,30 +126,20 @@ def _parse(prefix: bytes, size: int, where: Location) -> tuple[int, Header]:
     return n, header
 
 
-def _local_header(f: Location) -> tuple[int, bytes]:
-    """A local safetensors file's size and its header's bytes, checked."""
-    path = f.local
-    assert path is not None, "a local file"
-    try:
-        with open(path, "rb") as fh:
-            size = path.stat().st_size
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            raw = head + fh.read(min(n, size))
-    except FileNotFoundError:
-        raise StoreError(f"{f} is missing") from None
-    _parse(raw, size, f)
-    return size, raw
+def _header(f: Location) -> tuple[bytes, int, Header]:
+    """A safetensors file's raw header (the length and the JSON), the length of its JSON and the header,
+    checked against the file's size; read alone, from a file or an object alike."""
+    size = f.size()
+    if size is None:
+        raise StoreError(f"{f} is missing")
+    head = f.read_range(0, 8) or b""
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    raw = head + ((f.read_range(8, min(n, size - 8)) or b"") if 0 < n else b"")
+    return raw, *_parse(raw, size, f)
 
 
 def header(f: Location) -> Header:
-    if f.local is not None:
-        size, raw = _local_header(f)
-        return _parse(raw, size, f)[1]
-    data = f.read()
-    if data is None:
-        raise StoreError(f"{f} is missing")
-    return _parse(data, len(data), f)[1]
+    return _header(f)[2]
 
 
 def shapes(loc: Location) -> dict[str, list[int]]:
@@ -169,31 +159,16 @@ def read(loc: Location, names: list[str]) -> dict[str, Any]:
     out = {}
     for file, wanted in by_file.items():
         f = loc / file
-        if f.local is not None:
-            size, raw = _local_header(f)
-            n, head = _parse(raw, size, f)
-            with open(f.local, "rb") as fh:
-                chunks = {}
-                for name in wanted:
-                    if name not in head:
-                        raise StoreError(f"{f} holds no tensor {name}")
-                    begin, end = head[name]["data_offsets"]
-                    fh.seek(8 + n + begin)
-                    buf = bytearray(end - begin)
-                    if fh.readinto(buf) != len(buf):
-                        raise StoreError(f"{f} is truncated: {name} is cut short")
-                    chunks[name] = buf
-        else:
-            data = f.read()
-            if data is None:
-                raise StoreError(f"{f} is missing")
-            n, head = _parse(data, len(data), f)
-            chunks = {}
-            for name in wanted:
-                if name not in head:
-                    raise StoreError(f"{f} holds no tensor {name}")
-                begin, end = head[name]["data_offsets"]
-                chunks[name] = bytearray(data[8 + n + begin:8 + n + end])
+        _, n, head = _header(f)
+        chunks = {}
+        for name in wanted:
+            if name not in head:
+                raise StoreError(f"{f} holds no tensor {name}")
+            begin, end = head[name]["data_offsets"]
+            buf = bytearray(f.read_range(8 + n + begin, end - begin) or b"")
+            if len(buf) != end - begin:
+                raise StoreError(f"{f} is truncated: {name} is cut short")
+            chunks[name] = buf
         for name, buf in chunks.items():
             t = head[name]
             dtype = getattr(torch, _DTYPES[t["dtype"]])
