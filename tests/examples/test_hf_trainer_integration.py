@@ -29,10 +29,16 @@ SAMPLES = 18   # 5 batches of 4 an epoch, the last of 2: 3 steps of 2 micro-batc
 SMALL_EPOCHS = (f"--samples={SAMPLES}", "--dataloader_num_workers=2")
 # the example under a callback that ends its process (os._exit, no cleanup) as the Trainer begins a step
 KILLED = """
-import os, runpy, sys, transformers
+import os, runpy, sys, time, transformers
+from replay.store import RunStore
 class Kill(transformers.TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == int(os.environ["KILL_AT"]):
+            # once the checkpoint it names, written in the background, is committed (a loaded machine lags)
+            deadline = time.monotonic() + 120
+            while (int(os.environ["KILL_AFTER_COMMIT"]) not in [c.step for c in RunStore.open(
+                    os.environ["KILL_STORE"]).checkpoints()] and time.monotonic() < deadline):
+                time.sleep(0.05)
             os._exit(9)
 init = transformers.Trainer.__init__
 transformers.Trainer.__init__ = lambda self, *a, **k: (init(self, *a, **k), self.add_callback(Kill()))[0]
@@ -130,7 +136,8 @@ def test_a_killed_recording_resumes_from_the_store_bit_for_bit(one_process, runs
     store = runs / "killed"
     args = (f"--data={token_file}", f"--store={store}", f"--output_dir={store}-out", "--max_steps=20",
             "--checkpoint_every=10", "--save_steps=5", *SMALL_EPOCHS)
-    done = _train(runs, *args, launcher=[sys.executable, str(wrapper)], env={"KILL_AT": "18"})
+    done = _train(runs, *args, launcher=[sys.executable, str(wrapper)],
+                  env={"KILL_AT": "18", "KILL_AFTER_COMMIT": "10", "KILL_STORE": str(store)})
     assert done.returncode == 9, done.stderr
     killed = RunStore.open(store)
     assert killed.manifest.status == "running" and [c.step for c in killed.checkpoints()][-1] == 10
