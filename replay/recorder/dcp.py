@@ -25,7 +25,6 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from replay.errors import UsageError
 from replay.recorder.state import unwrap
-from replay.store.dcp import quiet_single_process
+from replay.store.dcp import METADATA, SafeReader, quiet_single_process
 
 _OPTIMIZER_KEYS = ("optimizer", "optim")      # torchtitan's and replay export's, OLMo-core's
 _ORIGINS: WeakKeyDictionary[torch.nn.Module, str] = WeakKeyDictionary()   # model -> the directory it came from
@@ -51,9 +50,10 @@ class Loaded:
 def load_dcp(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Loaded:
     """Load the DCP checkpoint at `path` into `model` (and `optimizer`, when given), in place."""
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise UsageError(f"{path} is not a DCP checkpoint directory (it has no .metadata)")
-    saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    if not (path / METADATA).is_file():
+        raise UsageError(f"{path} is not a DCP checkpoint directory (it has no {METADATA})")
+    reader = SafeReader(path)
+    saved = set(reader.read_metadata().state_dict_metadata)
     model_state = get_model_state_dict(model)
     prefix = _model_prefix(path, saved, list(model_state))
     state: dict[str, Any] = {"model": model_state} if prefix else dict(model_state)
@@ -65,7 +65,7 @@ def load_dcp(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Op
                              "call load_dcp without the optimizer to load the model only")
         state[key] = get_optimizer_state_dict(model, optimizer)
     with contextlib.nullcontext() if dist.is_initialized() else quiet_single_process():
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=reader)
     set_model_state_dict(model, state["model"] if prefix else {k: state[k] for k in model_state})
     if key is not None:
         assert optimizer is not None, "an optimizer state is loaded only for an optimizer"

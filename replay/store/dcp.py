@@ -8,11 +8,19 @@ layout `torch.distributed.checkpoint.state_dict.get_state_dict` gives (parameter
 optimizer's numbers), which only the model and optimizer objects know: a caller that passes them (built as
 the run built them) gets it, for a run whose optimizer is not partitioned across ranks. It is written by
 `dcp.save` from this one process, without a process group. The other direction is recorder/dcp.py.
+
+Reading one: DCP's `.metadata` is a pickle, which DCP's own `FileSystemReader` loads with `pickle.load`,
+running whatever code a crafted file names. `SafeReader` unpickles it with DCP's metadata classes, torch's
+dtypes and sizes and paths only (`metadata_of`); the tensors' bytes DCP loads with
+`torch.load(weights_only=True)` itself. Every DCP directory replay reads goes through it (recorder/dcp.py,
+store/foreign/dcp.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from replay.config import Launcher
@@ -30,6 +40,11 @@ from replay.store.location import Where
 from replay.store.run_store import RunStore
 
 MODEL, OPTIMIZER = "model", "optimizer"   # the top-level keys of an exported directory
+METADATA = ".metadata"
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+            ("collections", "OrderedDict")}
 
 
 @dataclass
@@ -80,6 +95,51 @@ def export(store_path: Where, step: int, out: str | Path, model: torch.nn.Module
     with quiet_single_process():
         dcp.save(state, checkpoint_id=out, no_dist=True)
     return Exported(out, step, len(state[MODEL]), not why_not, why_not)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES or (module, name) in _ALLOWED or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            if module in _DCP_MODULES and name not in _dcp_classes(module):
+                raise pickle.UnpicklingError(f"{module}.{name} is not one of DCP's metadata classes")
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+def _dcp_classes(module: str) -> set[str]:
+    import importlib  # lazy: only to list what a crafted .metadata may name
+
+    mod = importlib.import_module(module)
+    return {n for n, v in vars(mod).items() if isinstance(v, type) and v.__module__ == module}
+
+
+def metadata_of(raw: bytes, where: str) -> Metadata:
+    """A `.metadata` file's contents (at `where`, for the error), unpickled with DCP's own classes only."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:   # a crafted or damaged pickle fails in any of pickle's ways
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise StoreError(f"{where} is not DCP metadata: {why}") from None
+    if not isinstance(md, Metadata):
+        raise StoreError(f"{where} is not DCP metadata (it holds a {type(md).__name__})")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """DCP's reader of a local directory, its `.metadata` read by `metadata_of` (or given, read already)."""
+
+    def __init__(self, path: str | Path, metadata: Metadata | None = None):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        where = Path(self.path) / METADATA
+        md = self._metadata or metadata_of(where.read_bytes(), str(where))
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ torchtitan's layouts, or that `export` wrote (the round trip, bit for bit); the 
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,19 @@ def test_a_recording_starts_from_what_dcp_saved_of_a_plain_model(tmp_path, layou
     new = _record(tmp_path / "new", model, optimizer, steps=1)
     assert tensors_equal(_state(new, 0)["model"], saved)
     assert new.manifest.init_from == str((tmp_path / "dcp").resolve())
+
+
+def test_a_dcp_metadata_that_would_run_code_is_refused_without_running_it(tmp_path):
+    from tests.store.test_foreign import Evil
+
+    source, _ = _parts(seed=5)
+    with quiet_single_process():
+        dcp.save({"model": source.state_dict()}, checkpoint_id=tmp_path / "dcp")
+    marker = tmp_path / "ran"
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
+    with pytest.raises(StoreError, match="is not DCP metadata: pathlib.Path.touch is not part of DCP's metadata"):
+        load_dcp(tmp_path / "dcp", _parts(seed=6)[0])
+    assert not marker.exists()
 
 
 def test_a_recording_not_loaded_from_dcp_names_no_origin(recorded):

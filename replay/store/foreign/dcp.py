@@ -1,20 +1,16 @@
 """`torch.distributed.checkpoint` (DCP) folders: `.metadata` and `__<rank>_<n>.distcp` files, e.g.
 torchtitan's `step-<N>`. The step is the folder name's trailing number.
 
-DCP's `.metadata` is a pickle, and `FileSystemReader` unpickles it with `pickle.load`, which would run
-whatever code a crafted file names: here it is unpickled with only DCP's own metadata classes, torch's
-dtypes and sizes and paths allowed, and handed to the reader. The tensors' bytes DCP itself loads with
-`torch.load(weights_only=True)`. A folder on an object store is read through a temporary directory
-holding `.metadata`'s copy and only the `.distcp` files that hold the asked tensors.
+DCP's `.metadata` is a pickle: it is read with store/dcp.py's `metadata_of` (DCP's own classes only) and
+the tensors by its `SafeReader`. A folder on an object store is read through a temporary directory holding
+only the `.distcp` files that hold the asked tensors (the metadata, read already, is handed to the reader).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from replay.errors import StoreError, UsageError
 from replay.store.foreign.base import ForeignCheckpoint, digest, object_tag, trailing_step
@@ -24,11 +20,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.checkpoint.metadata import Metadata
 
-METADATA = ".metadata"
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-            ("collections", "OrderedDict")}
+METADATA = ".metadata"   # as store/dcp.py's (imported there with torch)
 
 
 def is_checkpoint(loc: Location) -> bool:
@@ -50,39 +42,13 @@ def checkpoint(loc: Location) -> ForeignCheckpoint:
     return ForeignCheckpoint(step, loc, digest(raw, *files, *tags))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import torch  # lazy: torch (0.7 s), only where a checkpoint is read
-
-        if module in _DCP_MODULES or (module, name) in _ALLOWED or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            if module in _DCP_MODULES and name not in _dcp_classes(module):
-                raise pickle.UnpicklingError(f"{module}.{name} is not one of DCP's metadata classes")
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
-
-
-def _dcp_classes(module: str) -> set[str]:
-    import importlib  # lazy: only to list what a crafted .metadata may name
-
-    mod = importlib.import_module(module)
-    return {n for n, v in vars(mod).items() if isinstance(v, type) and v.__module__ == module}
-
-
 def metadata(loc: Location) -> Metadata:
-    from torch.distributed.checkpoint.metadata import Metadata  # lazy: torch, only where a checkpoint is read
+    from replay.store.dcp import metadata_of  # lazy: torch, only where a checkpoint is read
 
     raw = (loc / METADATA).read()
     if raw is None:
         raise StoreError(f"{loc} has no {METADATA}: is the DCP checkpoint complete?")
-    try:
-        md = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except Exception as e:   # a crafted or damaged pickle fails in any of pickle's ways
-        why = (str(e).splitlines() or [type(e).__name__])[0]
-        raise StoreError(f"{loc / METADATA} is not DCP metadata: {why}") from None
-    if not isinstance(md, Metadata):
-        raise StoreError(f"{loc / METADATA} is not DCP metadata (it holds a {type(md).__name__})")
-    return md
+    return metadata_of(raw, str(loc / METADATA))
 
 
 def shapes(md: Metadata, prefix: str) -> dict[str, list[int]]:
@@ -95,10 +61,9 @@ def shapes(md: Metadata, prefix: str) -> dict[str, list[int]]:
 def read(loc: Location, names: list[str], prefix: str) -> dict[str, torch.Tensor]:
     import torch  # lazy: torch (0.7 s), only where tensors are read
     import torch.distributed.checkpoint as dcp  # lazy: as above
-    from torch.distributed.checkpoint import FileSystemReader  # lazy: as above
-    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata  # lazy: as above
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: as above
 
-    from replay.store.dcp import quiet_single_process  # lazy: it imports torch
+    from replay.store.dcp import SafeReader, quiet_single_process  # lazy: it imports torch
 
     md = metadata(loc)
     state = {}
@@ -108,16 +73,9 @@ def read(loc: Location, names: list[str], prefix: str) -> dict[str, torch.Tensor
             raise StoreError(f"{loc} holds no tensor {prefix + name}")
         state[prefix + name] = torch.empty(meta.size, dtype=meta.properties.dtype)
 
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            if md.storage_meta is None:
-                md.storage_meta = StorageMeta()
-            md.storage_meta.load_id = self.load_id
-            return md
-
     def load(folder: Path) -> None:
         with quiet_single_process():
-            dcp.load(state, storage_reader=Reader(folder), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(folder, md), no_dist=True)
 
     if loc.local is not None:
         load(loc.local)
