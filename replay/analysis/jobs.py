@@ -27,7 +27,7 @@ from replay.errors import ReplayError, StoreError, UsageError
 from replay.launch.ray_cluster import ray_session, run_tasks, worker_options
 from replay.replayer.listing import replays
 from replay.store import RunStore
-from replay.store.foreign import open_series
+from replay.store.foreign import ForeignSeries, open_series
 from replay.store.layout import model_key
 from replay.store.lease import writing
 from replay.store.location import Location, Where
@@ -59,9 +59,12 @@ def run_item(item: MetricItem | DistanceItem) -> str:
 def own_sources(store: RunStore) -> list[Source]:
     """A store's own committed checkpoints, or the checkpoints a series store analyses, by step."""
     if store.kind == "series":
-        found = series_of(store)
-        return [Source(found.location, c.step, c.identity, found) for c in found.checkpoints]
+        return _series_sources(series_of(store))
     return [Source(store.location, c.step, c.committed_at) for c in store.checkpoints()]
+
+
+def _series_sources(found: ForeignSeries) -> list[Source]:
+    return [Source(found.location, c.step, c.identity, found) for c in found.checkpoints]
 
 
 def sources_at(where: Location, heads: int | None = None, layout: str | dict[str, Any] | None = None
@@ -69,8 +72,7 @@ def sources_at(where: Location, heads: int | None = None, layout: str | dict[str
     """The checkpoints at `where`: a run store's, or those of a folder of checkpoints replay did not record."""
     if is_store(where):
         return own_sources(RunStore.open(where))
-    found = open_series(where, heads=heads, layout=layout)
-    return [Source(found.location, c.step, c.identity, found) for c in found.checkpoints]
+    return _series_sources(open_series(where, heads=heads, layout=layout))
 
 
 def checkpoint_sources(store: RunStore) -> list[Source]:
