@@ -142,7 +142,8 @@ class RunStore:
         """The store at a location (a path or a URL, for the Python API: the command line parses them)."""
         location = Location.parse(where)
         if not (location / "zarr.json").exists():
-            what = "is not a replay run store (no zarr.json)" if location.children() else "does not exist"
+            there = location.children() or (location.local is not None and location.local.exists())
+            what = "is not a replay run store (no zarr.json)" if there else "does not exist"
             raise StoreError(f"{location} {what}; record a run first with `replay record --store {location}`")
         try:
             store = cls(location, mode=mode)
