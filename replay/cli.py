@@ -22,9 +22,10 @@ from replay.config import PRECISIONS, Launcher, build_config
 from replay.demo import run_demo
 from replay.errors import ReplayError
 from replay.launch import ranks
+from replay.launch.ray_ranks import Placing
 from replay.lifeline import follow_parent
 from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
-from replay.replayer.replays import ReplayRequest
+from replay.replayer.replays import ReplayRequest, run_on_ray
 from replay.replayer.replays import run as run_replay
 from replay.store import RunStore
 from replay.store.lease import current_spec, writing
@@ -254,10 +255,13 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--resume", is_flag=True, help="Continue an interrupted replay from its last committed checkpoint.")
 @click.option("--discard", is_flag=True, help="Remove an interrupted replay and run it anew.")
 @click.option("--allow-changed", is_flag=True, help="A run of your own script: replay it even if its files changed.")
+@click.option("--ray-address", help="host:port of a Ray cluster's head: run the ranks on a placement group there, on "
+              "nodes as recorded (its nodes must see the store at the same path, or reach its bucket).")
+@click.option("--pack", is_flag=True, help="With --ray-address: let ranks share nodes the recording spread them over.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
 def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layers, heads, precision, fix, hp_delta,
-            skip, drop, lr_scale, resume, discard, allow_changed, as_json) -> None:
+            skip, drop, lr_scale, resume, discard, allow_changed, ray_address, pack, as_json) -> None:
     """Re-execute steps A..B of the run in STORE from its checkpoints, and store the replay inside it.
 
     Restores the latest committed checkpoint (or pre-spike snapshot) at or before A on every rank, with
@@ -275,7 +279,13 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
                         resume=resume, discard=discard, allow_changed=allow_changed)
-    result = run_replay(store, req, warn=lambda m: click.echo(f"warning: {m}", err=True))
+    if pack and not ray_address:
+        raise ReplayError("--pack places ranks on a Ray cluster: give its --ray-address too")
+    def warn(message: str) -> None:
+        click.echo(f"warning: {message}", err=True)
+
+    result = (run_on_ray(store, req, ray_address, Placing(pack=pack), warn=warn) if ray_address else
+              run_replay(store, req, warn=warn))
     v = result.verification
     assert v is not None, "run() verifies every replay"
     if as_json:

@@ -1,5 +1,5 @@
-"""Local ranks: the environment torchrun would give each rank on one machine, and the one wait for a set of
-them (fresh ranks in ranks.py and script.py, warm ranks in pool.py)."""
+"""Ranks on one node: the environment torchrun would give each, and the one wait for a set of them (fresh
+ranks in ranks.py and script.py, warm ranks in pool.py; a Ray cluster's nodes in ray_ranks.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from replay.lifeline import child_env
+from replay.recorder.host import NODE_ENV
 
 TICK = 0.05   # seconds between looks at the ranks
 
@@ -19,12 +21,33 @@ TICK = 0.05   # seconds between looks at the ranks
 Outcomes = Callable[[float], list[tuple[int, str | None]]]
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """What torchrun gives a rank on one machine (env:// rendezvous on loopback), and the lifeline."""
-    env = child_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    return env
+@dataclass(frozen=True)
+class Node:
+    """One node's ranks as torchrun would start them: which ranks, and how they meet their peers (env://)."""
+
+    ranks: tuple[int, ...]          # its ranks, by local rank
+    world: int
+    master: tuple[str, int]         # rank 0's address and port
+    rank: int = 0                   # the node's rank (torchrun's GROUP_RANK)
+    name: str | None = None         # its name, where the hostname does not tell it (recorder/placement.py)
+
+    @classmethod
+    def local(cls, world: int) -> Node:
+        """Every rank on this machine, meeting on loopback."""
+        return cls(tuple(range(world)), world, ("127.0.0.1", free_port()))
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """What torchrun gives a rank, and the lifeline."""
+        env = child_env({**os.environ, "RANK": str(self.ranks[local_rank]), "LOCAL_RANK": str(local_rank),
+                         "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(len(self.ranks)),
+                         "GROUP_RANK": str(self.rank), "MASTER_ADDR": self.master[0],
+                         "MASTER_PORT": str(self.master[1])})
+        env.pop("TORCHELASTIC_RUN_ID", None)
+        if self.name is not None:
+            env[NODE_ENV] = self.name
+        else:
+            env.pop(NODE_ENV, None)
+        return env
 
 
 def free_port() -> int:
@@ -63,21 +86,23 @@ def wait_for_outcomes(procs: Sequence[subprocess.Popen], outcomes: Outcomes, gra
     return failures, sorted(pending)
 
 
-def wait_for_ranks(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> str | None:
+def wait_for_ranks(procs: Sequence[subprocess.Popen], grace: float = 5.0, ranks: Sequence[int] | None = None
+                   ) -> str | None:
     """Wait for every rank process to exit (`wait_for_outcomes`: no rank outlives the wait). Returns the
-    failures in words, the first one first, or None."""
+    failures in words, the first one first, or None. `ranks`: the rank each process is (default: its index)."""
+    names = list(ranks) if ranks is not None else list(range(len(procs)))
     seen: set[int] = set()
 
     def exits(timeout: float) -> list[tuple[int, str | None]]:
-        ended = [(rank, p.returncode) for rank, p in enumerate(procs) if rank not in seen and p.poll() is not None]
+        ended = [(i, p.returncode) for i, p in enumerate(procs) if i not in seen and p.poll() is not None]
         if not ended:
             time.sleep(timeout)
-        seen.update(rank for rank, _ in ended)
+        seen.update(i for i, _ in ended)
         ended.sort(key=lambda e: e[1] >= 0)   # in one look, a rank killed outright came first
-        return [(rank, None if code == 0 else f"rank {rank} {_how(code)}") for rank, code in ended]
+        return [(i, None if code == 0 else f"rank {names[i]} {_how(code)}") for i, code in ended]
 
     failures, killed = wait_for_outcomes(procs, exits, grace)
-    failures += [f"rank {rank} {_how(procs[rank].returncode)}" for rank in killed if procs[rank].returncode != 0]
+    failures += [f"rank {names[i]} {_how(procs[i].returncode)}" for i in killed if procs[i].returncode != 0]
     return ", then ".join(failures) or None
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from replay.errors import ReplayError
 from replay.kernels.plan import plugin_env
-from replay.launch.local import free_port, rank_env, wait_for_outcomes
+from replay.launch.local import Node, wait_for_outcomes
 from replay.store.location import Location
 from replay.store.s3 import configuration
 
@@ -45,8 +45,13 @@ def active_pool(world_size: int) -> RankPool | None:
 
 
 class RankPool:
-    def __init__(self, world_size: int, log: str | Path | None = None):
+    """`world_size` warm ranks on this machine; or, given a `node`, the ranks of that node only (a Ray
+    cluster's node, launch/ray_ranks.py), which meet the other nodes' ranks at its rendezvous."""
+
+    def __init__(self, world_size: int, log: str | Path | None = None, node: Node | None = None):
+        assert node is None or node.world == world_size, "a node's ranks belong to a world of this size"
         self.world_size = world_size
+        self.node = node
         self.log_path = Path(log) if log else None
         self._procs: list[subprocess.Popen] = []
         self._replies: list[int] = []
@@ -61,12 +66,16 @@ class RankPool:
             self.close()
             self._start()
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.node.ranks if self.node else tuple(range(self.world_size))
+
     def _start(self) -> None:
-        port = free_port()
+        node = self.node or Node.local(self.world_size)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        for rank in range(self.world_size):
+        for local in range(len(node.ranks)):
             read_fd, write_fd = os.pipe()
-            env = {**rank_env(rank, self.world_size, port), "REPLAY_REPLY_FD": str(write_fd)}
+            env = {**node.env(local), "REPLAY_REPLY_FD": str(write_fd)}
             proc = subprocess.Popen([sys.executable, "-m", "replay.launch.worker", "--serve"], env=env,
                                     stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write_fd,))
             os.close(write_fd)
@@ -103,24 +112,25 @@ class RankPool:
         """Wait for every rank's answer (launch/local.py: the first failure ends the wait after a grace, for
         the others may hang in a collective); a rank's death first, the errors it caused after."""
         selector = selectors.DefaultSelector()
-        for rank, fd in enumerate(self._replies):
-            selector.register(fd, selectors.EVENT_READ, rank)
-        buffers = {rank: b"" for rank in range(self.world_size)}
+        for local, fd in enumerate(self._replies):
+            selector.register(fd, selectors.EVENT_READ, local)
+        buffers = {local: b"" for local in range(len(self._replies))}
+        ranks = self.ranks
 
         def answers(timeout: float) -> list[tuple[int, str | None]]:
             out: list[tuple[int, str | None]] = []
             for key, _ in selector.select(timeout):
-                rank = key.data
+                local = key.data
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fd)
-                    out.append((rank, f"rank {rank} died (exit code {self._procs[rank].wait()})"))
+                    out.append((local, f"rank {ranks[local]} died (exit code {self._procs[local].wait()})"))
                     continue
-                buffers[rank] += chunk
-                if buffers[rank].endswith(b"\n"):
-                    answer = json.loads(buffers[rank])
+                buffers[local] += chunk
+                if buffers[local].endswith(b"\n"):
+                    answer = json.loads(buffers[local])
                     selector.unregister(key.fd)
-                    out.append((rank, f"rank {rank}: {answer['error']}" if "error" in answer else None))
+                    out.append((local, f"rank {ranks[local]}: {answer['error']}" if "error" in answer else None))
             return out
 
         try:

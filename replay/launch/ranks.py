@@ -21,7 +21,7 @@ import numpy as np
 from replay.config import Launcher, RunConfig
 from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.plan import check_attention
-from replay.launch.local import free_port, rank_env, wait_for_ranks
+from replay.launch.local import Node, wait_for_ranks
 from replay.launch.pool import RankPool, active_pool
 from replay.recorder.host import environment_notes
 from replay.store import RunStore
@@ -202,13 +202,17 @@ def run_ranks(store: Location, cfg: RunConfig, nproc: int, resume: bool, lease: 
         return
     if cfg.launcher is Launcher.DEEPSPEED:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
-    port = free_port()
-    args = [sys.executable, "-m", "replay.launch.worker", str(store)] + (["--resume"] if resume else [])
-    procs = [subprocess.Popen(args, env={**rank_env(rank, nproc, port), LEASE_ENV: lease}) for rank in range(nproc)]
-    failures = wait_for_ranks(procs)
+    failures = run_node(store, resume, lease, Node.local(nproc))
     if failures:
         raise ReplayError(f"{failures}; their own messages are above (committed checkpoints are intact: "
                           f"`replay record --store {store} --resume` continues)")
+
+
+def run_node(store: Location, resume: bool, lease: str, node: Node) -> str | None:
+    """Run one node's ranks as fresh processes and wait: their failures in words, or None."""
+    args = [sys.executable, "-m", "replay.launch.worker", str(store)] + (["--resume"] if resume else [])
+    procs = [subprocess.Popen(args, env={**node.env(local), LEASE_ENV: lease}) for local in range(len(node.ranks))]
+    return wait_for_ranks(procs, ranks=node.ranks)
 
 
 def wait_for_prepared(store: Location, launch_id: str, timeout: float = 600) -> None:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from replay.errors import ReplayError
-from replay.launch.local import free_port, rank_env, wait_for_ranks
+from replay.launch.local import Node, wait_for_ranks
 from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV
 from replay.store.holder import ENV as LEASE_ENV
@@ -22,17 +22,18 @@ from replay.store.location import Location
 from replay.store.manifest import CommandInfo
 
 
-def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str) -> None:
-    """Run the recorded command's ranks writing the replay at `replay`, and wait; a failing rank fails it."""
+def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str, node: Node | None = None) -> None:
+    """Run the recorded command's ranks writing the replay at `replay` (those of `node`; default: all of them,
+    on this machine), and wait; a failing rank fails it."""
     extra = {**command.env, STORE_ENV: str(replay), LEASE_ENV: lease,
              RESUME_ENV: "1" if resume else "0"}
     args = [sys.executable, *command.argv]
     if command.launcher == "torchrun":
-        port = free_port()
-        envs = [{**rank_env(rank, command.world_size, port), **extra} for rank in range(command.world_size)]
+        node = node or Node.local(command.world_size)
+        envs = [{**node.env(local), **extra} for local in range(len(node.ranks))]
     else:
         envs = [child_env({**os.environ, **extra})]
     procs = [subprocess.Popen(args, cwd=command.cwd, env=env, stdout=sys.stderr) for env in envs]
-    failures = wait_for_ranks(procs)
+    failures = wait_for_ranks(procs, ranks=node.ranks if node else None)
     if failures:
         raise ReplayError(f"the training script failed: {failures} (its messages are above)")

@@ -3,12 +3,14 @@ compares them before any rank starts (recorder/environment.py adds how torch com
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 from importlib import metadata
 from typing import Any
 
 _PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "zarr", "triton")
+NODE_ENV = "REPLAY_NODE"   # a node's name where the hostname does not tell it (launch/ray_ranks.py: the Ray node)
 
 
 def host() -> dict[str, Any]:
@@ -20,6 +22,11 @@ def host() -> dict[str, Any]:
             versions[name] = None
     return {"python": platform.python_version(), "packages": versions, "platform": platform.platform(),
             "machine": platform.machine(), "processor": _cpu_model(), "hostname": socket.gethostname()}
+
+
+def this_node() -> tuple[int, str]:
+    """(node rank, node name) of this process: torchrun's GROUP_RANK tells two agents on one host apart."""
+    return int(os.environ.get("GROUP_RANK", 0)), os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 def environment_notes(recorded: dict[str, Any]) -> list[str]:

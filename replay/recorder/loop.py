@@ -50,6 +50,7 @@ from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.fsdp import FSDP2TrainState, is_fsdp2
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, decide, one_line_errors
+from replay.recorder.placement import gather_placement
 from replay.recorder.recorder import Recorder, TrainState
 from replay.recorder.recording import Recording
 from replay.recorder.replaying import Replaying
@@ -150,8 +151,10 @@ class Loop:
         self._loader: RecordedLoader | None = None
         self._restored = self.recorder.restored_extra()   # a resumed run's or a replay's checkpoint: its draws ahead
         self._unfinished: tuple[int, SpikeEvent | None] | None = None   # a step ended whose checkpoint is due
+        placement = gather_placement(self.world)
         if self.rank == 0:
             note_environment(self.store, fingerprint(next(model.parameters()).device), resumed=start.resume)
+            self.store.update_manifest(placement=placement)
             self._mode.opened(self.store)
 
     @property

@@ -23,6 +23,8 @@ from replay.config import RunConfig
 from replay.errors import ReplayError, UsageError
 from replay.launch.pool import RankPool
 from replay.launch.ranks import run_ranks
+from replay.launch.ray_cluster import ray_session
+from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
 from replay.launch.script import run_script
 from replay.recorder.command import check_unchanged
 from replay.recorder.host import environment_notes
@@ -92,11 +94,12 @@ def replay_id(req: ReplayRequest) -> str:
     return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
 
-def prepare(parent: RunStore, req: ReplayRequest,
-            warn: Callable[[str], None] = lambda m: None) -> tuple[Location, RunConfig, bool, bool]:
+def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = lambda m: None,
+            on_cluster: bool = False) -> tuple[Location, RunConfig, bool, bool]:
     """Check the request against the record and create (or rewind) the replay's store; nothing is written
     on error. Returns (the replay's location, config, whether it still has to run, whether it resumes);
-    `warn` hears of what the replay works around (a damaged checkpoint nearer the window)."""
+    `warn` hears of what the replay works around (a damaged checkpoint nearer the window). `on_cluster`:
+    its ranks run on a Ray cluster's nodes, not on this machine alone."""
     store_path = parent.location
     if parent.kind != "run":
         raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
@@ -120,9 +123,9 @@ def prepare(parent: RunStore, req: ReplayRequest,
     recorded = parent.manifest
     caps = Capabilities.of(recorded)
     cfg = apply_overrides(recorded.config, req.overrides, (req.start, req.stop), caps)
-    if caps.relaunches_script and caps.multi_node:
-        raise UsageError(f"{store_path} was recorded on several nodes ({caps.ranks_per_node} of its "
-                         f"{caps.world_size} ranks on one): `replay run` starts a script's ranks on this machine only")
+    if caps.relaunches_script and caps.multi_node and not on_cluster:
+        raise UsageError(f"{store_path} was recorded on {caps.nodes} nodes: a script's ranks start on this machine "
+                         "only without a cluster; pass --ray-address HOST:PORT to start them on a Ray cluster's nodes")
     if caps.relaunches_script and not req.allow_changed:
         assert recorded.command is not None
         check_unchanged(recorded.command, "replaying it")
@@ -185,12 +188,14 @@ def _identity(spec: ReplaySpec) -> tuple[Any, ...]:
 
 
 def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
-        command: str = "replay run", warn: Callable[[str], None] = lambda m: None) -> Replay:
+        command: str = "replay run", warn: Callable[[str], None] = lambda m: None,
+        cluster: RayRanks | None = None) -> Replay:
     """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record.
     With a pool of warm ranks (launch/pool.py) of the recorded world size, a local-launcher replay runs
-    on them instead of on freshly started ranks. The store's lease is taken first, or, with `under` (a
-    bisect's probes), the lease of the process this one works for is checked; the replay's own lease
-    is taken in both cases (store/lease.py)."""
+    on them instead of on freshly started ranks; with `cluster`, on a Ray placement group's nodes
+    (launch/ray_ranks.py). The store's lease is taken first, or, with `under` (a bisect's probes), the lease
+    of the process this one works for is checked; the replay's own lease is taken in both cases
+    (store/lease.py)."""
     store = Location.parse(store)
     parent = RunStore.open(store)   # a missing store is named before anything is made
     with writing(store / "replays" / replay_id(req), command, under=under) as lease:
@@ -200,21 +205,25 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
             warnings.append(message)
             warn(message)
 
-        path, cfg, pending, resume = prepare(parent, req, note)
+        path, cfg, pending, resume = prepare(parent, req, note, on_cluster=cluster is not None)
         recorded = parent.manifest
         notes = environment_notes(recorded.environment)
         script = pending and Capabilities.of(recorded).relaunches_script
-        if script:
-            assert recorded.command is not None
-            try:
+        try:
+            if pending and cluster is not None:
+                cluster.run(path, lease.spec, resume)
+            elif script:
+                assert recorded.command is not None
                 run_script(path, recorded.command, resume, lease.spec)
-            except ReplayError:
-                left = RunStore.open(path)
-                if not resume and left.n_steps == 0 and not left.checkpoints():
-                    path.remove_tree()   # the script refused it before its first step: nothing to keep or resume
-                raise
-        elif pending:
-            run_ranks(path, cfg, cfg.nproc, resume, lease.spec, pool=pool)
+            elif pending:
+                run_ranks(path, cfg, cfg.nproc, resume, lease.spec, pool=pool)
+        except NodeLost as e:
+            raise NodeLost(f"{e}: {_keep_committed(path, recorded.world_size)}") from None
+        except ReplayError:
+            left = RunStore.open(path)
+            if (script or cluster is not None) and not resume and left.n_steps == 0 and not left.checkpoints():
+                path.remove_tree()   # refused before its first step (by the script, or the cluster): nothing to keep
+            raise
         done = RunStore.open(path, mode="a")
         if script and done.manifest.status != "complete":   # the script left its loop (or exited) before the end
             raise ReplayError(f"the training script ended without an error after step {done.end_step - 1}, "
@@ -227,6 +236,25 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
         done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec,
                                                         verification=verification.to_dict()))
     return result
+
+
+def run_on_ray(store: Where, req: ReplayRequest, address: str, placing: Placing | None = None,
+               warn: Callable[[str], None] = lambda m: None) -> Replay:
+    """`run`, its ranks on a placement group of the Ray cluster at `address` (launch/ray_ranks.py)."""
+    store = Location.parse(store)
+    with ray_session(address), RayRanks(RunStore.open(store).manifest, placing or Placing()) as cluster:
+        return run(store, req, warn=warn, cluster=cluster)
+
+
+def _keep_committed(path: Location, world_size: int) -> str:
+    """After a lost node: cut the replay back to its last committed checkpoint (nothing half-written stays),
+    or remove it where it committed none; says which, and how to go on."""
+    left = RunStore.open(path, mode="a")
+    if not left.checkpoints():
+        path.remove_tree()
+        return "nothing of the replay was committed, and nothing of it is kept: run the command again"
+    step = resume_run(left, world_size)
+    return f"the replay is kept up to its committed checkpoint at step {step}: add --resume to continue it"
 
 
 def verify(parent: RunStore, replay: RunStore) -> Verification:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from replay.config import Launcher
-from replay.store.manifest import Manifest
+from replay.store.manifest import Manifest, Placement
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Capabilities:
     relaunchable: bool             # replays and bisect can start it again (built in, or a script with its command)
     warm_ranks: bool               # its replays can run on warm ranks (launch/pool.py): bisect keeps a pool
     world_size: int
-    ranks_per_node: int            # ranks on the recording's machine
+    placement: Placement           # the nodes its ranks ran on
     zero_stage: int                # DeepSpeed's ZeRO stage (0: every rank holds the whole optimizer state)
     # Why an override cannot be replayed on this run, in the words a user gets (None: it can).
     drop_refusal: str | None       # --drop (samples left out of a step's loss)
@@ -35,7 +35,7 @@ class Capabilities:
     def of(cls, manifest: Manifest) -> Capabilities:
         launcher, command = manifest.launcher, manifest.command
         builtin = launcher is not Launcher.CUSTOM
-        local = command.local_world_size if command is not None and command.local_world_size else manifest.world_size
+        placement = manifest.placement or _placement_of(manifest)
         drop = scoped_lr = precision = attention = None
         if launcher is Launcher.DEEPSPEED:
             drop = "--drop needs the local launcher (DeepSpeed scales the loss itself); use --skip"
@@ -52,15 +52,14 @@ class Capabilities:
                          "attn_implementation='sdpa' or 'eager' to override it")
         return cls(launcher=launcher, builtin=builtin, relaunches_script=command is not None,
                    relaunchable=builtin or command is not None, warm_ranks=launcher is Launcher.LOCAL,
-                   world_size=manifest.world_size, ranks_per_node=local,
+                   world_size=manifest.world_size, placement=placement,
                    zero_stage=manifest.config.zero_stage,
                    drop_refusal=drop, scoped_lr_refusal=scoped_lr, precision_refusal=precision,
                    attention_refusal=attention)
 
     @property
     def nodes(self) -> int:
-        """The machines it ran on (known of a script's command: a built-in run counts as one)."""
-        return -(-self.world_size // self.ranks_per_node)
+        return len(self.placement.nodes)
 
     @property
     def multi_node(self) -> bool:
@@ -82,3 +81,12 @@ class Capabilities:
     @property
     def can_change_precision(self) -> bool:
         return self.precision_refusal is None
+
+
+def _placement_of(manifest: Manifest) -> Placement:
+    """A store written before placements were recorded: a script's command knew its ranks per node (torchrun
+    numbers them node by node); a built-in run counts as one node."""
+    command, world = manifest.command, manifest.world_size
+    local = command.local_world_size if command is not None and command.local_world_size else world
+    nodes = -(-world // local)
+    return Placement(nodes=[f"node {n}" for n in range(nodes)], rank_nodes=[rank // local for rank in range(world)])

@@ -83,6 +83,18 @@ class ModelInfo:
 
 
 @dataclass
+class Placement:
+    """The nodes a run's ranks ran on (torchrun's node rank, GROUP_RANK, tells them apart on one host):
+    the layout a replay on a cluster keeps (launch/ray_ranks.py)."""
+
+    nodes: list[str]               # each node's name, by node rank: its hostname (on a Ray cluster, with its node id)
+    rank_nodes: list[int]          # each rank's node: an index into `nodes`
+
+    def ranks_of(self, node: int) -> list[int]:
+        return [rank for rank, n in enumerate(self.rank_nodes) if n == node]
+
+
+@dataclass
 class SeriesInfo:
     """Checkpoints replay did not record (store/foreign/), whose analysis a store of kind "series" holds."""
 
@@ -113,6 +125,7 @@ class Manifest:
     sharding: Sharding | None = None     # a model sharded across ranks: each rank's pieces (store/sharding.py)
     init_from: str | None = None         # the DCP directory its initial state was loaded from (recorder/dcp.py)
     series: SeriesInfo | None = None     # kind "series": the checkpoints it analyses
+    placement: Placement | None = None   # the nodes its ranks ran on (recorder/placement.py)
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -139,6 +152,8 @@ class Manifest:
             out["init_from"] = self.init_from
         if self.series is not None:
             out["series"] = asdict(self.series)
+        if self.placement is not None:
+            out["placement"] = asdict(self.placement)
         if self.replay is not None:
             spec = asdict(self.replay)
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
@@ -162,7 +177,8 @@ class Manifest:
                    command=CommandInfo(**d["command"]) if d.get("command") else None, layout=d.get("layout"),
                    model=ModelInfo(**d["model"]) if d.get("model") else None,
                    sharding=Sharding.from_dict(d["sharding"]) if d.get("sharding") else None,
-                   init_from=d.get("init_from"), series=SeriesInfo(**d["series"]) if d.get("series") else None)
+                   init_from=d.get("init_from"), series=SeriesInfo(**d["series"]) if d.get("series") else None,
+                   placement=Placement(**d["placement"]) if d.get("placement") else None)
 
     @property
     def replay_spec(self) -> ReplaySpec:
