@@ -457,11 +457,13 @@ def analyze(store, ray_address, workers, heads, layout, spikes, into, top, as_js
 @click.option("--max-probes", type=int, default=200, show_default=True,
               help="Probe budget of the session; past it, the answer is not minimal (and says so).")
 @_ray_options
+@click.option("--pack", is_flag=True, help="A run recorded on several nodes, on a cluster: let a probe's ranks share "
+              "nodes (default: each probe's ranks on nodes as recorded, a placement group per probe).")
 @click.option("--allow-changed", is_flag=True, help="A run of your own script: replay it even if its files changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the session (verdict, phases, probes) as JSON.")
 @_main_errors
-def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray_address, workers, allow_changed,
-           as_json) -> None:
+def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray_address, workers, pack,
+           allow_changed, as_json) -> None:
     """Narrow a loss spike in STORE down with replays ("probes") run in parallel as Ray tasks.
 
     First a plain replay from the nearest checkpoint before the spike must reproduce it. Then: the
@@ -473,7 +475,8 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
     4: the plain replay does not reproduce the record.
     """
     cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, min_delta=min_delta,
-                       max_probes=max_probes, workers=workers, address=ray_address, allow_changed=allow_changed)
+                       max_probes=max_probes, workers=workers, address=ray_address, pack=pack,
+                       allow_changed=allow_changed)
     session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
     if as_json:
         click.echo(json.dumps(session.to_dict(), indent=2))

@@ -57,6 +57,12 @@ def follow_parent() -> None:
         os._exit(1)
 
 
+def follow_library_parent() -> None:
+    """In a process a library started for us (a Ray worker, whose parent is its node's raylet): die when that
+    parent dies, as the node it stands for would (polled: the library's threads are not ours to tie to)."""
+    threading.Thread(target=_poll_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+
+
 def _set_parent_death_signal(sig: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
 from replay.bisect.session import BaselineResult, DataResult, HeadsResult, LayersResult, Session, StepsResult, Verdict
 from replay.errors import ReplayError, UsageError
 from replay.launch.ray_cluster import cluster_cpus, ray_session
+from replay.launch.ray_ranks import Placing, RayRanks
 from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import Overrides, apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
@@ -44,6 +46,7 @@ from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import Lease, writing
 from replay.store.location import Location, Where
+from replay.store.manifest import Manifest
 from replay.store.object_lease import ObjectLease
 
 PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
@@ -75,6 +78,7 @@ class BisectConfig:
     max_probes: int = 200          # a session's budget; delta debugging stops early (not minimal) past it
     workers: int | None = None
     address: str | None = None
+    pack: bool = False             # a run recorded on several nodes: let a probe's ranks share nodes on the cluster
     allow_changed: bool = False    # a script of the user's own: replay it even if its files changed
 
 
@@ -253,12 +257,19 @@ class Bisect:
             self.started = True
             self.save(status="running", error=None)
             world = self.record.manifest.world_size
-            cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
-            self.width = slots
             warm = self.caps.warm_ranks   # else (DeepSpeed, a script of the user's own) ranks start for each probe
-            with ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm) as self.runner:
-                self.say(f"probes run on {slots} Ray worker(s), each with {world} {'warm ' if warm else ''}rank(s) "
-                         f"on {cpus} CPU(s)")
+            placed = self._placed()
+            if placed is not None:
+                group = RayRanks(*placed)
+                fit = max(1, group.fits())   # none: the first probe's group says why
+                cpus, slots = 0, min(self.cfg.workers or fit, fit)
+                where = f"each on a placement group of its own: {group.describe()}"
+            else:
+                cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
+                where = f"each with {world} {'warm ' if warm else ''}rank(s) on {cpus} CPU(s)"
+            self.width = slots
+            with ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm, placed) as self.runner:
+                self.say(f"probes run on {slots} Ray worker(s), {where}")
                 phases = self.session.phases
                 start = self.checkpoints[-1]
                 for phase in PHASES[self.cfg.by]:
@@ -280,6 +291,14 @@ class Bisect:
                                   "reused_probes": before})
         self.save(status="complete", verdict=verdict)
         return self.session
+
+    def _placed(self) -> tuple[Manifest, Placing] | None:
+        """A run recorded on several nodes, bisected on a cluster (--ray-address or RAY_ADDRESS): its probes keep
+        the recorded layout, or pack with --pack. Elsewhere a probe's ranks share one node (or this machine)."""
+        on_cluster = bool(self.cfg.address or os.environ.get("RAY_ADDRESS"))
+        if not (on_cluster and self.caps.multi_node):
+            return None
+        return self.record.manifest, Placing(pack=self.cfg.pack)
 
     def _slots(self, per_probe: int) -> tuple[int, int]:
         """(CPUs one probe takes, probes at once). A probe needs its ranks x recorded threads; running

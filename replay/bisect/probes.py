@@ -2,9 +2,12 @@
 
 Each actor holds one CPU slot and a pool of warm ranks (launch/pool.py) of the record's world size, so
 a probe costs its steps rather than a process start-up (a run of a script of the user's own starts the
-script for each probe: its code, not ours, builds the model). A probe is an ordinary replay, stored in the
-run store under its usual id (`steps-A-B-<overrides>`), so a finished probe is never run twice: not
-by a resumed bisect, not by another session, not by `replay run` with the same arguments.
+script for each probe: its code, not ours, builds the model). A run recorded on several nodes, bisected on
+a cluster, keeps its layout instead: each actor sits beside the bisect and holds a placement group of its
+own (launch/ray_ranks.py), whose ranks stay warm; a probe that loses a node is run again once, on a new
+group. A probe is an ordinary replay, stored in the run store under its usual id
+(`steps-A-B-<overrides>`), so a finished probe is never run twice: not by a resumed bisect, not by another
+session, not by `replay run` with the same arguments.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from typing import Any
 from replay.errors import ReplayError
 from replay.launch.pool import RankPool, RankPoolError
 from replay.launch.ray_cluster import worker_options
+from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
 from replay.replayer.overrides import Overrides
-from replay.replayer.replays import ReplayRequest, run
+from replay.replayer.replays import Replay, ReplayRequest, run
 from replay.store.location import Location
+from replay.store.manifest import Manifest
 
 
 def request(start: int, stop: int, overrides: Overrides) -> ReplayRequest:
@@ -30,43 +35,64 @@ def request(start: int, stop: int, overrides: Overrides) -> ReplayRequest:
 
 
 class ProbeWorker:
-    """A Ray actor: runs probes one at a time on its warm ranks (its CPUs: ranks x threads)."""
+    """A Ray actor: runs probes one at a time on its warm ranks (its CPUs: ranks x threads), or, given the
+    record's manifest and a placing, on a placement group of its own."""
 
-    def __init__(self, world_size: int, warm: bool = True):
+    def __init__(self, world_size: int, warm: bool = True, placed: tuple[Manifest, Placing] | None = None):
         log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{os.getpid()}.log"
-        self.pool = RankPool(world_size, log=log) if warm else None
+        self.cluster = RayRanks(*placed, log=log) if placed else None
+        self.pool = RankPool(world_size, log=log) if warm and placed is None else None
         if self.pool is not None:
             self.pool.start()   # every actor's ranks start at once, before the first probe
 
     def run(self, store: Location, req: ReplayRequest, under: str) -> dict[str, Any]:
         """One probe, written under `under`: the spec of the bisect's lease of the store (store/lease.py)."""
         t0 = time.perf_counter()
+        retried = None
         try:
-            result = run(store, req, pool=self.pool, under=under, command="replay bisect (probe)")
+            result = self._run(store, req, under)
         except RankPoolError:   # once more on fresh ranks (the interrupted probe is redone from scratch)
-            result = run(store, req, pool=self.pool, under=under, command="replay bisect (probe)")
+            result = self._run(store, req, under)
+        except NodeLost as e:   # once more on a new placement group (the lost one left nothing half-written)
+            assert self.cluster is not None, "only a placement group loses nodes"
+            self.cluster.close()
+            retried = str(e)
+            result = self._run(store, req, under)
         v = result.verification
         assert v is not None, "a replay that ran is verified"
         return {"id": result.location.name, "ran": result.created, "seconds": time.perf_counter() - t0,
                 "bitwise": v.bitwise, "divergence": None if v.divergence is None else vars(v.divergence),
-                "environment_notes": result.environment_notes, "node": socket.gethostname()}
+                "environment_notes": result.environment_notes, "node": socket.gethostname(),
+                **({"retried_after": retried} if retried else {})}
+
+    def _run(self, store: Location, req: ReplayRequest, under: str) -> Replay:
+        return run(store, req, pool=self.pool, under=under, command="replay bisect (probe)", cluster=self.cluster)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 class ProbeRunner:
     """Runs batches of probe requests on `slots` actors of `cpus` CPUs each (inside an open ray_session),
-    under `lease`, the spec of the bisect's lease."""
+    under `lease`, the spec of the bisect's lease; `placed`: on a placement group each instead, the actors
+    (which take no CPU themselves) on this node."""
 
-    def __init__(self, store: Location, world_size: int, cpus: int, slots: int, lease: str, warm: bool = True):
+    def __init__(self, store: Location, world_size: int, cpus: int, slots: int, lease: str, warm: bool = True,
+                 placed: tuple[Manifest, Placing] | None = None):
         import ray  # lazy here and below: ray (0.3 s) only where probes run, not in every command's start-up
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.store, self.lease = store, lease
-        actor = ray.remote(num_cpus=cpus, max_restarts=1, max_task_retries=1, **worker_options())(ProbeWorker)
+        where: dict[str, Any] = {"num_cpus": cpus}
+        if placed is not None:   # beside the bisect, which holds the leases its probes write under
+            here = ray.get_runtime_context().get_node_id()
+            where = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+        actor = ray.remote(max_restarts=1, max_task_retries=1, **where, **worker_options())(ProbeWorker)
         # Ray actor handles: their methods are called as `.remote(...)`, which Ray's types do not model
-        self.actors: list[Any] = [actor.remote(world_size, warm) for _ in range(slots)]
+        self.actors: list[Any] = [actor.remote(world_size, warm, placed) for _ in range(slots)]
 
     def run(self, requests: list[ReplayRequest]) -> list[dict[str, Any]]:
         """Every request's result, in order; the requests run at once, one per actor."""

@@ -61,13 +61,37 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
                                  "RAY_AUTH_MODE=disabled") from None
             raise UsageError(f"cannot connect to {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
                              "check --ray-address / RAY_ADDRESS (host:port of the head node)") from None
+    restore = _cluster_errors_off_stdout() if owned else None
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         yield max(1, min(cpus, workers) if workers else cpus)
     finally:
         if owned:
             ray.shutdown()
+        if restore is not None:
+            restore()
         guardian.stop()
+
+
+def _cluster_errors_off_stdout() -> Callable[[], None]:
+    """Ray's driver prints the cluster's error messages (a raylet's death, with its last log lines) on stdout,
+    which holds this command's answer: they go to stderr under --debug, else nowhere (the command says what
+    failed, in its own words). Returns what undoes it."""
+    # lazy (see ray_session); Ray's own module, whose printer its error listener looks up at each message
+    import ray._private.worker as ray_worker
+
+    printer = ray_worker.print_to_stdstream
+
+    def to_stderr(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if os.environ.get("REPLAY_DEBUG"):
+            printer({**data, "is_err": True}, ignore_prefix)
+
+    ray_worker.print_to_stdstream = to_stderr
+
+    def restore() -> None:
+        ray_worker.print_to_stdstream = printer
+
+    return restore
 
 
 def cluster_cpus() -> tuple[int, int]:

@@ -27,6 +27,7 @@ from replay.launch.pool import RankPool
 from replay.launch.ranks import run_node
 from replay.launch.ray_cluster import worker_options
 from replay.launch.script import run_script
+from replay.lifeline import follow_library_parent
 from replay.store.capabilities import Capabilities
 from replay.store.location import Location
 from replay.store.manifest import CommandInfo, Manifest
@@ -50,6 +51,7 @@ class NodeRanks:
     """A Ray actor on one bundle: that bundle's ranks, started as torchrun would start them on its node."""
 
     def __init__(self, world: int, warm: bool, log: str | None):
+        follow_library_parent()   # a raylet killed takes its node's ranks with it, as a lost node does
         self.world, self.warm, self.log = world, warm, log
         self.node: Node | None = None
         self.pool: RankPool | None = None
@@ -122,6 +124,35 @@ class RayRanks:
         how = "packed" if self.placing.pack else f"as recorded, {len(self.groups)} node(s)"
         return f"{self.world} rank(s) on a Ray placement group ({how}: bundles {self._bundle_words()})"
 
+    def _no_room(self, when: str) -> None:
+        import ray
+
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        apart = "" if self.placing.pack else ", each on a node of its own,"
+        raise UsageError(f"the Ray cluster has no room for the replay's ranks{when}: they need {len(self.bundles)} "
+                         f"bundle(s) ({self._bundle_words()}){apart} and it has {len(alive)} node(s); add nodes, or "
+                         "pass --pack to let ranks share nodes")
+
+    def fits(self) -> int:
+        """How many groups like this one the connected cluster holds at once (its alive nodes' CPUs and GPUs;
+        0: it cannot hold one)."""
+        import ray
+
+        free = [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in ray.nodes() if n.get("Alive")]
+        count = 0
+        while True:
+            used: set[int] = set()
+            for bundle in sorted(self.bundles, key=lambda b: -b["CPU"]):
+                room = [i for i, node in enumerate(free) if (self.placing.pack or i not in used)
+                        and all(node.get(k, 0.0) >= v for k, v in bundle.items())]
+                if not room:
+                    return count
+                best = max(room, key=lambda i: free[i].get("CPU", 0.0))
+                for k, v in bundle.items():
+                    free[best][k] -= v
+                used.add(best)
+            count += 1
+
     def _bundle_words(self) -> str:
         return ", ".join("+".join(f"{v:g} {k}" for k, v in b.items()) for b in self.bundles)
 
@@ -130,15 +161,13 @@ class RayRanks:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if not self.fits():
+            self._no_room("")
         self.group = placement_group(self.bundles, strategy="PACK" if self.placing.pack else "STRICT_SPREAD")
         ready, _ = ray.wait([self.group.ready()], timeout=self.placing.wait)
         if not ready:
             self.close()
-            alive = [n for n in ray.nodes() if n.get("Alive")]
-            raise UsageError(f"the Ray cluster has no room for the replay's ranks within {self.placing.wait:.0f} s: "
-                             f"it needs {len(self.bundles)} bundle(s) ({self._bundle_words()})"
-                             + ("" if self.placing.pack else ", each on a node of its own,")
-                             + f" and has {len(alive)} node(s); add nodes, or pass --pack to let ranks share nodes")
+            self._no_room(f" within {self.placing.wait:.0f} s")
         actor = ray.remote(max_restarts=0, **worker_options())(NodeRanks)
         self.actors = [actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i)
@@ -180,16 +209,21 @@ class RayRanks:
         self._wait(refs, store)
 
     def _wait(self, refs: list[Any], store: Location) -> None:
-        """Every actor's outcome. After the first failure the others get LOST_GRACE seconds, during which a
-        node of the group reported dead ends the wait: a node lost is the cause the user is told."""
+        """Every actor's outcome. After the first failure the others get LOST_GRACE seconds (and an actor's death
+        waits that long for the cluster's word on its node), during which a node of the group reported dead
+        ends the wait: a node lost is the cause the user is told."""
         import ray
 
         pending = dict(zip(refs, range(len(refs)), strict=True))
         failures: list[str] = []
         died: list[int] = []
         deadline: float | None = None
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+        while pending or died:
+            done: list[Any] = []
+            if pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            else:   # an actor died: most likely with its node, which the cluster declares dead a little later
+                time.sleep(0.5)
             for ref in done:
                 i = pending.pop(ref)
                 try:
@@ -205,7 +239,7 @@ class RayRanks:
             if lost:
                 self.close()
                 raise NodeLost(f"lost node {', '.join(lost)} in the middle of {store}")
-            if deadline is not None and (time.monotonic() > deadline or not pending):
+            if deadline is not None and (time.monotonic() > deadline or not (pending or died)):
                 break
         if failures or died:
             self.close()
@@ -218,12 +252,12 @@ class RayRanks:
         import ray
 
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return [f"{self._name(i)} (ranks {', '.join(map(str, g))})" for i, g in enumerate(self.groups)
+        return [self._name(i, f", rank(s) {', '.join(map(str, g))}") for i, g in enumerate(self.groups)
                 if self.nodes[i]["id"] not in alive]
 
-    def _name(self, i: int) -> str:
+    def _name(self, i: int, more: str = "") -> str:
         where = self.nodes[i]
-        return f"{where['ip']} (Ray node {where['id'][:12]})"
+        return f"{where['ip']} (Ray node {where['id'][:12]}{more})"
 
     def close(self) -> None:
         """Kill the actors (their ranks follow them) and give the group's resources back."""

@@ -1,0 +1,167 @@
+"""Runs recorded on two nodes (two torchrun agents on this machine, a c10d rendezvous), replayed and bisected
+on a real two-node Ray cluster (a head and a second node, each with its own raylet and resources): ranks on
+placement groups with the recorded layout, a node's raylet killed in the middle of a replay and of a probe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from replay.launch.local import free_port
+from replay.processes import alive, descendants
+from replay.store import RunStore
+from tests.bisect.planted import RECORD_ARGS, plant_degenerate_samples
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+
+SPIKE, POSITIONS = 37, [1, 6]
+NANOGPT = REPO / "examples" / "nanogpt"
+
+
+def torchrun_two_nodes(*args: str, cwd: Path = REPO, timeout: float = 300) -> None:
+    """`torchrun --nnodes 2` twice, each agent standing for a node with one rank, meeting at a c10d
+    rendezvous on 127.0.0.1."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes",
+                                "--rdzv-endpoint", f"127.0.0.1:{port}", *args],
+                               cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for node in (0, 1)]
+    try:
+        outputs = [a.communicate(timeout=timeout)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(outputs)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and a second node of 2 CPUs each; the head notices a dead raylet within ~3 s."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=False, head_node_args={
+        "num_cpus": 2, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+    c.add_node(num_cpus=2)
+    c.wait_for_nodes(timeout=120)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory) -> tuple[Path, list[int]]:
+    """The built-in trainer on two nodes, two samples of random tokens planted at step 37: a real spike."""
+    root = tmp_path_factory.mktemp("two-nodes")
+    ids = plant_degenerate_samples(root / "train.bin", SPIKE, POSITIONS)
+    args = [a for a in RECORD_ARGS if a not in ("--nproc", "2")]
+    torchrun_two_nodes("-m", "replay", "record", "--store", str(root / "run"), "--data", str(root / "train.bin"),
+                       *args, "--set", "threads=1")
+    return root / "run", ids
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return replay_cli(*args, timeout=timeout, process=True)
+
+
+def _ray_nodes(address: str) -> dict[str, bool]:
+    """Node id -> alive, as the cluster's head says."""
+    script = f"import json, ray; ray.init(address={address!r}, logging_level='ERROR'); " \
+             "print(json.dumps({n['NodeID']: n['Alive'] for n in ray.nodes()}))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_two_node_recording_replays_bit_for_bit_on_nodes_as_recorded_or_packed(two_node_run, cluster):
+    store, _ = two_node_run
+    placement = RunStore.open(store).manifest.placement
+    assert placement is not None and len(placement.nodes) == 2 and sorted(placement.rank_nodes) == [0, 1]
+
+    result = _cli("run", str(store), "--from", "30", "--to", "33", "--verify", "--ray-address", cluster.address,
+                  "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["verification"]["bitwise"] and out["verification"]["steps"] == [30, 33]
+    replayed = RunStore.open(out["replay"]).manifest.placement
+    cluster_nodes = set(_ray_nodes(cluster.address))
+    ran_on = {name.rpartition("/")[2] for name in replayed.nodes}
+    assert len(replayed.nodes) == 2 and replayed.rank_nodes == placement.rank_nodes
+    assert all(any(node.startswith(short) for node in cluster_nodes) for short in ran_on)   # two distinct Ray nodes
+
+    packed = _cli("run", str(store), "--from", "30", "--to", "33", "--name", "packed", "--verify", "--pack",
+                  "--ray-address", cluster.address, "--json")
+    assert packed.returncode == 0, packed.stderr
+    out = json.loads(packed.stdout)
+    assert out["verification"]["bitwise"]
+    assert len(RunStore.open(out["replay"]).manifest.placement.nodes) in (1, 2)   # wherever the cluster had room
+
+
+def _kill_raylet(node) -> None:
+    """SIGKILL a node's raylet, and wait for what it ran (the Ray workers, their ranks) to go with it."""
+    from ray._private import ray_constants
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+    ours = {pid: start for pid, start in descendants(raylet.pid).items() if _ours(pid)}
+    raylet.kill()
+    deadline = time.monotonic() + 30
+    while any(alive(pid, start) for pid, start in ours.items()):
+        assert time.monotonic() < deadline, "the node's workers outlived its raylet"
+        time.sleep(0.1)
+
+
+def _ours(pid: int) -> bool:
+    """A rank actor or one of its ranks."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"NodeRanks" in command or b"replay.launch.worker" in command
+
+
+def test_a_node_lost_mid_replay_fails_it_in_one_line_and_a_rerun_completes(two_node_run, cluster, tmp_path):
+    """Both ranks pause while writing the replay's end checkpoint; the second node's raylet is killed (its
+    rank dies with it), then the pause ends. The replay names the node, keeps nothing of itself, and the
+    same command, once the cluster has a second node again, completes bit for bit."""
+    store, _ = two_node_run
+    before = tree_snapshot(store)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    args = ["run", str(store), "--from", "30", "--to", "33", "--name", "lost", "--verify",
+            "--ray-address", cluster.address]
+    env = {"REPLAY_FAULT": "shard-pause:34:0,shard-pause:34:1", "REPLAY_FAULT_ONCE": str(marks)}
+    replay = subprocess.Popen([sys.executable, "-m", "replay", *args], cwd=REPO, env={**os.environ, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (marks / "paused").exists():
+            assert replay.poll() is None and time.monotonic() < deadline, replay.communicate()[1]
+            time.sleep(0.1)
+        worker = next(iter(cluster.worker_nodes))
+        _kill_raylet(worker)
+        (marks / "go").touch()
+        _, err = replay.communicate(timeout=180)
+    finally:
+        replay.kill()
+    line = error_line(subprocess.CompletedProcess(args, replay.returncode, "", err))
+    assert "lost node" in line and worker.node_ip_address in line and "rank(s) " in line
+    assert "nothing of it is kept" in line
+    assert not (store / "replays" / "lost").exists()
+    assert {k: v for k, v in tree_snapshot(store).items() if not k.startswith("replays/")} == \
+        {k: v for k, v in before.items() if not k.startswith("replays/")}
+
+    no_room = error_line(_cli(*args))   # one node left: the recorded layout does not fit, and says so at once
+    assert "no room" in no_room and "--pack" in no_room
+    assert not (store / "replays" / "lost").exists()
+
+    cluster.remove_node(worker, allow_graceful=False)
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes(timeout=120)
+    rerun = _cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "bit for bit" in rerun.stdout
