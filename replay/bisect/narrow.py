@@ -211,7 +211,9 @@ class Bisect:
                 self.new_probes += bool(result["ran"])
                 self.say(f"  probe {key}: " + ("prevents the spike" if found.prevented else
                                                f"spike at step {found.spike_at}")
-                         + (f" ({result['seconds']:.1f} s)" if result["ran"] else " (already in the store)"))
+                         + (f" ({result['seconds']:.1f} s)" if result["ran"] else " (already in the store)")
+                         + (f"; run again on a new placement group after: {result['retried_after']}"
+                            if "retried_after" in result else ""))
             self.save()
             faults.hit("bisect-kill", self.new_probes)
         if not checked:

@@ -165,3 +165,58 @@ def test_a_node_lost_mid_replay_fails_it_in_one_line_and_a_rerun_completes(two_n
     rerun = _cli(*args)
     assert rerun.returncode == 0, rerun.stderr
     assert "bit for bit" in rerun.stdout
+
+
+def test_bisect_probes_on_placement_groups_retry_a_probe_whose_node_is_lost(two_node_run, cluster, tmp_path):
+    """The data bisect of the two-node run, its probes on placement groups with the recorded layout; the
+    first probe loses a node half-way through its checkpoint, and runs again on a new group once the
+    cluster has a second node again. The answer is the planted samples."""
+    store, planted = two_node_run
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {"REPLAY_FAULT": "shard-pause:48:0,shard-pause:48:1", "REPLAY_FAULT_ONCE": str(marks)}
+    bisect = subprocess.Popen([sys.executable, "-m", "replay", "bisect", str(store), "--by", "data", "--json",
+                               "--ray-address", cluster.address], cwd=REPO, env={**os.environ, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (marks / "paused").exists():
+            assert bisect.poll() is None and time.monotonic() < deadline, bisect.communicate()[1]
+            time.sleep(0.1)
+        worker = next(iter(cluster.worker_nodes))
+        _kill_raylet(worker)
+        cluster.remove_node(worker, allow_graceful=False)
+        (marks / "go").touch()
+        cluster.add_node(num_cpus=2)
+        out, err = bisect.communicate(timeout=300)
+    finally:
+        bisect.kill()
+    assert bisect.returncode == 0, err
+    session = json.loads(out)
+    assert session["verdict"]["samples"] == [[SPIKE, i] for i in planted]
+    retried = [p for p in session["probes"].values() if "retried_after" in p]
+    assert "baseline" in {p["phase"] for p in retried}   # with any probe beside it on the lost node
+    assert all("lost node" in p["retried_after"] for p in retried)
+    assert "placement group" in err
+
+
+def test_a_nanogpt_script_recorded_on_two_nodes_replays_on_the_cluster_and_not_without_it(cluster, tmp_path):
+    data = tmp_path / "data"
+    done = subprocess.run([sys.executable, str(NANOGPT / "prepare.py"), "--out", str(data), "--bytes", "100000"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    store = tmp_path / "run"
+    torchrun_two_nodes(str(NANOGPT / "train.py"), f"--data_dir={data}", f"--store={store}", "--max_iters=12",
+                       "--checkpoint_every=4", cwd=tmp_path)
+    m = RunStore.open(store).manifest
+    assert m.command.launcher == "torchrun" and len(m.placement.nodes) == 2
+
+    refused = error_line(_cli("run", str(store), "--from", "4", "--to", "7"))
+    assert "2 nodes" in refused and "--ray-address" in refused
+    assert not (store / "replays").exists()
+
+    result = _cli("run", str(store), "--from", "4", "--to", "7", "--verify", "--ray-address", cluster.address, "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["verification"]["bitwise"] and out["verification"]["steps"] == [4, 7]
+    assert len(RunStore.open(out["replay"]).manifest.placement.nodes) == 2
