@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +100,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
     state: DeepSpeedTrainState | TorchTrainState
+    step_fn: Callable[..., tuple[float | list[float], float, float]]
     played = None   # `replay run --ranks N`: this process plays several recorded ranks (train/fewer_ranks.py)
     ranks, world = [r.rank], r.world
     if spec and spec.processes and spec.processes < store.manifest.world_size:
