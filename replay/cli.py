@@ -254,6 +254,8 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--lr-scale", type=float, help="Multiply the learning rate by X (of --layers/--heads only, if given).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted replay from its last committed checkpoint.")
 @click.option("--discard", is_flag=True, help="Remove an interrupted replay and run it anew.")
+@click.option("--ranks", type=int, default=None, help="Processes to replay on: fewer than the recorded ranks, each "
+              "plays its share of them (built-in local runs; docs/fewer-ranks.md).")
 @click.option("--allow-changed", is_flag=True, help="A run of your own script: replay it even if its files changed.")
 @click.option("--ray-address", help="host:port of a Ray cluster's head: run the ranks on a placement group there, on "
               "nodes as recorded (its nodes must see the store at the same path, or reach its bucket).")
@@ -261,7 +263,7 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
 def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layers, heads, precision, fix, hp_delta,
-            skip, drop, lr_scale, resume, discard, allow_changed, ray_address, pack, as_json) -> None:
+            skip, drop, lr_scale, resume, discard, ranks, allow_changed, ray_address, pack, as_json) -> None:
     """Re-execute steps A..B of the run in STORE from its checkpoints, and store the replay inside it.
 
     Restores the latest committed checkpoint (or pre-spike snapshot) at or before A on every rank, with
@@ -278,9 +280,11 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     if resume and discard:
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
-                        resume=resume, discard=discard, allow_changed=allow_changed)
+                        resume=resume, discard=discard, allow_changed=allow_changed, ranks=ranks)
     if pack and not ray_address:
         raise ReplayError("--pack places ranks on a Ray cluster: give its --ray-address too")
+    if ranks and ray_address:
+        raise ReplayError("--ranks replays on this machine's processes: drop --ray-address")
     def warn(message: str) -> None:
         click.echo(f"warning: {message}", err=True)
 

@@ -49,7 +49,7 @@ from replay.lifeline import follow_parent
 from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.fsdp import FSDP2TrainState, is_fsdp2
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
-from replay.recorder.modes import Mode, decide, one_line_errors
+from replay.recorder.modes import Mode, Start, decide, one_line_errors
 from replay.recorder.placement import gather_placement
 from replay.recorder.recorder import Recorder, TrainState
 from replay.recorder.recording import Recording
@@ -58,6 +58,7 @@ from replay.recorder.run_options import PRECISIONS, RunOptions
 from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState, note_sharding, unwrap
 from replay.recorder.zero import engine_state
+from replay.store import RunStore
 from replay.store.lifecycle import complete_run, note_environment
 from replay.store.location import Where
 from replay.store.manifest import ReplaySpec
@@ -122,11 +123,13 @@ class Loop:
         self.model, self.optimizer, self.scheduler, self.attention = model, optimizer, scheduler, attention
         self.rank, self.world = _rank_and_world()
         start = decide(store, lease, resume)
+        played = _played_ranks(start, self.rank, self.world)   # `replay run --ranks`: several per process
+        self.rank, self.world = played[0], self.world if len(played) == 1 else len(played) * self.world
         if start.by_replay_run:
             sys.excepthook = one_line_errors(sys.excepthook, self.rank)
         self.replaying = start.mode == "replay"
         self._mode: Mode = (
-            Replaying(start, self.rank, optimizer, scheduler, apply_attention or _attention_applier(model, attention))
+            Replaying(start, played, optimizer, scheduler, apply_attention or _attention_applier(model, attention))
             if self.replaying else Recording(start, unwrap(model), options, self.rank, self.world))
         self.cfg: RunConfig = self._mode.cfg   # as recorded
         self.precision = self.cfg.precision
@@ -135,6 +138,7 @@ class Loop:
             state = (FSDP2TrainState if is_fsdp2(model) else TorchTrainState)(model, optimizer, scheduler, scaler)
         self.recorder = Recorder(start.store, state,
                                  cfg=self._mode.recorder_config, rank=self.rank, world_size=self.world,
+                                 played=len(played),
                                  resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease,
                                  extra=self._checkpointed)
         self.store = self.recorder.store
@@ -151,7 +155,7 @@ class Loop:
         self._loader: RecordedLoader | None = None
         self._restored = self.recorder.restored_extra()   # a resumed run's or a replay's checkpoint: its draws ahead
         self._unfinished: tuple[int, SpikeEvent | None] | None = None   # a step ended whose checkpoint is due
-        placement = gather_placement(self.world)
+        placement = gather_placement(played=len(played))
         if self.rank == 0:
             note_environment(self.store, fingerprint(next(model.parameters()).device), resumed=start.resume)
             self.store.update_manifest(placement=placement)
@@ -358,7 +362,8 @@ class Loop:
 
     def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0,
             numerics: dict[str, np.ndarray] | None = None) -> SpikeEvent | None:
-        """End the step: this rank's loss (a float or a tensor), the gradient norm before clipping and the
+        """End the step: this rank's loss (a float or a tensor; one per recorded rank this process plays, under
+        `replay run --ranks`), the gradient norm before clipping and the
         learning rate (the optimizer's first group's by default); `numerics`, a row of per-layer attention
         numerics (replay.kernels.numerics). Returns the spike the detector saw at this step, if any."""
         now = self._current
@@ -373,7 +378,7 @@ class Loop:
         now.logged = True
         self._ahead = now.draws[trained:]
         event = self.recorder.record_step(now.number, sample_ids=[d.ids.reshape(-1) for d in now.draws[:trained]],
-                                          loss=_number(loss), grad_norm=_number(grad_norm), lr=float(lr),
+                                          loss=_losses(loss), grad_norm=_number(grad_norm), lr=float(lr),
                                           tokens=int(tokens), numerics=numerics, finish=False)
         # checkpointed when the next step begins (or at close): it must hold what the script does after log
         self._unfinished = (now.number, event)
@@ -449,6 +454,24 @@ def _rank_and_world() -> tuple[int, int]:
     if world > 1 and not dist.is_initialized():
         raise UsageError("WORLD_SIZE > 1: call torch.distributed.init_process_group() before Loop(...)")
     return rank, world
+
+
+def _played_ranks(start: Start, rank: int, world: int) -> range:
+    """The recorded ranks this process plays: its own, or, in a replay on fewer processes than the record's
+    ranks (`replay run --ranks`, train/fewer_ranks.py), its consecutive share of them."""
+    if start.mode != "replay":
+        return range(rank, rank + 1)
+    replay = RunStore.open(start.store).manifest
+    processes = replay.replay_spec.processes
+    if processes is None or processes == replay.world_size:
+        return range(rank, rank + 1)
+    assert processes == world, "a replay on fewer processes runs as many as its spec says"
+    per = replay.world_size // processes
+    return range(rank * per, (rank + 1) * per)
+
+
+def _losses(loss: Any) -> float | list[float]:
+    return [_number(x) for x in loss] if isinstance(loss, (list, tuple)) else _number(loss)
 
 
 def _attention_applier(model: torch.nn.Module, pattern: str | None) -> Callable[[AttentionPlan], Any]:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from replay import faults
 from replay.config import Launcher, RunConfig, SpikeConfig
-from replay.errors import UsageError
+from replay.errors import ReplayError, UsageError
 from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
 from replay.recorder.writer import BackgroundWriter
@@ -88,11 +88,15 @@ def resume_run_store(path: Where, world_size: int = 1) -> int | None:
 
 class Recorder:
     """`lease`: the spec of the lease this rank writes under (store/lease.py), when the command that
-    started it holds one; without it, rank 0 takes the store's lease itself (released by `close`)."""
+    started it holds one; without it, rank 0 takes the store's lease itself (released by `close`).
+    `played`: how many recorded ranks this process plays, from `rank` on (`replay run --ranks`: a replay
+    on fewer processes, train/fewer_ranks.py); its steps' losses and ids are theirs, its checkpoints hold
+    a shard for each."""
 
     def __init__(self, store_path: Where, state: TrainState, cfg: RecorderConfig, rank: int = 0,
                  world_size: int = 1, resume: bool = False, start_from: tuple[RunStore, int] | None = None,
-                 lease: str | None = None, extra: Callable[[], dict[str, Any]] | None = None):
+                 lease: str | None = None, extra: Callable[[], dict[str, Any]] | None = None, played: int = 1):
+        assert world_size % played == 0 and (played == 1 or cfg.snapshot_every == 0), "a replay's, taking no snapshots"
         location = Location.parse(store_path)
         self._lease = None
         guard: Callable[[], None] | None
@@ -107,6 +111,8 @@ class Recorder:
         self.store = RunStore.open(location, mode="a")
         self.state, self.cfg = state, cfg
         self.rank, self.world = rank, world_size
+        self.ranks = range(rank, rank + played)
+        self.processes = world_size // played
         self.coordinator = rank == 0
         self.resume = resume
         self.start_from = start_from
@@ -173,6 +179,10 @@ class Recorder:
         self.state.load_state_dict(replicated, own["state"]["local"],
                                    lambda r: store.read_subtree(step, r, ("state", "local")))
         set_rng_state(own["rng"])
+        for rank in self.ranks[1:]:   # one process, one set of generators: the ranks it plays must agree
+            if not _same(store.read_subtree(step, rank, ("rng",)), own["rng"]):
+                raise ReplayError(f"recorded ranks {self.ranks[0]} and {rank} hold different RNG states at step "
+                                  f"{step}: one process cannot play both; replay on the recorded ranks")
         recorded = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"]
         if recorded.ndim == 4:   # the run's shape of a step's ids, for the steps from here on
             self._ids_shape = (int(recorded.shape[2]), int(recorded.shape[3]))
@@ -200,13 +210,15 @@ class Recorder:
 
     # -- per step ----------------------------------------------------------------------------------
 
-    def record_step(self, step: int, *, sample_ids: np.ndarray | list[np.ndarray], loss: float, grad_norm: float,
+    def record_step(self, step: int, *, sample_ids: np.ndarray | list[np.ndarray], loss: float | list[float],
+                    grad_norm: float,
                     lr: float, tokens: int, numerics: dict[str, np.ndarray] | None = None,
                     finish: bool = True) -> SpikeEvent | None:
         """Record optimizer step `step` (its state is now the one *after* the step). `sample_ids`: this rank's
         micro-batches' ids, (micro, sample) or a list of micro-batches of any sizes; every rank must train on
         as many micro-batches and samples as every other (checked: one line on every rank otherwise). Stored
-        padded with -1 to the run's first step's shape. `numerics`: this
+        padded with -1 to the run's first step's shape (a process playing several ranks: theirs in order, and
+        a loss for each). `numerics`: this
         rank's per-layer attention numerics (replay.kernels.numerics), stored from rank 0 when given.
         `finish=False` leaves the step's checkpoint cadence (and a spike's snapshots) to `finish_step`,
         for a caller whose state may still change after it records the step's metrics."""
@@ -270,15 +282,17 @@ class Recorder:
     def _agree(self, step: int, micro: list[np.ndarray]) -> np.ndarray:
         """This rank's micro-batches as the run's (micro, sample) array, padded with -1, once every rank has
         seen that all ranks drew as many (one small collective before the ids' own: never a mismatch)."""
-        mine = (len(micro), sum(len(a) for a in micro), max((len(a) for a in micro), default=0))
-        if self.world > 1:
-            counts = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
+        per = len(micro) // len(self.ranks)
+        groups = [micro[i * per:(i + 1) * per] for i in range(len(self.ranks))]
+        mine = [(len(g), sum(len(a) for a in g), max((len(a) for a in g), default=0)) for g in groups]
+        if self.processes > 1:
+            counts = [torch.zeros((len(mine), 3), dtype=torch.int64) for _ in range(self.processes)]
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             out = [c.to(device) for c in counts]
             dist.all_gather(out, torch.tensor(mine, dtype=torch.int64, device=device))
-            rows = [tuple(int(x) for x in c.cpu()) for c in out]
+            rows = [(int(row[0]), int(row[1]), int(row[2])) for c in out for row in c.cpu()]
         else:
-            rows = [mine]
+            rows = mine
         if len({r[:2] for r in rows}) > 1:
             drew = ", ".join(f"rank {r}: {n} micro-batch(es), {k} samples" for r, (n, k, _) in enumerate(rows))
             raise UsageError(f"step {step}: the ranks drew different training batches ({drew}); every rank must "
@@ -291,33 +305,39 @@ class Recorder:
             raise UsageError(f"step {step} trains on {shape[0]} micro-batch(es) of up to {shape[1]} samples; the run's "
                              f"first step trained on {self._ids_shape[0]} of {self._ids_shape[1]}: later steps may "
                              "train on fewer or smaller micro-batches, never more or larger")
-        padded = np.full(self._ids_shape, -1, dtype=np.int64)
-        for i, a in enumerate(micro):
-            padded[i, :len(a)] = a
+        padded = np.full((len(groups), *self._ids_shape), -1, dtype=np.int64)
+        for played, group in enumerate(groups):
+            for i, a in enumerate(group):
+                padded[played, i, :len(a)] = a
         return padded
 
     def _skipped_shape(self, sample_ids: np.ndarray) -> tuple[int, ...]:
         return self._ids_shape if self._ids_shape is not None else np.shape(sample_ids)
 
-    def _gather(self, loss: float, ids: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
-        if self.world == 1:
-            return np.array([loss], dtype=np.float64), ids[None], tokens
+    def _gather(self, loss: float | list[float], ids: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Every recorded rank's loss and (micro, sample) ids, in rank order, and the tokens of all; `ids`:
+        this process's ranks'."""
+        losses = np.asarray(loss, dtype=np.float64).reshape(len(self.ranks))
+        if self.processes == 1:
+            return losses, ids, tokens
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mine = torch.cat([torch.tensor([loss, float(tokens)], dtype=torch.float64),
+        mine = torch.cat([torch.tensor([float(tokens)], dtype=torch.float64), torch.from_numpy(losses),
                           torch.from_numpy(ids.reshape(-1).astype(np.float64))]).to(device)
-        out = [torch.empty_like(mine) for _ in range(self.world)]
+        out = [torch.empty_like(mine) for _ in range(self.processes)]
         dist.all_gather(out, mine)   # ids < 2**53: exact in float64
         rows = torch.stack(out).cpu().numpy()
-        return rows[:, 0].copy(), rows[:, 2:].astype(np.int64).reshape(self.world, *ids.shape), int(rows[:, 1].sum())
+        played = len(self.ranks)
+        return (rows[:, 1:1 + played].reshape(-1).copy(),
+                rows[:, 1 + played:].astype(np.int64).reshape(self.world, *ids.shape[1:]), int(rows[:, 0].sum()))
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _capture(self) -> Packed:
+    def _capture(self, rank: int | None = None) -> Packed:
         """This rank's state, copied into one CPU buffer now, so later optimizer steps cannot reach it. The
         buffer is one a finished write gave back, when there is one: its memory is mapped already, and
         the copy (the time the training thread is blocked) runs at memory speed."""
         spare = self._spare.pop() if self._spare else None
-        tree = {"state": self.state.state_dict(self.rank), "rng": rng_state()}
+        tree = {"state": self.state.state_dict(self.rank if rank is None else rank), "rng": rng_state()}
         if self._extra is not None:
             tree["loop"] = self._extra()
         return pack(tree, into=spare)
@@ -326,10 +346,17 @@ class Recorder:
         self._spare.append(whole_buffer(packed.buffer))
 
     def _checkpoint(self, step: int, kind: str, packed: Packed | None = None) -> None:
-        packed = self._capture() if packed is None else packed
+        shards = [(self.rank, packed)] if packed is not None else [(rank, self._capture(rank)) for rank in self.ranks]
         if self.coordinator:
             self._flush_rows()
-        rank, world, store = self.rank, self.world, self.store
+        for rank, shard in shards:
+            self._write_shard(step, rank, shard)
+        if self.coordinator:
+            world, store = self.world, self.store
+            self.writer.submit(lambda: store.commit_checkpoint(step, kind, world))
+
+    def _write_shard(self, step: int, rank: int, packed: Packed) -> None:
+        store = self.store
 
         def half_way(i: int, n: int) -> None:
             if i == max(1, n // 2):
@@ -342,8 +369,6 @@ class Recorder:
             faults.hit("before-commit", step, rank)
 
         self.writer.submit(write)
-        if self.coordinator:
-            self.writer.submit(lambda: store.commit_checkpoint(step, kind, world))
 
     def _flush_ring(self) -> None:
         for step, packed in self.ring:
@@ -357,3 +382,16 @@ class Recorder:
         self._rows, self._rows_start = [], start + len(rows)
         records = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
         self.writer.submit(lambda: self.store.append_steps(start, records))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two state trees (dicts, lists, tensors, arrays, scalars) hold the same values, bit for bit."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b))
+    return bool(a == b)

@@ -22,7 +22,7 @@ from replay.store.run_store import micro_batches
 
 
 class Replaying:
-    def __init__(self, start: Start, rank: int, optimizer: torch.optim.Optimizer, scheduler: Any,
+    def __init__(self, start: Start, ranks: range, optimizer: torch.optim.Optimizer, scheduler: Any,
                  apply_attention: Callable[[AttentionPlan], Any]):
         store = RunStore.open(start.store)
         spec = store.manifest.replay
@@ -41,7 +41,7 @@ class Replaying:
                                               spike=self.cfg.spike)
         # (step, rank, call, sample): what the parent trained on, from the start checkpoint's step to the end
         self._ids = self.parent.read_steps(["sample_ids"], start=spec.start_checkpoint, stop=stop)["sample_ids"]
-        self._rank, self._optimizer, self._scheduler = rank, optimizer, scheduler
+        self._ranks, self._optimizer, self._scheduler = ranks, optimizer, scheduler
         self._apply_attention = apply_attention
         self._check_draws = True   # the loader draws the recorded ids, until a skipped step moves its randomness
 
@@ -63,7 +63,8 @@ class Replaying:
         return self._ids[step - self._spec.start_checkpoint]
 
     def recorded_batches(self, step: int) -> list[np.ndarray]:
-        return micro_batches(self.recorded_ids(step)[self._rank])
+        """The micro-batches this process trains of `step`: those of the recorded rank(s) it plays, in order."""
+        return [b for rank in self._ranks for b in micro_batches(self.recorded_ids(step)[rank])]
 
     def sample(self, step: int, micro: int, drawn: np.ndarray, drawn_as: tuple[int, int] | None) -> np.ndarray:
         if step > self._spec.stop:   # drawn ahead for a step past the window: never trained
@@ -77,7 +78,7 @@ class Replaying:
             as_drawn = self.recorded_batches(drawn_as[0])
             expected = as_drawn[drawn_as[1]] if drawn_as[1] < len(as_drawn) else np.zeros(0, np.int64)
             if not np.array_equal(expected.reshape(-1), drawn.reshape(-1)):
-                raise ReplayError(f"step {drawn_as[0]}, rank {self._rank}: the loader drew samples "
+                raise ReplayError(f"step {drawn_as[0]}, rank {self._ranks[0]}: the loader drew samples "
                                   f"{drawn.reshape(-1)[:4].tolist()}..., the record has "
                                   f"{expected[:4].tolist()}...: its randomness is not the recorded RNG states' (a "
                                   "generator of its own, or a changed script): draw from Python's, numpy's or "
@@ -86,7 +87,7 @@ class Replaying:
 
     def skip(self, step: int) -> np.ndarray:
         self._check_draws = False   # the loader's randomness no longer follows the record's
-        return self.recorded_ids(step)[self._rank]
+        return self.recorded_ids(step)[self._ranks[0]]
 
     def check_step(self, autocast_used: bool) -> None:
         self.overrides.check_step(autocast_used)

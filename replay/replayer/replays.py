@@ -50,6 +50,7 @@ class ReplayRequest:
     resume: bool = False            # continue an interrupted replay from its last committed checkpoint
     discard: bool = False           # remove an interrupted replay and run it anew
     allow_changed: bool = False     # a script of the user's own: run it even if its files changed
+    ranks: int | None = None        # processes to play the recorded ranks on (train/fewer_ranks.py); None: one each
 
 
 @dataclass
@@ -91,6 +92,7 @@ def replay_id(req: ReplayRequest) -> str:
         raise UsageError(f"--name {req.name!r} is not a replay name: use letters, digits, '.', '_' and '-' "
                          "(one path component, at most 100 characters, not starting with '.' or '-')")
     tag = f"-{req.overrides.tag()}" if req.overrides.to_dict() else ""
+    tag += f"-ranks{req.ranks}" if req.ranks is not None else ""
     return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
 
@@ -131,13 +133,14 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
         check_unchanged(recorded.command, "replaying it")
     if req.overrides.drop:
         _check_drops(parent, req.overrides.drop, store_path)
+    processes = _processes(req, caps, recorded)
     for rank in range(recorded.world_size):   # a corrupted checkpoint is named before anything is written
         parent.verify_shard(ckpt.step, rank)
 
     spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,
                       start_checkpoint_kind=ckpt.kind, checkpoint_every=req.checkpoint_every,
                       overrides=req.overrides.to_dict(), skip=req.overrides.skip, drop=req.overrides.drop,
-                      lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head))
+                      lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head), processes=processes)
     path = store_path / "replays" / replay_id(req)
     if (path / "zarr.json").exists():
         kept = _existing(path, spec, req, store_path, recorded.world_size)
@@ -147,6 +150,27 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
                                    launcher=recorded.launcher, data=recorded.data, created=time.time(), replay=spec,
                                    command=recorded.command, layout=recorded.layout), first_step=ckpt.step)
     return path, cfg, True, False
+
+
+def _processes(req: ReplayRequest, caps: Capabilities, recorded: Manifest) -> int | None:
+    """`--ranks N`: the processes that play the recorded ranks, when fewer than them (None: one per rank)."""
+    if req.ranks is None or req.ranks == caps.world_size:
+        return None
+    if caps.fewer_ranks_refusal is not None:
+        raise UsageError(caps.fewer_ranks_refusal)
+    if req.ranks < 1 or caps.world_size % req.ranks:
+        raise UsageError(f"--ranks {req.ranks} does not divide the recorded {caps.world_size} ranks: every process "
+                         "plays as many of them")
+    if req.overrides.to_dict():
+        raise UsageError("--ranks replays the record as it ran: leave out the overrides, or replay on the recorded "
+                         "ranks")
+    if recorded.config.model.dropout > 0:
+        raise UsageError(f"--ranks: the run trains with dropout {recorded.config.model.dropout}, whose masks each "
+                         "recorded rank drew from its own RNG state: replay it on its recorded ranks")
+    if recorded.last_environment.get("device", "cpu") != "cpu":
+        raise UsageError("--ranks reproduces gloo's all-reduce on CPU: the run was recorded on "
+                         f"{recorded.last_environment['device']}, whose NCCL reduction it does not")
+    return req.ranks
 
 
 def _check_drops(parent: RunStore, drop: list[list[int]], store_path: Location) -> None:
@@ -216,7 +240,7 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
                 assert recorded.command is not None
                 run_script(path, recorded.command, resume, lease.spec)
             elif pending:
-                run_ranks(path, cfg, cfg.nproc, resume, lease.spec, pool=pool)
+                run_ranks(path, cfg, req.ranks or cfg.nproc, resume, lease.spec, pool=pool)
         except NodeLost as e:
             raise NodeLost(f"{e}: {_keep_committed(path, recorded.world_size)}") from None
         except ReplayError:

@@ -30,6 +30,7 @@ class Capabilities:
     scoped_lr_refusal: str | None  # --lr-scale on --layers/--heads
     precision_refusal: str | None  # --precision other than the recorded one
     attention_refusal: str | None  # attention overrides, where the recorded attention is no plan of replay's
+    fewer_ranks_refusal: str | None   # `replay run --ranks N` on fewer processes than the recorded ranks
 
     @classmethod
     def of(cls, manifest: Manifest) -> Capabilities:
@@ -37,11 +38,14 @@ class Capabilities:
         builtin = launcher is not Launcher.CUSTOM
         placement = manifest.placement or _placement_of(manifest)
         drop = scoped_lr = precision = attention = None
+        fewer = None
         if launcher is Launcher.DEEPSPEED:
             drop = "--drop needs the local launcher (DeepSpeed scales the loss itself); use --skip"
             scoped_lr = ("--lr-scale on --layers/--heads needs the local launcher: DeepSpeed partitions the "
                          "optimizer's updates")
             precision = "--precision cannot change under DeepSpeed: its optimizer state layout depends on it"
+            fewer = ("--ranks needs the local launcher: DeepSpeed reduces the gradients in buckets and partitions "
+                     "of its own, which replay does not play on fewer processes")
         elif launcher is Launcher.CUSTOM:
             drop = ("--drop needs the built-in trainer (it reweights the loss over the kept samples, which replay "
                     "cannot do inside your script); use --skip")
@@ -50,12 +54,14 @@ class Capabilities:
             attention = (f"attention overrides: the recording ran transformers' {manifest.config.model.attention!r} "
                          "attention, which replay's plans do not run per head; record with "
                          "attn_implementation='sdpa' or 'eager' to override it")
+            fewer = ("--ranks needs the built-in trainer: replay cannot run several recorded ranks' micro-batches "
+                     "inside your script")
         return cls(launcher=launcher, builtin=builtin, relaunches_script=command is not None,
                    relaunchable=builtin or command is not None, warm_ranks=launcher is Launcher.LOCAL,
                    world_size=manifest.world_size, placement=placement,
                    zero_stage=manifest.config.zero_stage,
                    drop_refusal=drop, scoped_lr_refusal=scoped_lr, precision_refusal=precision,
-                   attention_refusal=attention)
+                   attention_refusal=attention, fewer_ranks_refusal=fewer)
 
     @property
     def nodes(self) -> int:

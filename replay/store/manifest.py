@@ -65,6 +65,7 @@ class ReplaySpec:
     skip: list[int] = field(default_factory=list)
     drop: list[list[int]] = field(default_factory=list)   # [step, sample id] pairs left out
     lr_scope: dict[str, Any] | None = None                # a scoped lr scale (train/counterfactual.py)
+    processes: int | None = None   # --ranks: processes that played the recorded ranks (None: one per rank)
     verification: dict[str, Any] | None = None            # written when the replay has run
 
 

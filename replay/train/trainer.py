@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from replay.store.lease import require
 from replay.store.location import Location, Where
 from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.data import DataOrder, TokenData, load_data
+from replay.train.fewer_ranks import PlayedRanks, played_step
 from replay.train.model import build_model, lm_loss, lr_factor
 
 
@@ -98,7 +100,15 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, cfg=cfg.optim, total_steps=cfg.steps))
     state: DeepSpeedTrainState | TorchTrainState
-    if cfg.launcher is Launcher.DEEPSPEED:
+    step_fn: Callable[..., tuple[float | list[float], float, float]]
+    played = None   # `replay run --ranks N`: this process plays several recorded ranks (train/fewer_ranks.py)
+    ranks, world = [r.rank], r.world
+    if spec and spec.processes and spec.processes < store.manifest.world_size:
+        played = PlayedRanks(model, store.manifest.world_size, spec.processes, r.rank)
+        ranks, world = list(played.ranks), played.world
+        state, step_fn = TorchTrainState(played.ddp, optimizer, scheduler), functools.partial(
+            played_step, played, optimizer, scheduler, data)
+    elif cfg.launcher is Launcher.DEEPSPEED:
         engine = _deepspeed_engine(cfg, model, optimizer, scheduler)
         state, step_fn = DeepSpeedTrainState(engine), functools.partial(_deepspeed_step, engine, data, r)
         optimizer, scheduler = engine.optimizer, engine.lr_scheduler
@@ -122,8 +132,8 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
             start = step if start is None else start
             if loop.in_window and spec and spec.lr_scope and scoped is None:
                 scoped = ScopedUpdate(model, spec.lr_scope)
-            ids = np.stack([loop.sample_ids(micro) for micro in order.rank_ids(step, r.rank, r.world,
-                                                                               cfg.micro_batch_size)])
+            ids = np.stack([loop.sample_ids(micro) for rank in ranks
+                            for micro in order.rank_ids(step, rank, world, cfg.micro_batch_size)])
             dropped = frozenset(drop.get(step, ()))
             weight = kept_weight(loop.recorded_ids(step), dropped) if dropped else 1.0
             with probe.collecting() if probe else contextlib.nullcontext():
