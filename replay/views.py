@@ -39,6 +39,7 @@ def summarize(path: Where) -> dict[str, Any]:
         "schema": m.schema,
         "config": cfg.to_dict(),
         "world_size": m.world_size,
+        "placement": dataclasses.asdict(m.placement) if m.placement else None,
         "launcher": m.launcher.value,
         "grad_accum": cfg.grad_accum,
         "command": dataclasses.asdict(m.command) if m.command else None,
@@ -116,6 +117,11 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
                      f"{', ZeRO-' + str(cfg['zero_stage']) if summary['launcher'] == Launcher.DEEPSPEED else ''}), "
                      f"batch {cfg['batch_size']} = {cfg['micro_batch_size']} x {summary['world_size']} ranks x "
                      f"{summary['grad_accum']} accumulation")
+    placement = summary["placement"]
+    if placement and len(placement["nodes"]) > 1:
+        lines.append(f"nodes       {len(placement['nodes'])}: " + "; ".join(
+            f"{name} (rank(s) {', '.join(str(r) for r, n in enumerate(placement['rank_nodes']) if n == node)})"
+            for node, name in enumerate(placement["nodes"])))
     lines.append(f"data        {summary['data']}")
     lines.append(f"steps       {summary['steps_recorded']} of {cfg['steps']} recorded"
                  + (f"; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"

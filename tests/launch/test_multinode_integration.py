@@ -13,44 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from replay.launch.local import free_port
 from replay.processes import alive, descendants
 from replay.store import RunStore
 from tests.bisect.planted import RECORD_ARGS, plant_degenerate_samples
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+from tests.twonodes import ray_two_nodes, torchrun_two_nodes
 
 SPIKE, POSITIONS = 37, [1, 6]
 NANOGPT = REPO / "examples" / "nanogpt"
 
 
-def torchrun_two_nodes(*args: str, cwd: Path = REPO, timeout: float = 300) -> None:
-    """`torchrun --nnodes 2` twice, each agent standing for a node with one rank, meeting at a c10d
-    rendezvous on 127.0.0.1."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes",
-                                "--rdzv-endpoint", f"127.0.0.1:{port}", *args],
-                               cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for node in (0, 1)]
-    try:
-        outputs = [a.communicate(timeout=timeout)[0] for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
-    assert all(a.returncode == 0 for a in agents), "\n".join(outputs)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """A head and a second node of 2 CPUs each; the head notices a dead raylet within ~3 s."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 2, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
-    c.add_node(num_cpus=2)
-    c.wait_for_nodes(timeout=120)
+    c = ray_two_nodes()
     yield c
     c.shutdown()
 
@@ -60,7 +35,8 @@ def two_node_run(tmp_path_factory) -> tuple[Path, list[int]]:
     """The built-in trainer on two nodes, two samples of random tokens planted at step 37: a real spike."""
     root = tmp_path_factory.mktemp("two-nodes")
     ids = plant_degenerate_samples(root / "train.bin", SPIKE, POSITIONS)
-    args = [a for a in RECORD_ARGS if a not in ("--nproc", "2")]
+    args = list(RECORD_ARGS)
+    del args[args.index("--nproc"):args.index("--nproc") + 2]   # the agents say how many ranks
     torchrun_two_nodes("-m", "replay", "record", "--store", str(root / "run"), "--data", str(root / "train.bin"),
                        *args, "--set", "threads=1")
     return root / "run", ids
@@ -70,18 +46,11 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return replay_cli(*args, timeout=timeout, process=True)
 
 
-def _ray_nodes(address: str) -> dict[str, bool]:
-    """Node id -> alive, as the cluster's head says."""
-    script = f"import json, ray; ray.init(address={address!r}, logging_level='ERROR'); " \
-             "print(json.dumps({n['NodeID']: n['Alive'] for n in ray.nodes()}))"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_a_two_node_recording_replays_bit_for_bit_on_nodes_as_recorded_or_packed(two_node_run, cluster):
     store, _ = two_node_run
     placement = RunStore.open(store).manifest.placement
     assert placement is not None and len(placement.nodes) == 2 and sorted(placement.rank_nodes) == [0, 1]
+    assert "nodes       2: " in replay_cli("info", str(store)).stdout
 
     result = _cli("run", str(store), "--from", "30", "--to", "33", "--verify", "--ray-address", cluster.address,
                   "--json")
@@ -89,7 +58,7 @@ def test_a_two_node_recording_replays_bit_for_bit_on_nodes_as_recorded_or_packed
     out = json.loads(result.stdout)
     assert out["verification"]["bitwise"] and out["verification"]["steps"] == [30, 33]
     replayed = RunStore.open(out["replay"]).manifest.placement
-    cluster_nodes = set(_ray_nodes(cluster.address))
+    cluster_nodes = {node.node_id for node in cluster.list_all_nodes()}
     ran_on = {name.rpartition("/")[2] for name in replayed.nodes}
     assert len(replayed.nodes) == 2 and replayed.rank_nodes == placement.rank_nodes
     assert all(any(node.startswith(short) for node in cluster_nodes) for short in ran_on)   # two distinct Ray nodes
@@ -100,6 +69,46 @@ def test_a_two_node_recording_replays_bit_for_bit_on_nodes_as_recorded_or_packed
     out = json.loads(packed.stdout)
     assert out["verification"]["bitwise"]
     assert len(RunStore.open(out["replay"]).manifest.placement.nodes) in (1, 2)   # wherever the cluster had room
+
+
+def _pause_in(args: list[str], marks: Path, step: int) -> subprocess.Popen:
+    """`replay ARGS` in a process of its own, once both ranks are paused inside checkpoint `step`."""
+    env = {**os.environ, "REPLAY_FAULT": f"shard-pause:{step}:0,shard-pause:{step}:1", "REPLAY_FAULT_ONCE": str(marks)}
+    command = subprocess.Popen([sys.executable, "-m", "replay", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (marks / "paused").exists():
+        if command.poll() is not None or time.monotonic() > deadline:
+            command.kill()
+            raise AssertionError(command.communicate()[1])
+        time.sleep(0.1)
+    return command
+
+
+def _rank_processes(cluster) -> dict[int, int]:
+    """The rank actors on the cluster's nodes, and their ranks."""
+    from ray._private import ray_constants
+
+    raylet = ray_constants.PROCESS_TYPE_RAYLET
+    raylets = [node.all_processes[raylet][0].process.pid for node in cluster.list_all_nodes()]
+    return {pid: start for r in raylets for pid, start in descendants(r).items() if _ours(pid)}
+
+
+def test_every_rank_dies_with_the_replay_that_started_it(two_node_run, cluster, tmp_path):
+    """SIGKILL of `replay run` in the middle of a cluster replay: the cluster ends its job, the job's actors
+    go, and their ranks follow them."""
+    store, _ = two_node_run
+    before = set(_rank_processes(cluster))
+    replay = _pause_in(["run", str(store), "--from", "30", "--to", "33", "--name", "orphaned", "--ray-address",
+                        cluster.address], tmp_path, 34)
+    started = {pid: start for pid, start in _rank_processes(cluster).items() if pid not in before}
+    assert len(started) >= 4   # two actors, two ranks
+    replay.kill()
+    replay.wait()
+    deadline = time.monotonic() + 60
+    while any(alive(pid, start) for pid, start in started.items()):
+        assert time.monotonic() < deadline, "a rank outlived the replay that started it"
+        time.sleep(0.2)
 
 
 def _kill_raylet(node) -> None:
@@ -130,21 +139,13 @@ def test_a_node_lost_mid_replay_fails_it_in_one_line_and_a_rerun_completes(two_n
     same command, once the cluster has a second node again, completes bit for bit."""
     store, _ = two_node_run
     before = tree_snapshot(store)
-    marks = tmp_path / "marks"
-    marks.mkdir()
     args = ["run", str(store), "--from", "30", "--to", "33", "--name", "lost", "--verify",
             "--ray-address", cluster.address]
-    env = {"REPLAY_FAULT": "shard-pause:34:0,shard-pause:34:1", "REPLAY_FAULT_ONCE": str(marks)}
-    replay = subprocess.Popen([sys.executable, "-m", "replay", *args], cwd=REPO, env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    replay = _pause_in(args, tmp_path, 34)
     try:
-        deadline = time.monotonic() + 120
-        while not (marks / "paused").exists():
-            assert replay.poll() is None and time.monotonic() < deadline, replay.communicate()[1]
-            time.sleep(0.1)
         worker = next(iter(cluster.worker_nodes))
         _kill_raylet(worker)
-        (marks / "go").touch()
+        (tmp_path / "go").touch()
         _, err = replay.communicate(timeout=180)
     finally:
         replay.kill()
@@ -172,21 +173,12 @@ def test_bisect_probes_on_placement_groups_retry_a_probe_whose_node_is_lost(two_
     first probe loses a node half-way through its checkpoint, and runs again on a new group once the
     cluster has a second node again. The answer is the planted samples."""
     store, planted = two_node_run
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = {"REPLAY_FAULT": "shard-pause:48:0,shard-pause:48:1", "REPLAY_FAULT_ONCE": str(marks)}
-    bisect = subprocess.Popen([sys.executable, "-m", "replay", "bisect", str(store), "--by", "data", "--json",
-                               "--ray-address", cluster.address], cwd=REPO, env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bisect = _pause_in(["bisect", str(store), "--by", "data", "--json", "--ray-address", cluster.address], tmp_path, 48)
     try:
-        deadline = time.monotonic() + 120
-        while not (marks / "paused").exists():
-            assert bisect.poll() is None and time.monotonic() < deadline, bisect.communicate()[1]
-            time.sleep(0.1)
         worker = next(iter(cluster.worker_nodes))
         _kill_raylet(worker)
         cluster.remove_node(worker, allow_graceful=False)
-        (marks / "go").touch()
+        (tmp_path / "go").touch()
         cluster.add_node(num_cpus=2)
         out, err = bisect.communicate(timeout=300)
     finally:
@@ -197,7 +189,7 @@ def test_bisect_probes_on_placement_groups_retry_a_probe_whose_node_is_lost(two_
     retried = [p for p in session["probes"].values() if "retried_after" in p]
     assert "baseline" in {p["phase"] for p in retried}   # with any probe beside it on the lost node
     assert all("lost node" in p["retried_after"] for p in retried)
-    assert "placement group" in err
+    assert "probes run on 2 Ray worker(s), each on a placement group of its own" in err   # two groups at once
 
 
 def test_a_nanogpt_script_recorded_on_two_nodes_replays_on_the_cluster_and_not_without_it(cluster, tmp_path):
