@@ -94,23 +94,6 @@ def _rank_processes(cluster) -> dict[int, int]:
     return {pid: start for r in raylets for pid, start in descendants(r).items() if _ours(pid)}
 
 
-def test_every_rank_dies_with_the_replay_that_started_it(two_node_run, cluster, tmp_path):
-    """SIGKILL of `replay run` in the middle of a cluster replay: the cluster ends its job, the job's actors
-    go, and their ranks follow them."""
-    store, _ = two_node_run
-    before = set(_rank_processes(cluster))
-    replay = _pause_in(["run", str(store), "--from", "30", "--to", "33", "--name", "orphaned", "--ray-address",
-                        cluster.address], tmp_path, 34)
-    started = {pid: start for pid, start in _rank_processes(cluster).items() if pid not in before}
-    assert len(started) >= 4   # two actors, two ranks
-    replay.kill()
-    replay.wait()
-    deadline = time.monotonic() + 60
-    while any(alive(pid, start) for pid, start in started.items()):
-        assert time.monotonic() < deadline, "a rank outlived the replay that started it"
-        time.sleep(0.2)
-
-
 def _kill_raylet(node) -> None:
     """SIGKILL a node's raylet, and wait for what it ran (the Ray workers, their ranks) to go with it."""
     from ray._private import ray_constants
@@ -212,3 +195,21 @@ def test_a_nanogpt_script_recorded_on_two_nodes_replays_on_the_cluster_and_not_w
     out = json.loads(result.stdout)
     assert out["verification"]["bitwise"] and out["verification"]["steps"] == [4, 7]
     assert len(RunStore.open(out["replay"]).manifest.placement.nodes) == 2
+
+
+def test_every_rank_dies_with_the_replay_that_started_it(two_node_run, cluster, tmp_path):
+    """SIGKILL of `replay run` in the middle of a cluster replay: the cluster ends its job, the job's actors
+    go, and their ranks follow them. (Last here: the killed command's lease stays behind, for the next
+    writer to take over.)"""
+    store, _ = two_node_run
+    before = set(_rank_processes(cluster))
+    replay = _pause_in(["run", str(store), "--from", "30", "--to", "33", "--name", "orphaned", "--ray-address",
+                        cluster.address], tmp_path, 34)
+    started = {pid: start for pid, start in _rank_processes(cluster).items() if pid not in before}
+    assert len(started) >= 4   # two actors, two ranks
+    replay.kill()
+    replay.wait()
+    deadline = time.monotonic() + 60
+    while any(alive(pid, start) for pid, start in started.items()):
+        assert time.monotonic() < deadline, "a rank outlived the replay that started it"
+        time.sleep(0.2)
