@@ -102,7 +102,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
     state: DeepSpeedTrainState | TorchTrainState
     step_fn: Callable[..., tuple[float | list[float], float, float]]
     played = None   # `replay run --ranks N`: this process plays several recorded ranks (train/fewer_ranks.py)
-    ddp = None      # the plain DDP path's, whose buckets a run starting past step 0 rebuilds first
+    ddp: torch.nn.Module | None = None   # the plain path's: a DDP over several ranks, else the model
     ranks, world = [r.rank], r.world
     if spec and spec.processes and spec.processes < store.manifest.world_size:
         played = PlayedRanks(model, store.manifest.world_size, spec.processes, r.rank)
@@ -114,9 +114,9 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
         state, step_fn = DeepSpeedTrainState(engine), functools.partial(_deepspeed_step, engine, data, r)
         optimizer, scheduler = engine.optimizer, engine.lr_scheduler
     else:
-        ddp = torch.nn.parallel.DistributedDataParallel(model) if r.world > 1 else None
-        state = TorchTrainState(ddp or model, optimizer, scheduler)
-        step_fn = functools.partial(_torch_step, ddp or model, optimizer, scheduler, data, r)
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if r.world > 1 else model
+        state = TorchTrainState(ddp, optimizer, scheduler)
+        step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, data, r)
     probe = NumericsProbe(model) if cfg.numerics else None
     loop = Loop(store.location, model, optimizer, total_steps=cfg.steps, scheduler=scheduler, state=state,
                 lease=lease, resume=resume, apply_attention=lambda plan: apply_plan(model, plan),
@@ -135,7 +135,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
                 scoped = ScopedUpdate(model, spec.lr_scope)
             ids = np.stack([loop.sample_ids(micro) for rank in ranks
                             for micro in order.rank_ids(step, rank, world, cfg.micro_batch_size)])
-            if ddp is not None and step == start > 0:   # a replay from a checkpoint, or a resumed run
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and step == start > 0:   # a replay or resume
                 _rebuild_buckets(ddp, data, r, loop, ids[0])
             dropped = frozenset(drop.get(step, ()))
             weight = kept_weight(loop.recorded_ids(step), dropped) if dropped else 1.0

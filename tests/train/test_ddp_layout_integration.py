@@ -12,7 +12,8 @@ import torch
 from replay.store import RunStore
 from tests.conftest import error_line, made_once, replay_cli
 
-ARGS = ["--nproc", "3", "--steps", "8", "--checkpoint-every", "4", "--set", "batch_size=6", "--set", "micro_batch_size=1"]
+ARGS = ["--nproc", "3", "--steps", "8", "--checkpoint-every", "4",
+        "--set", "batch_size=6", "--set", "micro_batch_size=1"]
 
 
 @pytest.fixture(scope="module")
