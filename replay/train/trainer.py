@@ -23,7 +23,7 @@ import torch.distributed as dist
 from replay.config import Launcher, RunConfig
 from replay.kernels.numerics import NumericsProbe
 from replay.kernels.registry import apply_plan, raise_deferred
-from replay.recorder.environment import configure_determinism, seed_everything
+from replay.recorder.environment import configure_determinism, rng_state, seed_everything, set_rng_state
 from replay.recorder.loop import Loop
 from replay.recorder.state import DeepSpeedTrainState, TorchTrainState
 from replay.store import RunStore
@@ -102,6 +102,7 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
     state: DeepSpeedTrainState | TorchTrainState
     step_fn: Callable[..., tuple[float | list[float], float, float]]
     played = None   # `replay run --ranks N`: this process plays several recorded ranks (train/fewer_ranks.py)
+    ddp: torch.nn.Module | None = None   # the plain path's: a DDP over several ranks, else the model
     ranks, world = [r.rank], r.world
     if spec and spec.processes and spec.processes < store.manifest.world_size:
         played = PlayedRanks(model, store.manifest.world_size, spec.processes, r.rank)
@@ -134,6 +135,8 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
                 scoped = ScopedUpdate(model, spec.lr_scope)
             ids = np.stack([loop.sample_ids(micro) for rank in ranks
                             for micro in order.rank_ids(step, rank, world, cfg.micro_batch_size)])
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and step == start > 0:   # a replay or resume
+                _rebuild_buckets(ddp, data, r, loop, ids[0])
             dropped = frozenset(drop.get(step, ()))
             weight = kept_weight(loop.recorded_ids(step), dropped) if dropped else 1.0
             with probe.collecting() if probe else contextlib.nullcontext():
@@ -148,6 +151,28 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
                 print(f"step {step:>6}  loss {loop.last_loss:8.4f}  "
                       f"grad-norm {grad_norm:9.4f}  lr {lr:.2e}  {rate:6.1f} steps/s{note}",
                       file=sys.stderr, flush=True)
+
+
+def _rebuild_buckets(ddp: torch.nn.parallel.DistributedDataParallel, data: TokenData, r: Rank, loop: Loop,
+                     micro: np.ndarray) -> None:
+    """Leave `ddp` reducing in the bucket layout an uninterrupted run has at any step past 0.
+
+    DDP's first iteration lays its buckets out in parameter order; the next forward rebuilds them in the
+    order the first backward's gradients became ready. gloo's ring sums each element over the ranks in an
+    order set by its position in the bucket, so from 3 ranks on the layout changes the bits. The record
+    reduced step 0 in the first layout and every later step in the rebuilt one; a DDP made at step k > 0
+    must start in the rebuilt one. Torch builds that layout only from a backward it has seen, so: one
+    forward and backward of a real micro-batch through `ddp` (its all-reduce included, on every rank),
+    whose gradients are dropped, with every RNG put back. Parameters, optimizer, scheduler and the loop's
+    step are untouched; the step's own first forward rebuilds the buckets, as the record's step 1 did."""
+    rngs = rng_state()
+    ddp.train()
+    x, y = (t.to(r.device) for t in data.batch(micro))
+    with loop.autocast(r.device.type):
+        loss = lm_loss(ddp, x, y)
+    loss.backward()
+    ddp.zero_grad(set_to_none=True)
+    set_rng_state(rngs)
 
 
 def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray,
