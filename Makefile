@@ -56,6 +56,7 @@ bench: setup
 	$(PY) benchmarks/bench_record.py
 	$(PY) benchmarks/bench_replay.py
 	$(PY) benchmarks/bench_fewer_ranks.py
+	$(PY) benchmarks/bench_multinode.py
 	$(PY) benchmarks/bench_analysis.py
 	$(PY) benchmarks/bench_bisect.py
 	$(PY) benchmarks/bench_attention.py

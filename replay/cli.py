@@ -255,7 +255,7 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--resume", is_flag=True, help="Continue an interrupted replay from its last committed checkpoint.")
 @click.option("--discard", is_flag=True, help="Remove an interrupted replay and run it anew.")
 @click.option("--ranks", type=int, default=None, help="Processes to replay on: fewer than the recorded ranks, each "
-              "plays its share of them (built-in local runs; docs/fewer-ranks.md).")
+              "plays its share of them (built-in local runs; docs/multi-node.md).")
 @click.option("--allow-changed", is_flag=True, help="A run of your own script: replay it even if its files changed.")
 @click.option("--ray-address", help="host:port of a Ray cluster's head: run the ranks on a placement group there, on "
               "nodes as recorded (its nodes must see the store at the same path, or reach its bucket).")
