@@ -16,6 +16,9 @@ from replay.lifeline import child_env
 from tests.conftest import BENCHMARKS, REPO
 
 GPU_ONLY = {"bench_cuda_record.py"}   # says it skips on a machine without CUDA
+# Not run here: two torchrun nodes and a two-node Ray cluster take a minute of the suite's 2 cores, and every
+# path it times runs in tests/launch/test_multinode_integration.py.
+NOT_HERE = {"bench_multinode.py"}
 
 
 def test_every_benchmark_is_here():
@@ -24,7 +27,7 @@ def test_every_benchmark_is_here():
                           "bench_object_store.py", "bench_record.py", "bench_replay.py", "bench_sharded.py"]
 
 
-@pytest.mark.parametrize("script", BENCHMARKS)
+@pytest.mark.parametrize("script", [b for b in BENCHMARKS if b not in NOT_HERE])
 def test_the_benchmark_runs_quickly_and_prints_its_ratios(script):
     env = child_env({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     result = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env,

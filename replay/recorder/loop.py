@@ -206,6 +206,7 @@ class Loop:
         self._lookahead = len(self._ahead)
         self._check_lookahead()
         start = self.recorder.start()
+        self._warn_ddp_layout(start)
         self._started = True
         self._mode.started(start)
         for step in range(start, self._mode.recorder_config.total_steps):
@@ -226,6 +227,18 @@ class Loop:
         self.recorder.flush()
         if self.rank == 0:
             complete_run(self.store)
+
+    def _warn_ddp_layout(self, start: int) -> None:
+        """A DDP of the script's over 3 or more ranks, started past step 0, reduces its first step in its
+        first-iteration bucket layout where the uninterrupted run's had rebuilt it (docs/determinism-and-
+        faults.md): the last bits may differ. The built-in trainer rebuilds first; a script is told."""
+        if start > 0 and self.rank == 0 and isinstance(self.model, torch.nn.parallel.DistributedDataParallel) \
+                and self.world >= 3:
+            print(f"warning: this run starts at step {start} on a fresh DDP over {self.world} ranks, which reduces "
+                  "its first step in DDP's first-iteration bucket layout, not the rebuilt one the recording had "
+                  "there: the last bits may differ from the record; run one forward and backward through the DDP "
+                  "and drop its gradients before the first step to match (docs/determinism-and-faults.md)",
+                  file=sys.stderr, flush=True)
 
     def sample_ids(self, ids):
         """This micro-batch's sample ids as the loader drew them (a tensor, array or list: random offsets,

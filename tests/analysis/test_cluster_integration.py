@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_node_cluster():
     from ray.cluster_utils import Cluster
 
