@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from replay.processes import alive, descendants
@@ -48,7 +49,12 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def test_a_two_node_recording_replays_bit_for_bit_on_nodes_as_recorded_or_packed(two_node_run, cluster):
     store, _ = two_node_run
-    placement = RunStore.open(store).manifest.placement
+    recorded = RunStore.open(store)   # each agent's process a rank; rank 0 prepared the store for both
+    assert recorded.manifest.world_size == 2 and recorded.manifest.status == "complete" and recorded.n_steps == 48
+    assert [c.step for c in recorded.checkpoints()] == [0, 10, 20, 30, 40, 48]
+    ids = recorded.read_steps()["sample_ids"]
+    assert ids.shape == (48, 2, 1, 4) and len(np.unique(ids)) == ids.size
+    placement = recorded.manifest.placement
     assert placement is not None and len(placement.nodes) == 2 and sorted(placement.rank_nodes) == [0, 1]
     assert "nodes       2: " in replay_cli("info", str(store)).stdout
 

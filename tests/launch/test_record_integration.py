@@ -193,24 +193,6 @@ def test_spike_preset_spikes_and_flushes_its_pre_spike_snapshot(spike_store):
     store.read_shard(snapshots[-1], 1)
 
 
-def test_under_torchrun_each_process_is_a_rank_and_rank0_prepares_the_store(tmp_path):
-    """The multi-node path: an outer launcher (here torchrun on loopback) starts `replay record` per rank."""
-    import subprocess
-    import sys
-
-    store_path = tmp_path / "torchrun"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "replay", "record", "--store", str(store_path), "--steps", "6", "--checkpoint-every", "3"],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    store = RunStore.open(store_path)
-    assert store.manifest.world_size == 2 and store.manifest.status == "complete"
-    assert store.n_steps == 6 and [c.step for c in store.checkpoints()] == [0, 3, 6]
-    ids = store.read_steps()["sample_ids"]
-    assert ids.shape == (6, 2, 1, 4) and len(np.unique(ids)) == ids.size
-
-
 def test_record_with_an_attention_plan_trains_on_those_backends(tmp_path):
     plan = "eager;1=fa2-emu:br=16,bc=16;1.1=reference-emu:fix=safe-softmax,beta=7"
     runs = {}
