@@ -232,6 +232,14 @@ def killed_by_fault(fault: str, *args: str, env: dict | None = None) -> None:
         pass
 
 
+def killed_and_resumed(store: Path, args: list[str], fault: str = "shard-half:8:0") -> None:
+    """`replay record --store STORE ARGS` with rank 0 SIGKILLed at `fault` (one line says so), then `--resume`."""
+    killed = replay_cli("record", "--store", str(store), *args, env={"REPLAY_FAULT": fault})
+    assert "rank 0 was killed by signal 9" in error_line(killed)
+    resumed = replay_cli("record", "--store", str(store), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+
+
 def error_line(result: subprocess.CompletedProcess) -> str:
     """The one `error:` line a failing command must print (and no traceback)."""
     assert result.returncode != 0, result.stdout + result.stderr

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from replay.store import RunStore
-from tests.conftest import DS_ARGS, error_line, replay_cli
+from tests.conftest import DS_ARGS, killed_and_resumed, replay_cli
 
 
 def test_zero1_optimizer_partitions_are_in_the_store(zero1_store):
@@ -28,10 +28,7 @@ def test_zero1_optimizer_partitions_are_in_the_store(zero1_store):
 
 def test_zero1_killed_and_resumed_matches_the_uninterrupted_run(zero1_store, tmp_path):
     store_path = tmp_path / "killed"
-    killed = replay_cli("record", "--store", str(store_path), *DS_ARGS, env={"REPLAY_FAULT": "shard-half:8:0"})
-    assert "rank 0 was killed by signal 9" in error_line(killed)
-    resumed = replay_cli("record", "--store", str(store_path), "--resume")
-    assert resumed.returncode == 0, resumed.stderr
+    killed_and_resumed(store_path, DS_ARGS)
     a, b = RunStore.open(store_path), RunStore.open(zero1_store)
     assert a.manifest.resumes[0].from_step in (0, 4)
     for field in ("loss", "rank_loss", "grad_norm", "lr", "sample_ids"):

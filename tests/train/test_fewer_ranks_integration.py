@@ -14,7 +14,7 @@ import torch
 from replay.config import Launcher
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
-from tests.conftest import error_line, made_once, replay_cli
+from tests.conftest import error_line, killed_and_resumed, made_once, replay_cli
 
 ARGS = ["--nproc", "4", "--steps", "8", "--checkpoint-every", "4", "--set", "micro_batch_size=1"]
 
@@ -47,10 +47,7 @@ def test_a_window_from_a_later_checkpoint_replays_bit_for_bit(four_rank_store):
 
 def test_a_run_resumed_at_a_checkpoint_equals_the_uninterrupted_one(four_rank_store, tmp_path):
     cut = tmp_path / "cut"
-    killed = replay_cli("record", "--store", str(cut), *ARGS, env={"REPLAY_FAULT": "shard-half:8:0"})
-    assert "rank 0 was killed by signal 9" in error_line(killed)
-    resumed = replay_cli("record", "--store", str(cut), "--resume")
-    assert resumed.returncode == 0, resumed.stderr
+    killed_and_resumed(cut, ARGS)
     a, b = RunStore.open(cut), RunStore.open(four_rank_store)
     assert [r.from_step for r in a.manifest.resumes] == [4]
     for field in ("loss", "rank_loss", "grad_norm", "lr"):
