@@ -4,6 +4,7 @@ ranks in ranks.py and script.py, warm ranks in pool.py; a Ray cluster's nodes in
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -50,11 +51,25 @@ class Node:
         return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+# Rendezvous ports come from below the kernel's ephemeral range (32768-60999 on Linux), where every outgoing
+# connection of every process takes its local port, and above Ray's worker ports (10002-19999): a port
+# found free there stays free until rank 0 binds it (measured: ephemeral picks collided under a loaded suite).
+PORTS = range(20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for rank 0 to listen on."""
+    for port in random.Random().sample(PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:   # every one tried is taken: whatever the kernel gives
+        s.bind((host, 0))
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def wait_for_outcomes(procs: Sequence[subprocess.Popen], outcomes: Outcomes, grace: float

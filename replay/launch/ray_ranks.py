@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.errors import ReplayError, UsageError
-from replay.launch.local import Node
+from replay.launch.local import Node, free_port
 from replay.launch.pool import RankPool
 from replay.launch.ranks import run_node
 from replay.launch.ray_cluster import worker_options
@@ -65,10 +65,7 @@ class NodeRanks:
 
     def port(self) -> int:
         """A port free on this node, for rank 0's rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port: int = s.getsockname()[1]
-            return port
+        return free_port("")
 
     def meet(self, node: Node) -> None:
         """Take the ranks and rendezvous of this node; warm ranks start at once (they join their group at

@@ -47,36 +47,6 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return replay_cli(*args, timeout=timeout, process=True)
 
 
-def test_a_two_node_recording_replays_bit_for_bit_on_nodes_as_recorded_or_packed(two_node_run, cluster):
-    store, _ = two_node_run
-    recorded = RunStore.open(store)   # each agent's process a rank; rank 0 prepared the store for both
-    assert recorded.manifest.world_size == 2 and recorded.manifest.status == "complete" and recorded.n_steps == 48
-    assert [c.step for c in recorded.checkpoints()] == [0, 10, 20, 30, 40, 48]
-    ids = recorded.read_steps()["sample_ids"]
-    assert ids.shape == (48, 2, 1, 4) and len(np.unique(ids)) == ids.size
-    placement = recorded.manifest.placement
-    assert placement is not None and len(placement.nodes) == 2 and sorted(placement.rank_nodes) == [0, 1]
-    assert "nodes       2: " in replay_cli("info", str(store)).stdout
-
-    result = _cli("run", str(store), "--from", "30", "--to", "33", "--verify", "--ray-address", cluster.address,
-                  "--json")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    assert out["verification"]["bitwise"] and out["verification"]["steps"] == [30, 33]
-    replayed = RunStore.open(out["replay"]).manifest.placement
-    cluster_nodes = {node.node_id for node in cluster.list_all_nodes()}
-    ran_on = {name.rpartition("/")[2] for name in replayed.nodes}
-    assert len(replayed.nodes) == 2 and replayed.rank_nodes == placement.rank_nodes
-    assert all(any(node.startswith(short) for node in cluster_nodes) for short in ran_on)   # two distinct Ray nodes
-
-    packed = _cli("run", str(store), "--from", "30", "--to", "33", "--name", "packed", "--verify", "--pack",
-                  "--ray-address", cluster.address, "--json")
-    assert packed.returncode == 0, packed.stderr
-    out = json.loads(packed.stdout)
-    assert out["verification"]["bitwise"]
-    assert len(RunStore.open(out["replay"]).manifest.placement.nodes) in (1, 2)   # wherever the cluster had room
-
-
 def _pause_in(args: list[str], marks: Path, step: int) -> subprocess.Popen:
     """`replay ARGS` in a process of its own, once both ranks are paused inside checkpoint `step`."""
     env = {**os.environ, "REPLAY_FAULT": f"shard-pause:{step}:0,shard-pause:{step}:1", "REPLAY_FAULT_ONCE": str(marks)}
@@ -122,39 +92,49 @@ def _ours(pid: int) -> bool:
     return b"NodeRanks" in command or b"replay.launch.worker" in command
 
 
-def test_a_node_lost_mid_replay_fails_it_in_one_line_and_a_rerun_completes(two_node_run, cluster, tmp_path):
-    """Both ranks pause while writing the replay's end checkpoint; the second node's raylet is killed (its
-    rank dies with it), then the pause ends. The replay names the node, keeps nothing of itself, and the
-    same command, once the cluster has a second node again, completes bit for bit."""
+def test_a_two_node_recording_replays_bit_for_bit_on_nodes_as_recorded(two_node_run, cluster):
     store, _ = two_node_run
-    before = tree_snapshot(store)
-    args = ["run", str(store), "--from", "30", "--to", "33", "--name", "lost", "--verify",
-            "--ray-address", cluster.address]
-    replay = _pause_in(args, tmp_path, 34)
-    try:
-        worker = next(iter(cluster.worker_nodes))
-        _kill_raylet(worker)
-        (tmp_path / "go").touch()
-        _, err = replay.communicate(timeout=180)
-    finally:
-        replay.kill()
-    line = error_line(subprocess.CompletedProcess(args, replay.returncode, "", err))
-    assert "lost node" in line and worker.node_ip_address in line and "rank(s) " in line
-    assert "nothing of it is kept" in line
-    assert not (store / "replays" / "lost").exists()
-    assert {k: v for k, v in tree_snapshot(store).items() if not k.startswith("replays/")} == \
-        {k: v for k, v in before.items() if not k.startswith("replays/")}
+    recorded = RunStore.open(store)   # each agent's process a rank; rank 0 prepared the store for both
+    assert recorded.manifest.world_size == 2 and recorded.manifest.status == "complete" and recorded.n_steps == 48
+    assert [c.step for c in recorded.checkpoints()] == [0, 10, 20, 30, 40, 48]
+    ids = recorded.read_steps()["sample_ids"]
+    assert ids.shape == (48, 2, 1, 4) and len(np.unique(ids)) == ids.size
+    placement = recorded.manifest.placement
+    assert placement is not None and len(placement.nodes) == 2 and sorted(placement.rank_nodes) == [0, 1]
+    assert "nodes       2: " in replay_cli("info", str(store)).stdout
 
-    no_room = error_line(_cli(*args))   # one node left: the recorded layout does not fit, and says so at once
-    assert "no room" in no_room and "--pack" in no_room
-    assert not (store / "replays" / "lost").exists()
+    result = _cli("run", str(store), "--from", "30", "--to", "33", "--verify", "--ray-address", cluster.address,
+                  "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["verification"]["bitwise"] and out["verification"]["steps"] == [30, 33]
+    replayed = RunStore.open(out["replay"]).manifest.placement
+    cluster_nodes = {node.node_id for node in cluster.list_all_nodes()}
+    ran_on = {name.rpartition("/")[2] for name in replayed.nodes}
+    assert len(replayed.nodes) == 2 and replayed.rank_nodes == placement.rank_nodes
+    assert all(any(node.startswith(short) for node in cluster_nodes) for short in ran_on)   # two distinct Ray nodes
 
-    cluster.remove_node(worker, allow_graceful=False)
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes(timeout=120)
-    rerun = _cli(*args)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "bit for bit" in rerun.stdout
+
+def test_a_nanogpt_script_recorded_on_two_nodes_replays_on_the_cluster_and_not_without_it(cluster, tmp_path):
+    data = tmp_path / "data"
+    done = subprocess.run([sys.executable, str(NANOGPT / "prepare.py"), "--out", str(data), "--bytes", "100000"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    store = tmp_path / "run"
+    torchrun_two_nodes(str(NANOGPT / "train.py"), f"--data_dir={data}", f"--store={store}", "--max_iters=12",
+                       "--checkpoint_every=4", cwd=tmp_path)
+    m = RunStore.open(store).manifest
+    assert m.command.launcher == "torchrun" and len(m.placement.nodes) == 2
+
+    refused = error_line(_cli("run", str(store), "--from", "4", "--to", "7"))
+    assert "2 nodes" in refused and "--ray-address" in refused
+    assert not (store / "replays").exists()
+
+    result = _cli("run", str(store), "--from", "4", "--to", "7", "--verify", "--ray-address", cluster.address, "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["verification"]["bitwise"] and out["verification"]["steps"] == [4, 7]
+    assert len(RunStore.open(out["replay"]).manifest.placement.nodes) == 2
 
 
 def test_bisect_probes_on_placement_groups_retry_a_probe_whose_node_is_lost(two_node_run, cluster, tmp_path):
@@ -181,26 +161,38 @@ def test_bisect_probes_on_placement_groups_retry_a_probe_whose_node_is_lost(two_
     assert "probes run on 2 Ray worker(s), each on a placement group of its own" in err   # two groups at once
 
 
-def test_a_nanogpt_script_recorded_on_two_nodes_replays_on_the_cluster_and_not_without_it(cluster, tmp_path):
-    data = tmp_path / "data"
-    done = subprocess.run([sys.executable, str(NANOGPT / "prepare.py"), "--out", str(data), "--bytes", "100000"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    store = tmp_path / "run"
-    torchrun_two_nodes(str(NANOGPT / "train.py"), f"--data_dir={data}", f"--store={store}", "--max_iters=12",
-                       "--checkpoint_every=4", cwd=tmp_path)
-    m = RunStore.open(store).manifest
-    assert m.command.launcher == "torchrun" and len(m.placement.nodes) == 2
+def test_a_node_lost_mid_replay_fails_it_in_one_line_and_a_packed_rerun_completes(two_node_run, cluster, tmp_path):
+    """Both ranks pause while writing the replay's end checkpoint; the second node's raylet is killed (its
+    rank dies with it), then the pause ends. The replay names the node and keeps nothing of itself; run
+    again it says the layout no longer fits, and with --pack it completes bit for bit on the node left."""
+    store, _ = two_node_run
+    before = tree_snapshot(store)
+    args = ["run", str(store), "--from", "30", "--to", "33", "--name", "lost", "--verify",
+            "--ray-address", cluster.address]
+    replay = _pause_in(args, tmp_path, 34)
+    try:
+        worker = next(iter(cluster.worker_nodes))
+        _kill_raylet(worker)
+        (tmp_path / "go").touch()
+        _, err = replay.communicate(timeout=180)
+    finally:
+        replay.kill()
+    line = error_line(subprocess.CompletedProcess(args, replay.returncode, "", err))
+    assert "lost node" in line and worker.node_ip_address in line and "rank(s) " in line
+    assert "nothing of it is kept" in line
+    assert not (store / "replays" / "lost").exists()
+    assert {k: v for k, v in tree_snapshot(store).items() if not k.startswith("replays/")} == \
+        {k: v for k, v in before.items() if not k.startswith("replays/")}
 
-    refused = error_line(_cli("run", str(store), "--from", "4", "--to", "7"))
-    assert "2 nodes" in refused and "--ray-address" in refused
-    assert not (store / "replays").exists()
+    no_room = error_line(_cli(*args))   # one node left: the recorded layout does not fit, and says so at once
+    assert "no room" in no_room and "--pack" in no_room
+    assert not (store / "replays" / "lost").exists()
 
-    result = _cli("run", str(store), "--from", "4", "--to", "7", "--verify", "--ray-address", cluster.address, "--json")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    assert out["verification"]["bitwise"] and out["verification"]["steps"] == [4, 7]
-    assert len(RunStore.open(out["replay"]).manifest.placement.nodes) == 2
+    packed = _cli(*args, "--pack", "--json")   # as the line says: the ranks share the node left
+    assert packed.returncode == 0, packed.stderr
+    out = json.loads(packed.stdout)
+    assert out["verification"]["bitwise"] and len(RunStore.open(out["replay"]).manifest.placement.nodes) == 1
+    cluster.remove_node(worker, allow_graceful=False)
 
 
 def test_every_rank_dies_with_the_replay_that_started_it(two_node_run, cluster, tmp_path):
@@ -209,8 +201,8 @@ def test_every_rank_dies_with_the_replay_that_started_it(two_node_run, cluster, 
     writer to take over.)"""
     store, _ = two_node_run
     before = set(_rank_processes(cluster))
-    replay = _pause_in(["run", str(store), "--from", "30", "--to", "33", "--name", "orphaned", "--ray-address",
-                        cluster.address], tmp_path, 34)
+    replay = _pause_in(["run", str(store), "--from", "30", "--to", "33", "--name", "orphaned", "--pack",
+                        "--ray-address", cluster.address], tmp_path, 34)
     started = {pid: start for pid, start in _rank_processes(cluster).items() if pid not in before}
     assert len(started) >= 4   # two actors, two ranks
     replay.kill()
