@@ -8,8 +8,9 @@ What the recorded reduction was (torch 2.13, gloo on CPU; benchmarks/gloo_order.
 - DDP's reducer copies each gradient into its bucket multiplied by 1/W, then all-reduces (sums) the bucket.
 - The buckets: a DDP's first iteration lays its parameters out in registration order; after it, DDP
   rebuilds the buckets in the order the gradients became ready. The recording's DDP began at step 0.
-- gloo's all-reduce is a ring: the bucket is cut into W chunks of ceil(n/W) elements, and chunk c is summed
-  left to right over ranks c-1, c-2, ..., c+1 (mod W), then c. For W <= 2 any order gives the same bits.
+- gloo's all-reduce is a ring: the bucket is cut into W chunks (of K segments of at most 1 MiB each), and
+  chunk c is summed left to right over ranks c-1, c-2, ..., c+1 (mod W), then c. For W <= 2 any order gives
+  the same bits.
 
 The layouts are DDP's own: the model runs under a DDP over a process group of this process alone, whose
 communication hook notes each bucket's parameters and offsets and reduces nothing (ranks_layout).
@@ -31,14 +32,19 @@ from replay.train.counterfactual import ScopedUpdate
 from replay.train.data import TokenData
 from replay.train.model import lm_loss
 
+SEGMENT_BYTES = 1 << 20   # gloo's largest ring segment: a rank's chunk is cut into as many as it takes
+
 
 def ring_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sum of the W ranks' flat tensors, element for element as gloo's ring all-reduce adds them."""
+    """The sum of the W ranks' flat tensors, element for element as gloo's ring all-reduce adds them: the
+    buffer is cut into W chunks of K segments (K: as many as keep a segment within SEGMENT_BYTES), and chunk
+    c is added over ranks c-1, c-2, ..., c+1, then c (benchmarks/gloo_order.py: bit for bit, any size)."""
     world, n = len(parts), parts[0].numel()
-    chunk = -(-n // world)
+    segments = max(1, -(-n * parts[0].element_size() // (world * SEGMENT_BYTES)))
+    chunk = segments * -(-n // (world * segments))
     out = torch.empty_like(parts[0])
     for c in range(world):
-        piece = slice(c * chunk, min(n, (c + 1) * chunk))
+        piece = slice(min(n, c * chunk), min(n, (c + 1) * chunk))
         order = [(c - 1 - i) % world for i in range(world - 1)] + [c]
         acc = parts[order[0]][piece].clone()
         for r in order[1:]:
