@@ -16,9 +16,10 @@ from replay.lifeline import child_env
 from tests.conftest import BENCHMARKS, REPO
 
 GPU_ONLY = {"bench_cuda_record.py"}   # says it skips on a machine without CUDA
-# Not run here: two torchrun nodes and a two-node Ray cluster take a minute of the suite's 2 cores, and every
-# path it times runs in tests/launch/test_multinode_integration.py.
-NOT_HERE = {"bench_multinode.py"}
+# Not run here, for the suite's 12 minutes: each times commands whose every path a test runs already
+# (tests/launch/test_multinode_integration.py: two torchrun nodes and a two-node Ray cluster, a minute of the
+# suite's 2 cores; tests/train/test_fewer_ranks_integration.py: replays of a 4-rank run on 2 and 1 processes).
+NOT_HERE = {"bench_multinode.py", "bench_fewer_ranks.py"}
 
 
 def test_every_benchmark_is_here():
