@@ -64,12 +64,6 @@ INTEGRATION_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reporte
                         "s3_server", "s3_store"}
 
 
-# The files that take a worker longest (`make test --durations`, 2026-11-24: 1.5 to 2.5 minutes each): started
-# last, one of them would run on alone after the other worker had emptied the queue.
-LONGEST = ("test_results_integration.py", "test_benchmarks_integration.py", "test_multinode_integration.py",
-           "test_soak_integration.py")
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name.endswith("_integration.py"):
@@ -78,10 +72,9 @@ def pytest_collection_modifyitems(items):
             why = f"it uses {', '.join(sorted(uses))}" if uses else "marked `integration`"
             raise pytest.UsageError(f"{item.nodeid} is an integration test ({why}): move it to a file named "
                                     "`*_integration.py` beside this one, unmarked (docs/testing.md)")
-    # Integration tests first, the longest files first of all: `make test`'s two workers take the files in this
-    # order (--no-loadscope-reorder), and the shorter ones, then the many short unit tests, fill the end of both.
-    first = {name: i for i, name in enumerate(LONGEST)}
-    items.sort(key=lambda item: (item.get_closest_marker("integration") is None, first.get(item.path.name, len(first))))
+    # Integration tests first: `make test`'s two workers take the files in this order (--no-loadscope-reorder),
+    # and the many short unit tests fill the end of both.
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
 
 
 _running_unit_test: list[str] = []   # the node id of the unit test running in this process, if one is
