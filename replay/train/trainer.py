@@ -135,7 +135,8 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
                 scoped = ScopedUpdate(model, spec.lr_scope)
             ids = np.stack([loop.sample_ids(micro) for rank in ranks
                             for micro in order.rank_ids(step, rank, world, cfg.micro_batch_size)])
-            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and step == start > 0:   # a replay or resume
+            # a replay or resume of 3 or more ranks (with 2, a + b == b + a: the layout cannot change the bits)
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and r.world > 2 and step == start > 0:
                 _rebuild_buckets(ddp, data, r, loop, ids[0])
             dropped = frozenset(drop.get(step, ()))
             weight = kept_weight(loop.recorded_ids(step), dropped) if dropped else 1.0
