@@ -1,5 +1,5 @@
 # Entry points, each setting everything up first: `make demo` (the main job), `make test`, `make test-fast`, `make lint`,
-# `make bench`, `make soak`, `make results` and, on a CUDA machine, `make gpu-check`.
+# `make bench`, `make bench-quick`, `make soak`, `make results` and, on a CUDA machine, `make gpu-check`.
 # TORCH is installed before the package so pip never resolves an unpinned torch to the CUDA build;
 # on a GPU machine use e.g. `make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
 PYTHON ?= python3
@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test test-fast lint bench soak soak-s3 results gpu-check clean
+.PHONY: setup demo test test-fast lint bench bench-quick soak soak-s3 results gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -24,9 +24,14 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/replay demo --out $(DEMO)
 
-# On two worker processes, a test file at a time to whichever is free (docs/testing.md).
+# On two worker processes, a test file at a time to whichever is free (docs/testing.md). The benchmarks' quick
+# runs are `make bench-quick`, beside it in CI.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not benchmark" --durations=15
+
+# Every benchmark in its quick mode (seconds each), so none of them rots between `make bench` runs.
+bench-quick: setup
+	$(PY) -m pytest -q -n 2 -m benchmark
 
 # The edit loop: the unit tests only, in this process (docs/testing.md).
 test-fast: setup

@@ -1,6 +1,7 @@
 """Every benchmark runs in its quick mode, through its public entry points, and prints its ratios (never
 asserted on: the numbers are the benchmark's to report, not the suite's to judge). Those that use Ray
-start local clusters of their own, as a user's run would."""
+start local clusters of their own, as a user's run would. The quick runs are marked `benchmark`: `make
+bench-quick` runs them, beside `make test` in CI (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,6 @@ from replay.lifeline import child_env
 from tests.conftest import BENCHMARKS, REPO
 
 GPU_ONLY = {"bench_cuda_record.py"}   # says it skips on a machine without CUDA
-# Not run here, for the suite's 12 minutes: each times commands whose every path a test runs already
-# (tests/launch/test_multinode_integration.py: two torchrun nodes and a two-node Ray cluster, a minute of the
-# suite's 2 cores; tests/train/test_fewer_ranks_integration.py: replays of a 4-rank run on 2 and 1 processes).
-NOT_HERE = {"bench_multinode.py", "bench_fewer_ranks.py"}
 
 
 def test_every_benchmark_is_here():
@@ -28,7 +25,8 @@ def test_every_benchmark_is_here():
                           "bench_object_store.py", "bench_record.py", "bench_replay.py", "bench_sharded.py"]
 
 
-@pytest.mark.parametrize("script", [b for b in BENCHMARKS if b not in NOT_HERE])
+@pytest.mark.benchmark
+@pytest.mark.parametrize("script", BENCHMARKS)
 def test_the_benchmark_runs_quickly_and_prints_its_ratios(script):
     env = child_env({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     result = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env,

@@ -11,15 +11,19 @@ import json
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from replay.errors import ReplayError
 from replay.lifeline import follow_parent
-from replay.store.location import Location
+
+if TYPE_CHECKING:
+    from replay.store.location import Location
 
 
 def main(argv: list[str]) -> int:
     # lazy: follow_parent() comes first, before these seconds of imports (the end of this file)
     from replay.store.holder import ENV as LEASE_ENV
+    from replay.store.location import Location
     from replay.train.trainer import train
 
     rank = os.environ.get("RANK", "?")
@@ -41,6 +45,8 @@ def serve(train, reply_fd: int) -> int:
     process group between them."""
     # lazy (see main)
     import torch.distributed as dist
+
+    from replay.store.location import Location
 
     with os.fdopen(reply_fd, "w") as replies:
         for line in sys.stdin:

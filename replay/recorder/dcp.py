@@ -20,7 +20,6 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -33,11 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from replay.errors import UsageError
-from replay.recorder.state import unwrap
+from replay.recorder.state import note_origin
 from replay.store.dcp import METADATA, SafeReader, quiet_single_process
 
 _OPTIMIZER_KEYS = ("optimizer", "optim")      # torchtitan's and replay export's, OLMo-core's
-_ORIGINS: WeakKeyDictionary[torch.nn.Module, str] = WeakKeyDictionary()   # model -> the directory it came from
 
 
 @dataclass
@@ -70,7 +68,7 @@ def load_dcp(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Op
     if key is not None:
         assert optimizer is not None, "an optimizer state is loaded only for an optimizer"
         set_optimizer_state_dict(model, optimizer, state[key])
-    _ORIGINS[unwrap(model)] = str(path.resolve())
+    note_origin(model, str(path.resolve()))
     return Loaded(path, len(model_state), optimizer is not None)
 
 
@@ -85,8 +83,3 @@ def _model_prefix(path: Path, saved: set[str], names: list[str]) -> bool:
     raise UsageError(f"{path} does not hold the model's {missing[0]}"
                      + (f" and {len(missing) - 1} more of its tensors" if len(missing) > 1 else "")
                      + " (under model. or at the top level): is it a checkpoint of this model?")
-
-
-def origin_of(model: torch.nn.Module) -> str | None:
-    """The DCP directory `model` was loaded from, if load_dcp loaded it."""
-    return _ORIGINS.get(unwrap(model))

@@ -47,7 +47,6 @@ from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder.environment import configure_determinism, fingerprint
-from replay.recorder.fsdp import FSDP2TrainState, is_fsdp2
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, Start, decide, one_line_errors
 from replay.recorder.placement import gather_placement
@@ -135,7 +134,7 @@ class Loop:
         self.precision = self.cfg.precision
         configure_determinism(self.cfg.threads)
         if state is None:
-            state = (FSDP2TrainState if is_fsdp2(model) else TorchTrainState)(model, optimizer, scheduler, scaler)
+            state = _train_state(model, optimizer, scheduler, scaler)
         self.recorder = Recorder(start.store, state,
                                  cfg=self._mode.recorder_config, rank=self.rank, world_size=self.world,
                                  played=len(played),
@@ -485,6 +484,18 @@ def _played_ranks(start: Start, rank: int, world: int) -> range:
 
 def _losses(loss: Any) -> float | list[float]:
     return [_number(x) for x in loss] if isinstance(loss, (list, tuple)) else _number(loss)
+
+
+def _train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 scaler: Any) -> TrainState:
+    # A model fully_shard'ed by FSDP2 has DTensor parameters, which exist only once torch.distributed.tensor
+    # is imported: FSDP2's state, and its half a second of imports, only then.
+    if "torch.distributed.tensor" in sys.modules:
+        from replay.recorder.fsdp import FSDP2TrainState, is_fsdp2
+
+        if is_fsdp2(model):
+            return FSDP2TrainState(model, optimizer, scheduler, scaler)
+    return TorchTrainState(model, optimizer, scheduler, scaler)
 
 
 def _attention_applier(model: torch.nn.Module, pattern: str | None) -> Callable[[AttentionPlan], Any]:

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from replay.config import Launcher, RunConfig
 from replay.errors import ReplayError, UsageError
 from replay.recorder import command as cmd
-from replay.recorder.dcp import origin_of
 from replay.recorder.modes import Start
 from replay.recorder.recorder import RecorderConfig
 from replay.recorder.run_options import RunOptions
+from replay.recorder.state import origin_of
 from replay.store import RunStore
 from replay.store.lease import Lease
 from replay.store.lifecycle import create_run, no_data, resume_run

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -19,6 +20,20 @@ from replay.store.sharding import Sharding
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
+
+
+# model -> the DCP directory recorder/dcp.py's load_dcp loaded it from; here, not there, so that a recording
+# learns it without importing torch.distributed.checkpoint (half a second of every rank's start-up)
+_ORIGINS: WeakKeyDictionary[torch.nn.Module, str] = WeakKeyDictionary()
+
+
+def note_origin(model: torch.nn.Module, path: str) -> None:
+    _ORIGINS[unwrap(model)] = path
+
+
+def origin_of(model: torch.nn.Module) -> str | None:
+    """The DCP directory `model` was loaded from, if load_dcp loaded it."""
+    return _ORIGINS.get(unwrap(model))
 
 
 class TorchTrainState:
