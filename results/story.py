@@ -26,8 +26,9 @@ def story(ctx: Context) -> Section:
         if store.exists():
             shutil.rmtree(store)
         shutil.copytree(ctx.story_store, store)
-        bisect = ["bisect", store, "--by", "steps", "--fix", FIX, "--json"]
-        body.append(f"Quick mode: a copy of `{ctx.story_store}`, bisected over steps only; no dense replay.")
+        bisect = ["bisect", store, "--by", "steps", "--fix", FIX, "--workers", "1", "--json"]
+        body.append(f"Quick mode: a copy of `{ctx.story_store}`, bisected over steps only, one probe at a time; no "
+                    "dense replay.")
     else:
         store = ctx.work / "demo"
         if store.exists():   # `replay demo` reuses the stages already done there

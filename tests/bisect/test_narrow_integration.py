@@ -56,7 +56,7 @@ def test_data_bisect_returns_exactly_the_planted_samples(planted_data, ray_local
 
 
 def test_layer_and_head_bisect_returns_the_planted_defective_head(planted_layer, ray_local):
-    session = _bisect(planted_layer, "--by", "heads", "--fix", "attention=eager", env=DEFECT)
+    session = _bisect(planted_layer, "--by", "heads", "--fix", "attention=eager", "--workers", "1", env=DEFECT)
     v = session["verdict"]
     assert v["layers"] == [1]
     assert v["heads"] == [[1, 0]]
