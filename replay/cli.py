@@ -22,6 +22,7 @@ from replay.config import PRECISIONS, Launcher, build_config
 from replay.demo import run_demo
 from replay.errors import ReplayError
 from replay.launch import ranks
+from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
 from replay.lifeline import follow_parent
 from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
@@ -549,5 +550,13 @@ def demo(out) -> None:
     click.echo("\n".join(result.lines(_sample_lines(result.store))))
 
 
+def run() -> None:
+    """The `replay` program (its console script, `python -m replay`): `main`, ended by `exit_process`."""
+    try:
+        main()
+    except SystemExit as e:
+        exit_process(e.code)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -7,12 +7,13 @@ each finished result is handed to the caller at once, so a crash loses only what
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from replay import faults
 from replay.errors import ReplayError, UsageError
@@ -21,6 +22,7 @@ from replay.lifeline import Guardian
 from replay.store.s3 import configuration
 
 RETRIES = 3
+_connected = False   # whether this process has connected to Ray (see `exit_process`)
 
 
 @contextlib.contextmanager
@@ -49,6 +51,8 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
             kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
         if not address:   # the local cluster's processes must not outlive this one (lifeline.py)
             guardian.start()
+        global _connected
+        _connected = True   # Ray's native threads start with the attempt, connected or not
         try:
             with _quiet_stderr():
                 ray.init(**kwargs)
@@ -92,6 +96,27 @@ def _cluster_errors_off_stdout() -> Callable[[], None]:
         ray_worker.print_to_stdstream = printer
 
     return restore
+
+
+def exit_process(code: object) -> NoReturn:
+    """End the `replay` program with `code` (a SystemExit's). Once Ray has been connected in this process,
+    ray.shutdown() leaves native threads of Ray behind (its GCS client's process-wide I/O thread, gRPC's
+    timers and executors) that run on while the C++ library's static objects are destroyed at exit, and
+    can abort the process there (SIGABRT, "Mutex corrupt") after its work is done: the exit then does
+    Python's part (atexit handlers, flushed output) and skips the native one."""
+    if not _connected:
+        raise SystemExit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:   # sys.exit("message"), as the interpreter does it
+        print(code, file=sys.stderr)
+        status = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def cluster_cpus() -> tuple[int, int]:
