@@ -115,18 +115,15 @@ def kill_trial(reference: Where, workdir: Where, rng: random.Random, how: str, a
     return KillTrial(how, trial.at_step, trial.landed, resumes[-1].from_step if resumes else 0, trial.error)
 
 
-def chained_kills(reference: Where, workdir: Where, plan: list[tuple[str, int | None, str | None]],
+def chained_kills(reference: Where, workdir: Where, plan: list[tuple[str, int, str | None]],
                   rng: random.Random) -> list[KillTrial]:
-    """One recording killed once per entry of `plan` (how, at step (None: random from where it stands), fault),
-    each kill's launch resuming the last; after each, what is committed must be the reference's, and the
+    """One recording killed once per entry of `plan` (how, at step, fault), each kill's launch resuming the
+    last; after each, what is committed must be the reference's, and the
     last resume runs to completion, bit for bit the reference. Cheaper than independent trials (the suite's
     way; `make soak` runs independent ones)."""
     store, trials = Location.parse(workdir) / "run", []
     for how, at_step, fault in plan:
-        committed = RunStore.open(store).checkpoints() if (store / "zarr.json").exists() else []
-        start = committed[-1].step if committed else 0
-        at = rng.randrange(min(start, LAST_KILL), LAST_KILL + 1) if at_step is None else at_step
-        trials.append(killed_launch(store, rng, how, at, fault))
+        trials.append(killed_launch(store, rng, how, at_step, fault))
         assert_prefix(store, reference)
     result = subprocess.run(replay_command("record", "--store", store, "--resume"), cwd=REPO, env=child_env(),
                             capture_output=True, text=True)
