@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from replay.processes import descendants
+
 REPO = Path(__file__).resolve().parents[1]
 MAKE_TEST = ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-m", "not benchmark"]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -35,32 +37,14 @@ KINDS = [   # first match wins
 ]
 
 
-def descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rpartition(")")[2].split()[1])].append(int(entry))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def sample(pid: int) -> tuple[tuple[int, str], str, float] | None:
-    """((pid, start time), command line, CPU seconds so far)."""
+def sample(pid: int) -> tuple[str, float] | None:
+    """(command line, CPU seconds so far) of a process, or None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return None
-    return (pid, fields[19]), cmdline.strip(), (int(fields[11]) + int(fields[12])) / TICK
+    return cmdline.strip(), (int(fields[11]) + int(fields[12])) / TICK
 
 
 def kind(cmdline: str) -> str:
@@ -70,14 +54,14 @@ def kind(cmdline: str) -> str:
 def main() -> None:
     args = sys.argv[1:] or MAKE_TEST
     suite = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=REPO)
-    last: dict[tuple[int, str], tuple[str, float]] = {}
+    last: dict[tuple[int, int], tuple[str, float]] = {}   # (pid, start time) -> its last sample
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            for pid in descendants(suite.pid):
-                if (s := sample(pid)) is not None:   # a zombie has no command line left: keep the one it had
-                    last[s[0]] = (s[1] or last.get(s[0], ("", 0.0))[0], s[2])
+            for pid, start in descendants(suite.pid).items():
+                if (s := sample(pid)) is not None:   # one that ended since has no command line left: keep the last
+                    last[pid, start] = (s[0] or last.get((pid, start), ("", 0.0))[0], s[1])
             time.sleep(0.25)
 
     watcher = threading.Thread(target=watch, daemon=True)

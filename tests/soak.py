@@ -118,9 +118,9 @@ def kill_trial(reference: Where, workdir: Where, rng: random.Random, how: str, a
 def chained_kills(reference: Where, workdir: Where, plan: list[tuple[str, int, str | None]],
                   rng: random.Random) -> list[KillTrial]:
     """One recording killed once per entry of `plan` (how, at step, fault), each kill's launch resuming the
-    last; after each, what is committed must be the reference's, and the
-    last resume runs to completion, bit for bit the reference. Cheaper than independent trials (the suite's
-    way; `make soak` runs independent ones)."""
+    last; after each, what is committed must be the reference's, and the last resume runs to completion, bit
+    for bit the reference. Cheaper than independent trials (the suite's way; `make soak` runs independent
+    ones)."""
     store, trials = Location.parse(workdir) / "run", []
     for how, at_step, fault in plan:
         trials.append(killed_launch(store, rng, how, at_step, fault))
