@@ -26,7 +26,7 @@ from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
 from replay.lifeline import follow_parent
 from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
-from replay.replayer.replays import ReplayRequest, run_on_ray
+from replay.replayer.replays import NotBitForBit, ReplayRequest, run_on_ray
 from replay.replayer.replays import run as run_replay
 from replay.store import RunStore
 from replay.store.lease import current_spec, writing
@@ -293,20 +293,23 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
               run_replay(store, req, warn=warn))
     v = result.verification
     assert v is not None, "run() verifies every replay"
+    plain = not overrides.to_dict()
     if as_json:
         click.echo(json.dumps({"replay": str(result.location), "ran": result.created,
                                "environment_differences": result.environment_notes, "warnings": result.warnings,
                                "verification": v.to_dict()},
                               indent=2))
-        return
-    for note in result.environment_notes:
-        click.echo(f"environment differs from the recording: {note} (bitwise equality is not guaranteed)", err=True)
-    click.echo(f"replay {result.location} ({'ran' if result.created else 'already complete; not re-run'}): "
-               f"steps {v.steps[0]}..{v.steps[-1]}"
-               + (f", overrides {overrides.to_dict()}" if overrides.to_dict() else ""))
-    if verify:
-        click.echo("verify: every replayed step equals the record bit for bit (loss per rank, global loss, "
-                   "grad norm)" if v.divergence is None else f"verify: {v.divergence.describe()}")
+    else:
+        for note in result.environment_notes:
+            click.echo(f"environment differs from the recording: {note} (bitwise equality is not guaranteed)",
+                       err=True)
+        click.echo(f"replay {result.location} ({'ran' if result.created else 'already complete; not re-run'}): "
+                   f"steps {v.steps[0]}..{v.steps[-1]}"
+                   + (f", overrides {overrides.to_dict()}" if not plain else ""))
+        if verify and not (plain and not v.bitwise):
+            click.echo(f"verify: {v.describe()}")
+    if plain and not v.bitwise:
+        raise NotBitForBit(f"the replay is not bit for bit: {v.describe()}")
 
 
 def _csv(kind, parse):

@@ -19,6 +19,7 @@ from replay.store.capabilities import Capabilities
 from replay.store.lease import holder_of
 from replay.store.location import Location, Where
 from replay.store.run_store import micro_batches
+from replay.store.verification import STATE, Divergence
 from replay.train.data import load_data
 
 
@@ -91,6 +92,17 @@ def _numerics(store: RunStore) -> dict[str, list[float]] | None:
     return {k: [float(x) for x in v] for k, v in out.items()}
 
 
+def _verdict(v: dict[str, Any] | None) -> str:
+    """A replay's verification, in a few words (its level: the state, or the scalars only)."""
+    if not v:
+        return ""
+    level = "" if v.get("level") == STATE else ", scalars only"
+    if v["bitwise"]:
+        return f", bit for bit ({'state and scalars' if not level else 'scalars only'})"
+    d = Divergence.from_dict(v["divergence"])
+    return f", diverges at step {d.step} ({'the state' if d.first == 'state' else d.first} first{level})"
+
+
 def info_lines(summary: dict[str, Any]) -> list[str]:
     """`replay info` in words."""
     cfg, ck = summary["config"], summary["checkpoints"]
@@ -142,8 +154,7 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"            {r['id']}: steps {r['window']['from']}..{r['window']['to']} from checkpoint "
                      f"{r['start_checkpoint']}, {r['status']}, {r['outcome']}"
                      + (f", overrides {r['overrides']}" if r["overrides"] else "")
-                     + ("" if not v else ", bitwise" if v["bitwise"] else
-                        f", diverges at step {v['divergence']['step']}"))
+                     + _verdict(v))
     lines += [f"            {r['id']}: cannot be read: {r['error']}" for r in summary["replays"] if "error" in r]
     if summary["numerics"]:
         n = summary["numerics"]

@@ -24,6 +24,7 @@ from replay.bisect.session import Session
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.location import Location, Where
+from replay.store.verification import Verification
 
 
 def _figure(draw, width: float = 9.0, height: float = 3.2) -> str:
@@ -286,9 +287,8 @@ def write_report(store_path: Where, out: str | Path | None = None, top: int = 10
         parts.append("<h2>Replays</h2><table><tr><th>id</th><th>window</th><th>overrides</th><th>outcome</th>"
                      "<th>verification</th></tr>")
         for r in replays:
-            v = r["verification"] or {}
-            verdict = "bitwise" if v.get("bitwise") else (
-                f"diverged at step {v['divergence']['step']}" if v.get("divergence") else "-")
+            v = Verification.from_dict(r["verification"]) if r["verification"] else None
+            verdict = "-" if v is None else html.escape(v.describe())
             parts.append(f"<tr><td>{html.escape(r['id'])}</td><td>{r['window']['from']}..{r['window']['to']}</td>"
                          f"<td>{html.escape(str(r['overrides'] or '-'))}</td><td>{html.escape(r['outcome'])}</td>"
                          f"<td>{verdict}</td></tr>")

@@ -35,7 +35,8 @@ from replay import faults
 from replay.bisect.probes import ProbeRunner, request
 from replay.bisect.rule import Rule, judge
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
-from replay.bisect.session import BaselineResult, DataResult, HeadsResult, LayersResult, Session, StepsResult, Verdict
+from replay.bisect.session import (BaselineResult, DataResult, HeadsResult, LayersResult, Separation, Session,
+                                   StepsResult, Verdict)
 from replay.errors import ReplayError, UsageError
 from replay.launch.ray_cluster import cluster_cpus, ray_session
 from replay.launch.ray_ranks import Placing, RayRanks
@@ -366,24 +367,26 @@ class Bisect:
         separation = self._separation(replay_id(request(good, stop, fix)))
         self.say(f"steps: {self.cfg.fix} prevents the spike from checkpoint {good} and from every step up to "
                  f"{last_good}; from step {last_good + 1} on it no longer can"
-                 + (f"; its trajectory separates from the record at step {separation['measurable']}"
-                    if separation["measurable"] is not None else ""))
+                 + (f"; {separation.describe()}" if separation.describe() else ""))
         return StepsResult(checkpoint=good, last_preventing_step=last_good, first_failing_step=last_good + 1,
                            window=[good, last_good + 1], separation=separation, candidates=candidates, bound=bound,
                            monotone=monotone and monotone_steps)
 
-    def _separation(self, probe_id: str) -> dict[str, Any]:
-        """The first step whose loss differs from the record's: in any bit, and by > SEPARATION relative."""
+    def _separation(self, probe_id: str) -> Separation:
+        """Where the probe's trajectory parts from the record: the first step that differs in any bit (its
+        verification: the state after the update, or a loss), and the first whose loss differs by more than
+        SEPARATION, relatively."""
+        probe = RunStore.open(self.record.location / "replays" / probe_id)
+        verification = probe.manifest.replay_spec.verification
+        assert verification is not None, "a probe is verified when it has run"
         rec = self.record.read_steps(["loss"])["loss"]
-        rows = RunStore.open(self.record.location / "replays" / probe_id).read_steps(["loss"])
-        first_bit = measurable = None
-        for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist(), strict=True):
-            if first_bit is None and np.float64(loss).view(np.uint64) != np.float64(rec[step]).view(np.uint64):
-                first_bit = step
-            if abs(loss - rec[step]) > SEPARATION * abs(rec[step]):
-                measurable = step
-                break
-        return {"first_bit": first_bit, "measurable": measurable, "relative": SEPARATION}
+        rows = probe.read_steps(["loss"])
+        measurable = next((step for step, loss in zip(rows["step"].tolist(), rows["loss"].tolist(), strict=True)
+                           if abs(loss - rec[step]) > SEPARATION * abs(rec[step])), None)
+        divergence = verification.divergence
+        return Separation(first_bit=None if divergence is None else divergence.step, measurable=measurable,
+                          relative=SEPARATION, first_bit_in=None if divergence is None else divergence.first,
+                          level=verification.level)
 
     # -- 3. layers, 4. heads -----------------------------------------------------------------------
 

@@ -13,6 +13,37 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Self
 
 
+@dataclass(frozen=True)
+class Separation:
+    """Where a counterfactual's trajectory parts from the record: the first step that differs in any bit (by
+    its verification: the state after the update at the level of the state, else a loss) and the first whose
+    loss differs by more than `relative`."""
+
+    first_bit: int | None
+    measurable: int | None
+    relative: float
+    first_bit_in: str | None = None      # what differed first there: "state", "loss", ... (None: not said)
+    level: str | None = None             # the verification's level (replay/store/verification.py)
+
+    def describe(self) -> str:
+        parts = []
+        if self.first_bit is not None:
+            what = "its state after the update" if self.first_bit_in == "state" else f"its {self.first_bit_in}"
+            parts.append(f"it first differs from the record at step {self.first_bit} ({what})")
+        if self.measurable is not None:
+            parts.append(f"its loss by more than {self.relative:g} relative at step {self.measurable}")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As stored: the fields sessions of earlier versions did not have are left out where unknown."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k in ("first_bit", "measurable")}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Separation:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
 @dataclass
 class Verdict:
     spike: int
@@ -20,7 +51,7 @@ class Verdict:
     fix: str                             # the counterfactual
     rule: str
     window: list[int] | None = None      # [checkpoint it still prevents the spike from, step it no longer can]
-    separation: dict[str, Any] | None = None   # {"bitwise": step, "measurable": step} the trajectories part
+    separation: Separation | None = None       # where the counterfactual's trajectory parts from the record
     layers: list[int] | None = None
     heads: list[list[int]] | None = None       # [layer, head] pairs
     minimal: bool = True                 # False: the probe budget ran out before the search finished
@@ -38,12 +69,15 @@ class Verdict:
     workers: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "separation": self.separation.to_dict() if self.separation else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Verdict:
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        fields = {k: v for k, v in d.items() if k in known}
+        if fields.get("separation"):
+            fields["separation"] = Separation.from_dict(fields["separation"])
+        return cls(**fields)
 
     def line(self) -> str:
         """The answer in one line."""
@@ -61,10 +95,9 @@ class Verdict:
         if "steps" in self.phases and not self.window:
             out.append("  steps: the counterfactual prevents the spike from none of the checkpoints tried")
         if self.window:
-            sep = (self.separation or {}).get("measurable")
+            sep = self.separation.describe() if self.separation else ""
             out.append(f"  decided in steps {self.window[0]}..{self.window[1]}: the counterfactual prevents it from "
-                       f"checkpoint {self.window[0]}, not from step {self.window[1]} on"
-                       + (f"; it separates from the record at step {sep}" if sep is not None else ""))
+                       f"checkpoint {self.window[0]}, not from step {self.window[1]} on" + (f"; {sep}" if sep else ""))
         if self.layers:
             out.append(f"  layers: {', '.join(map(str, self.layers))} (the counterfactual on these alone prevents the "
                        "spike" + "".join(f"; so it does on {', '.join(map(str, a))}"
@@ -106,7 +139,7 @@ class Verdict:
         return [("counterfactual", self.fix if set(self.phases) != {"data"} else "-"),
                 ("decisive window", f"{self.window[0]}..{self.window[1]} (prevents from checkpoint {self.window[0]}, "
                                     f"not from step {self.window[1]} on)" if self.window else "-"),
-                ("separates from the record", str((self.separation or {}).get("measurable") or "-")),
+                ("parts from the record", self.separation.describe() if self.separation else "-"),
                 ("layers", listed(self.layers)),
                 ("heads (layer.head)", listed(self.heads, lambda h: f"{h[0]}.{h[1]}")),
                 ("batches", listed(self.batches)),
@@ -146,10 +179,21 @@ class StepsResult(PhaseResult):
     last_preventing_step: int | None = None
     first_failing_step: int | None = None
     window: list[int] | None = None      # [checkpoint, first failing step]
-    separation: dict[str, Any] | None = None   # {"first_bit", "measurable", "relative"}: where the trajectories part
+    separation: Separation | None = None  # where the counterfactual's trajectory parts from the record
     candidates: list[int]                # the checkpoints tried
     bound: int                           # the probes the searches could need at worst
     monotone: bool                       # False: the answers were not monotone in the start step
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.separation is not None:
+            out["separation"] = self.separation.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        sep = d.get("separation")
+        return super().from_dict({**d, "separation": Separation.from_dict(sep) if sep else None})
 
 
 @dataclass(frozen=True, kw_only=True)

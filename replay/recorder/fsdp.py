@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from replay.errors import UsageError
+from replay.recorder.digest import model_and_optimizer
 from replay.store.sharding import Piece, ShardedTensor, Sharding
 
 
@@ -50,6 +51,10 @@ class FSDP2TrainState:
                  "optimizer": {**optimizer, "state": {i: {k: _local(v) for k, v in s.items()}
                                                       for i, s in optimizer["state"].items()}}}
         return {"replicated": replicated, "local": local}
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What the per-step digest covers (recorder/digest.py): this rank's pieces of the model and optimizer."""
+        return model_and_optimizer(self.model, self.optimizer)
 
     def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any],
                         read_local: Callable[[int], dict[str, Any]] | None = None) -> None:

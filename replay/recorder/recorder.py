@@ -35,6 +35,7 @@ import torch.distributed as dist
 from replay import faults
 from replay.config import Launcher, RunConfig, SpikeConfig
 from replay.errors import ReplayError, UsageError
+from replay.recorder.digest import StateDigest
 from replay.recorder.environment import rng_state, set_rng_state
 from replay.recorder.spikes import SpikeDetector, SpikeEvent
 from replay.recorder.writer import BackgroundWriter
@@ -42,6 +43,7 @@ from replay.store import RunStore
 from replay.store.lease import Lease, require
 from replay.store.lifecycle import create_run, no_data, resume_run
 from replay.store.location import Location, Where
+from replay.store.run_store import DigestInfo
 from replay.store.tensors import Packed, pack, whole_buffer
 
 
@@ -117,6 +119,8 @@ class Recorder:
         self.resume = resume
         self.start_from = start_from
         self.detector = SpikeDetector(cfg.spike)
+        self.digest = StateDigest(state, rank)
+        self._digests_noted = False
         self.ring: deque[tuple[int, Packed]] = deque(maxlen=max(1, cfg.snapshot_ring))
         self._spare: deque[np.ndarray] = deque()   # buffers of written checkpoints, reused by the next capture
         self.writer = BackgroundWriter(f"replay-writer-rank{rank}", guard)
@@ -214,7 +218,8 @@ class Recorder:
                     grad_norm: float,
                     lr: float, tokens: int, numerics: dict[str, np.ndarray] | None = None,
                     finish: bool = True) -> SpikeEvent | None:
-        """Record optimizer step `step` (its state is now the one *after* the step). `sample_ids`: this rank's
+        """Record optimizer step `step` (its state is now the one *after* the step: its digest is taken here,
+        recorder/digest.py). `sample_ids`: this rank's
         micro-batches' ids, (micro, sample) or a list of micro-batches of any sizes; every rank must train on
         as many micro-batches and samples as every other (checked: one line on every rank otherwise). Stored
         padded with -1 to the run's first step's shape (a process playing several ranks: theirs in order, and
@@ -224,13 +229,15 @@ class Recorder:
         for a caller whose state may still change after it records the step's metrics."""
         now = time.perf_counter()
         step_time, self._last_time = now - self._last_time, now
-        sample_ids = self._agree(step, [np.asarray(a, dtype=np.int64).reshape(-1) for a in sample_ids])
-        rank_loss, all_ids, all_tokens = self._gather(loss, sample_ids, tokens)
+        digest = self.digest()
+        sample_ids, width = self._agree(step, [np.asarray(a, dtype=np.int64).reshape(-1) for a in sample_ids],
+                                        len(digest))
+        rank_loss, all_ids, all_tokens, digests = self._gather(loss, sample_ids, tokens, _padded(digest, width))
         global_loss = self.last_loss = float(np.mean(rank_loss))
         if self.coordinator:
             self._rows.append({"loss": global_loss, "rank_loss": rank_loss, "grad_norm": float(grad_norm),
                                "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
-                               "sample_ids": all_ids, **(numerics or {})})
+                               "sample_ids": all_ids, "state_digest": digests, **(numerics or {})})
         event = self.detector.update(step, global_loss)   # every rank sees the same gathered losses
         if finish:
             self.finish_step(step, event)
@@ -253,13 +260,14 @@ class Recorder:
     def record_skipped(self, step: int, *, sample_ids: np.ndarray, lr: float,
                        numerics: dict[str, np.ndarray] | None = None, finish: bool = True) -> None:
         """A step whose batch was deliberately not trained on (a replay's --skip): a row of NaN metrics
-        with sample ids -1, unseen by the spike detector; checkpoint cadence as usual (`finish` as for
-        `record_step`)."""
+        with sample ids -1 and no state digests (zeros; verification leaves skipped steps out), unseen by the
+        spike detector; checkpoint cadence as usual (`finish` as for `record_step`)."""
         if self.coordinator:
             self._last_time = time.perf_counter()
             self._rows.append({"loss": np.nan, "rank_loss": np.full(self.world, np.nan), "grad_norm": np.nan,
                                "lr": float(lr), "tokens": 0, "step_time": 0.0,
                                "sample_ids": np.full((self.world, *self._skipped_shape(sample_ids)), -1),
+                               "state_digest": np.zeros((self.world, self._digest_width()), dtype=np.uint32),
                                **(numerics or {})})
         if finish:
             self.finish_step(step, None)
@@ -279,22 +287,23 @@ class Recorder:
         while self.ring:
             self._give_back(self.ring.popleft()[1])
 
-    def _agree(self, step: int, micro: list[np.ndarray]) -> np.ndarray:
+    def _agree(self, step: int, micro: list[np.ndarray], digests: int) -> tuple[np.ndarray, int]:
         """This rank's micro-batches as the run's (micro, sample) array, padded with -1, once every rank has
-        seen that all ranks drew as many (one small collective before the ids' own: never a mismatch)."""
+        seen that all ranks drew as many (one small collective before the ids' own: never a mismatch); and the
+        most state digests any rank took (`digests`: this rank's), to which every rank pads its own."""
         per = len(micro) // len(self.ranks)
         groups = [micro[i * per:(i + 1) * per] for i in range(len(self.ranks))]
-        mine = [(len(g), sum(len(a) for a in g), max((len(a) for a in g), default=0)) for g in groups]
+        mine = [(len(g), sum(len(a) for a in g), max((len(a) for a in g), default=0), digests) for g in groups]
         if self.processes > 1:
-            counts = [torch.zeros((len(mine), 3), dtype=torch.int64) for _ in range(self.processes)]
+            counts = [torch.zeros((len(mine), 4), dtype=torch.int64) for _ in range(self.processes)]
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             out = [c.to(device) for c in counts]
             dist.all_gather(out, torch.tensor(mine, dtype=torch.int64, device=device))
-            rows = [(int(row[0]), int(row[1]), int(row[2])) for c in out for row in c.cpu()]
+            rows = [tuple(int(x) for x in row) for c in out for row in c.cpu()]
         else:
             rows = mine
         if len({r[:2] for r in rows}) > 1:
-            drew = ", ".join(f"rank {r}: {n} micro-batch(es), {k} samples" for r, (n, k, _) in enumerate(rows))
+            drew = ", ".join(f"rank {r}: {n} micro-batch(es), {k} samples" for r, (n, k, _, _) in enumerate(rows))
             raise UsageError(f"step {step}: the ranks drew different training batches ({drew}); every rank must "
                              "pass as many training micro-batches through the loop, and evaluation draws must run "
                              "in model.eval(), under torch.no_grad() or in `with loop.evaluating():`")
@@ -309,26 +318,34 @@ class Recorder:
         for played, group in enumerate(groups):
             for i, a in enumerate(group):
                 padded[played, i, :len(a)] = a
-        return padded
+        return padded, max(r[3] for r in rows)
 
     def _skipped_shape(self, sample_ids: np.ndarray) -> tuple[int, ...]:
         return self._ids_shape if self._ids_shape is not None else np.shape(sample_ids)
 
-    def _gather(self, loss: float | list[float], ids: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """Every recorded rank's loss and (micro, sample) ids, in rank order, and the tokens of all; `ids`:
-        this process's ranks'."""
+    def _gather(self, loss: float | list[float], ids: np.ndarray, tokens: int,
+                digest: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+        """Every recorded rank's loss, (micro, sample) ids and state digests, in rank order, and the tokens of
+        all; `ids`: this process's ranks', `digest`: its state's (each rank it plays holds that state)."""
         losses = np.asarray(loss, dtype=np.float64).reshape(len(self.ranks))
+        played = len(self.ranks)
         if self.processes == 1:
-            return losses, ids, tokens
+            return losses, ids, tokens, np.tile(digest, (played, 1))
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mine = torch.cat([torch.tensor([float(tokens)], dtype=torch.float64), torch.from_numpy(losses),
-                          torch.from_numpy(ids.reshape(-1).astype(np.float64))]).to(device)
+                          torch.from_numpy(ids.reshape(-1).astype(np.float64)),
+                          torch.from_numpy(digest.astype(np.float64))]).to(device)
         out = [torch.empty_like(mine) for _ in range(self.processes)]
-        dist.all_gather(out, mine)   # ids < 2**53: exact in float64
+        dist.all_gather(out, mine)   # ids < 2**53 and 32-bit digests: exact in float64
         rows = torch.stack(out).cpu().numpy()
-        played = len(self.ranks)
+        n_ids = ids.size
+        digests = rows[:, 1 + played + n_ids:].astype(np.uint32)
         return (rows[:, 1:1 + played].reshape(-1).copy(),
-                rows[:, 1 + played:].astype(np.int64).reshape(self.world, *ids.shape[1:]), int(rows[:, 0].sum()))
+                rows[:, 1 + played:1 + played + n_ids].astype(np.int64).reshape(self.world, *ids.shape[1:]),
+                int(rows[:, 0].sum()), np.repeat(digests, played, axis=0))
+
+    def _digest_width(self) -> int:
+        return len(self.digest.names) if self.digest.names is not None else len(self.digest())
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -370,6 +387,20 @@ class Recorder:
 
         self.writer.submit(write)
 
+    def _note_digests(self) -> None:
+        """Name the step log's digest columns before its first rows with digests are written (rank 0)."""
+        if self._digests_noted or self.digest.names is None:
+            return
+        self._digests_noted = True
+        info = DigestInfo(kind=str(self.digest.kind), names=self.digest.names, since=self._rows_start)
+        store = self.store
+
+        def note() -> None:
+            if store.digests is None:   # a resumed run has them named already
+                store.note_digests(info)
+
+        self.writer.submit(note)
+
     def _flush_ring(self) -> None:
         for step, packed in self.ring:
             self._checkpoint(step, "snapshot", packed)
@@ -378,10 +409,15 @@ class Recorder:
     def _flush_rows(self) -> None:
         if not self._rows:
             return
+        self._note_digests()
         rows, start = self._rows, self._rows_start
         self._rows, self._rows_start = [], start + len(rows)
         records = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
         self.writer.submit(lambda: self.store.append_steps(start, records))
+
+
+def _padded(digest: np.ndarray, width: int) -> np.ndarray:
+    return np.concatenate([digest, np.zeros(width - len(digest), dtype=np.uint32)])
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -14,6 +14,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from replay.errors import UsageError
+from replay.recorder.digest import model_and_optimizer
 from replay.store import RunStore
 from replay.store.sharding import Sharding
 
@@ -52,6 +53,10 @@ class TorchTrainState:
             tree["scaler"] = self.scaler.state_dict()
         return {"replicated": tree, "local": {}}
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What the per-step digest covers (recorder/digest.py): on every rank, its model and optimizer state."""
+        return model_and_optimizer(unwrap(self.model), self.optimizer)
+
     def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any], read_local=None) -> None:
         unwrap(self.model).load_state_dict(replicated["model"])
         self.optimizer.load_state_dict(replicated["optimizer"])
@@ -78,6 +83,16 @@ class DeepSpeedTrainState:
         return {"replicated": replicated, "local": {"optimizer": optimizer,
                                                      "global_steps": self.engine.global_steps,
                                                      "global_samples": self.engine.global_samples}}
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What the per-step digest covers (recorder/digest.py): the module, and this rank's optimizer state
+        (under ZeRO its partition: the FP32 master weights and their moments)."""
+        optimizer = self.engine.optimizer
+        base = getattr(optimizer, "optimizer", optimizer)   # ZeRO's and the BF16 optimizer's inner one
+        out = model_and_optimizer(self.engine.module, base)
+        for g, group in enumerate(base.param_groups):
+            out += [(f"optimizer/group{g}.{i}", p) for i, p in enumerate(group["params"])]
+        return out
 
     def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any], read_local=None) -> None:
         """`read_local(rank)` gives another rank's local tree: ZeRO loads from the list of all of them."""

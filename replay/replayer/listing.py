@@ -51,6 +51,6 @@ def list_replays(store_path: Where) -> list[dict[str, Any]]:
         spec = m.replay_spec
         out.append({"id": path.name, "window": {"from": spec.start, "to": spec.stop},
                     "start_checkpoint": spec.start_checkpoint, "overrides": spec.overrides, "status": m.status,
-                    "spikes": spikes, "verification": spec.verification,
+                    "spikes": spikes, "verification": spec.verification.to_dict() if spec.verification else None,
                     "outcome": spike_outcome(recorded, spikes, spec)})
     return out

@@ -36,8 +36,16 @@ from replay.store.lease import writing
 from replay.store.lifecycle import resume_run
 from replay.store.location import Location, Where
 from replay.store.manifest import Manifest, ReplaySpec
+from replay.store.run_store import DigestInfo
+from replay.store.verification import SCALARS, STATE, Divergence, ScalarChange, StateChange, Verification
 
-COMPARED = ("loss", "rank_loss", "grad_norm")
+SCALAR_FIELDS = ("loss", "rank_loss", "grad_norm", "lr")   # in the order a step computes them
+
+
+class NotBitForBit(ReplayError):
+    """A replay without overrides that does not equal its record: the run is not reproducible as recorded."""
+
+    exit_code = 5
 
 
 @dataclass
@@ -51,31 +59,6 @@ class ReplayRequest:
     discard: bool = False           # remove an interrupted replay and run it anew
     allow_changed: bool = False     # a script of the user's own: run it even if its files changed
     ranks: int | None = None        # processes to play the recorded ranks on (train/fewer_ranks.py); None: one each
-
-
-@dataclass
-class Divergence:
-    step: int
-    quantity: str                   # loss, rank_loss[r] or grad_norm
-    recorded: float
-    replayed: float
-
-    def describe(self) -> str:
-        diff = self.replayed - self.recorded
-        rel = abs(diff) / abs(self.recorded) if self.recorded else float("inf")
-        return (f"first divergence at step {self.step}: {self.quantity} {self.replayed!r} replayed vs "
-                f"{self.recorded!r} recorded (difference {diff:+.3e}, relative {rel:.2e})")
-
-
-@dataclass
-class Verification:
-    steps: list[int]
-    bitwise: bool
-    divergence: Divergence | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"steps": [self.steps[0], self.steps[-1]] if self.steps else [], "bitwise": self.bitwise,
-                "divergence": None if self.divergence is None else vars(self.divergence)}
 
 
 @dataclass
@@ -257,8 +240,7 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
         result = Replay(path, created=pending, verification=verification, environment_notes=notes,
                         warnings=warnings)
         lease.check()
-        done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec,
-                                                        verification=verification.to_dict()))
+        done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec, verification=verification))
     return result
 
 
@@ -282,20 +264,67 @@ def _keep_committed(path: Location, world_size: int) -> str:
 
 
 def verify(parent: RunStore, replay: RunStore) -> Verification:
-    """Compare every replayed step with the record: bit for bit, or the first divergence. Skipped steps
-    (not trained on) are left out."""
-    rec, rep = parent.read_steps(list(COMPARED)), replay.read_steps(list(COMPARED))
+    """Compare every replayed step with the record, in the order the step computed it (losses, gradient
+    norm, learning rate, then the state after its update: every rank's digests), and name the first step
+    where anything differs and all that differs there. Skipped steps (not trained on) are left out."""
+    fields = [*SCALAR_FIELDS, "state_digest"]
+    rec, rep = parent.read_steps(fields), replay.read_steps(fields)
     steps = rep["step"].tolist()
-    rows = np.asarray(steps)
     skipped = set(replay.manifest.replay_spec.skip)
+    digests = _comparable(parent.digests, replay.digests)
+    names = digests[0].names if digests else []
+    note = _scalars_only(parent.digests, replay.digests, steps)
     for i, step in enumerate(steps):
         if step in skipped:
             continue
-        for name in COMPARED:
-            a, b = rec[name][rows[i]], rep[name][i]
-            if not np.array_equal(np.asarray(a).view(np.uint64), np.asarray(b).view(np.uint64)):
-                if np.ndim(a):
-                    r = int(np.flatnonzero(np.asarray(a).view(np.uint64) != np.asarray(b).view(np.uint64))[0])
-                    return Verification(steps, False, Divergence(step, f"{name}[{r}]", float(a[r]), float(b[r])))
-                return Verification(steps, False, Divergence(step, name, float(a), float(b)))
-    return Verification(steps, True)
+        scalars = [change for name in SCALAR_FIELDS for change in _changes(name, rec[name][step], rep[name][i])]
+        state = None
+        if digests and step >= max(d.since for d in digests):
+            state = _state_change(rec["state_digest"][step], rep["state_digest"][i], names)
+        if scalars or state:
+            return Verification(_span(steps), False, STATE if note is None else SCALARS,
+                                Divergence(step, scalars, state), len(names), note)
+    return Verification(_span(steps), True, STATE if note is None else SCALARS, None, len(names), note)
+
+
+def _span(steps: list[int]) -> list[int]:
+    return [steps[0], steps[-1]] if steps else []
+
+
+def _comparable(recorded: DigestInfo | None, replayed: DigestInfo | None) -> tuple[DigestInfo, DigestInfo] | None:
+    if recorded is None or replayed is None or recorded.kind != replayed.kind or recorded.names != replayed.names:
+        return None
+    return recorded, replayed
+
+
+def _scalars_only(recorded: DigestInfo | None, replayed: DigestInfo | None, steps: list[int]) -> str | None:
+    """Why some compared step's state could not be compared (None: every step's was)."""
+    if recorded is None:
+        return "the record holds no state digests: it was recorded by an earlier version of replay"
+    if replayed is None:
+        return "the replay holds no state digests"
+    if recorded.kind != replayed.kind:
+        return f"the record's state digests are {recorded.kind}, the replay's {replayed.kind} (another device)"
+    if recorded.names != replayed.names:
+        only = sorted(set(recorded.names) ^ set(replayed.names))
+        return f"the record's and the replay's states hold other tensors ({', '.join(only[:3])})"
+    if steps and steps[0] < recorded.since:
+        return f"the record holds state digests from step {recorded.since} on only (resumed by a later version)"
+    return None
+
+
+def _changes(name: str, recorded: np.ndarray, replayed: np.ndarray) -> list[ScalarChange]:
+    """The scalar `name` of one step where its bits differ: one change, or one per differing rank."""
+    a, b = np.atleast_1d(np.asarray(recorded, np.float64)), np.atleast_1d(np.asarray(replayed, np.float64))
+    differ = np.flatnonzero(a.view(np.uint64) != b.view(np.uint64))
+    label = (lambda r: f"{name}[{r}]") if np.ndim(recorded) else (lambda r: name)
+    return [ScalarChange(label(int(r)), float(a[r]), float(b[r])) for r in differ]
+
+
+def _state_change(recorded: np.ndarray, replayed: np.ndarray, names: list[str]) -> StateChange | None:
+    """Which tensors' digests differ on which ranks, for one step ((rank, tensor) digests each side)."""
+    differ = recorded != replayed
+    if not differ.any():
+        return None
+    tensors = [names[t] for t in np.flatnonzero(differ.any(axis=0))]
+    return StateChange(tensors=tensors, ranks=np.flatnonzero(differ.any(axis=1)).tolist(), of=len(names))

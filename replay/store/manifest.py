@@ -13,6 +13,7 @@ from typing import Any
 
 from replay.config import Launcher, RunConfig
 from replay.store.sharding import Sharding
+from replay.store.verification import Verification
 
 SCHEMA = 2
 READABLE = (1, 2)
@@ -66,7 +67,7 @@ class ReplaySpec:
     drop: list[list[int]] = field(default_factory=list)   # [step, sample id] pairs left out
     lr_scope: dict[str, Any] | None = None                # a scoped lr scale (train/counterfactual.py)
     processes: int | None = None   # --ranks: processes that played the recorded ranks (None: one per rank)
-    verification: dict[str, Any] | None = None            # written when the replay has run
+    verification: Verification | None = None              # written when the replay has run
 
 
 PROBE_SAMPLES = 4                  # the analysis probe's batch: this many samples ...
@@ -168,7 +169,9 @@ class Manifest:
         if meta["kind"] == "replay":
             replay = ReplaySpec(parent=d["parent"], start=d["window"]["from"], stop=d["window"]["to"],
                                 **{f.name: d[f.name] for f in dataclasses.fields(ReplaySpec)
-                                   if f.name not in ("parent", "start", "stop") and f.name in d})
+                                   if f.name not in ("parent", "start", "stop", "verification") and f.name in d},
+                                verification=Verification.from_dict(d["verification"]) if d.get("verification")
+                                else None)
         data = {f.name: d["data"].get(f.name) for f in dataclasses.fields(DataInfo)}
         return cls(kind=meta["kind"], schema=meta["schema"], config=RunConfig.from_dict(d["config"]),
                    world_size=d["world_size"], launcher=d["launcher"], data=DataInfo(**data), created=d["created"],

@@ -85,6 +85,9 @@ STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tokens": ("int64", ("step",)),
     "step_time": ("float64", ("step",)),
     "sample_ids": ("int64", ("step", "rank", "micro", "sample")),
+    # every rank's digest of its model and optimizer state after the step's update, one per tensor
+    # (recorder/digest.py); the tensors' names are the step log's `digests` attribute (`DigestInfo`)
+    "state_digest": ("uint32", ("step", "rank", "tensor")),
     # only in runs recorded with --numerics (replay/kernels/numerics.py), measured on rank 0's batches:
     "tied_rate": ("float64", ("step", "layer")),
     "delta_err": ("float64", ("step", "layer")),
@@ -94,11 +97,30 @@ STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wq_tied_err_cos": ("float64", ("step", "layer")),
 }
 NUMERICS_FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
+OPTIONAL_FIELDS = (*NUMERICS_FIELDS, "state_digest")   # not in every step log (stores recorded before digests)
 
 
 def micro_batches(ids: np.ndarray) -> list[np.ndarray]:
     """One rank's sample ids of one step, (micro, sample) padded with -1, as the micro-batches it trained on."""
     return [row[row >= 0] for row in np.asarray(ids) if (row >= 0).any()]
+
+
+@dataclass(frozen=True)
+class DigestInfo:
+    """How the step log's state digests were taken: the tensors' names (by column), their kind (digests of
+    two kinds are not compared: recorder/digest.py) and the first step that has them (a run recorded by an
+    earlier version and resumed by this one has none before it)."""
+
+    kind: str
+    names: list[str]
+    since: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DigestInfo:
+        return cls(kind=d["kind"], names=list(d["names"]), since=int(d["since"]))
 
 
 @dataclass
@@ -263,6 +285,18 @@ class RunStore:
     def _set_n_steps(self, n: int) -> None:
         self._steps().update_attributes(seal({**self._steps_attrs(), "n_steps": n}))
 
+    @property
+    def digests(self) -> DigestInfo | None:
+        """How the state digests of the step log were taken; None for a store recorded before them."""
+        doc = self._steps_attrs().get("digests")
+        return DigestInfo.from_dict(doc) if doc else None
+
+    def note_digests(self, info: DigestInfo) -> None:
+        """Name the state digests' columns, once, before the first step that has them is appended."""
+        self.check_writable()
+        assert self.digests is None, "the digests' names are written once"
+        self._steps().update_attributes(seal({**self._steps_attrs(), "digests": info.to_dict()}))
+
     def append_steps(self, start: int, records: dict[str, np.ndarray]) -> None:
         """Write steps [start, start + k) of every step field, then move the done-ness counter."""
         self.check_writable()
@@ -272,7 +306,7 @@ class RunStore:
         k = len(records["loss"])
         steps = self._steps()
         for name, (dtype, dims) in STEP_FIELDS.items():
-            if name not in records and name in NUMERICS_FIELDS:
+            if name not in records and name in OPTIONAL_FIELDS:
                 continue
             rows = np.asarray(records[name], dtype=dtype)
             assert rows.shape[0] == k, name

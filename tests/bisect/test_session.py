@@ -36,7 +36,7 @@ def test_stored_phases_read_back_typed_and_write_the_same_document():
 def test_each_phase_reads_as_attributes():
     p = Phases.from_dict(STORED)
     assert isinstance(p.baseline, BaselineResult) and p.baseline.bitwise and p.baseline.spike_at == 27
-    assert isinstance(p.steps, StepsResult) and p.steps.window == [20, 25] and p.steps.separation["measurable"] == 23
+    assert isinstance(p.steps, StepsResult) and p.steps.window == [20, 25] and p.steps.separation.measurable == 23
     assert isinstance(p.layers, LayersResult) and p.layers.layers == [1] and p.layers.minimal
     assert isinstance(p.heads, HeadsResult) and p.heads.heads == [[1, 0]] and p.heads.minimal is False
     assert isinstance(p.data, DataResult) and p.data.samples == [[27, 3]] and p.data.spike_at_without is None

@@ -47,15 +47,56 @@ def test_two_rank_window_between_checkpoints_replays_bit_for_bit(store_copy):
     assert "it holds steps 10..19" in error_line(replay_cli("batch", answer["replay"], "--step", "5"))
 
 
-def test_verify_reports_the_first_divergence(store_copy):
+def test_a_plain_replay_that_differs_from_its_record_names_the_first_step_and_exits_5(store_copy):
     # a different recorded value is what a changed environment or kernel would produce: here we change
     # the record itself (the store is a copy), so the replay must name step 15's grad norm
     store = RunStore.open(store_copy, mode="a")
     grad = store.root["steps/grad_norm"]
     grad[15] = grad[15] * (1 + 1e-12)
     result = replay_cli("run", str(store_copy), "--from", "12", "--to", "17", "--verify")
-    assert result.returncode == 0, result.stderr
-    assert "first divergence at step 15: grad_norm" in result.stdout
+    assert result.returncode == 5, result.stderr
+    line = error_line(result)
+    assert line.startswith("error: the replay is not bit for bit: first divergence at step 15: grad_norm "), line
+    assert "state" not in line   # the state after step 15's update is the record's
+
+
+def test_a_state_that_differs_after_an_update_is_named_by_its_tensors(store_copy):
+    # the record's digest of one tensor of rank 1 at step 14 changed: the losses, norms and rates of every step
+    # are the record's, so only the digests can tell
+    store = RunStore.open(store_copy, mode="a")
+    names = store.digests.names
+    digests = store.root["steps/state_digest"]
+    tensor = names.index("model/transformer.h.1.attn.c_attn.weight")
+    row = np.asarray(digests[14])
+    row[1, tensor] ^= 1
+    digests[14] = row
+    result = replay_cli("run", str(store_copy), "--from", "12", "--to", "17", "--json")
+    assert result.returncode == 5
+    v = json.loads(result.stdout)["verification"]
+    assert not v["bitwise"] and v["level"] == "state" and v["tensors"] == len(names)
+    d = v["divergence"]
+    assert d["step"] == 14 and d["scalars"] == []
+    assert d["state"] == {"tensors": ["model/transformer.h.1.attn.c_attn.weight"], "ranks": [1], "of": len(names)}
+    assert "first divergence at step 14: the state after the update: 1 of" in error_line(result)
+
+
+def test_an_attention_change_within_fp32_rounding_is_found_in_the_state_at_the_window(store_copy):
+    """In FP32 the emulated FA2 on one layer moves the loss by less than its last bit for a step or more: the
+    state after step 13's update differs already, and the verification says so at step 13, naming the tensors."""
+    result = replay_cli("run", str(store_copy), "--from", "13", "--to", "15", "--verify", "--json",
+                        "--attention", "fa2-emu:br=16,bc=16", "--layers", "1", "--checkpoint-every", "1")
+    assert result.returncode == 0, result.stderr   # a counterfactual's divergence is its answer
+    answer = json.loads(result.stdout)
+    d = answer["verification"]["divergence"]
+    assert answer["verification"]["level"] == "state" and d["step"] == 13
+    assert "model/transformer.h.1.attn.c_attn.weight" in d["state"]["tensors"] and d["state"]["ranks"] == [0, 1]
+    # the digests tell the truth: its checkpoint 14 holds other layer-1 attention weights than the record's state
+    # there (a plain replay of step 13 ends with it, bit for bit)
+    plain = json.loads(replay_cli("run", str(store_copy), "--from", "13", "--to", "13", "--json").stdout)
+    assert plain["verification"]["bitwise"] and plain["verification"]["level"] == "state"
+    name = "transformer.h.1.attn.c_attn.weight"
+    changed, recorded = RunStore.open(answer["replay"]), RunStore.open(plain["replay"])
+    assert not torch.equal(changed.read_model(14, [name])[name], recorded.read_model(14, [name])[name])
 
 
 @pytest.mark.parametrize("args, expected", [
