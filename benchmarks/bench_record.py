@@ -29,7 +29,10 @@
    writes it in the background; the copy is what training waits for. Timed cold (a new buffer) and
    warm (a buffer of an earlier checkpoint, which the recorder reuses), against torch.save, which
    blocks for its whole write.
-4. The design's choices, measured: CRC-32 (zlib) against CRC-32C (google-crc32c, the one Zarr's crc32c
+4. The state digest every rank takes after each update (recorder/digest.py), at GPT-2 small (SMALL with
+   --quick), against a training step of one micro-batch of 8 sequences (the gpt2-small preset's; its step is
+   4 of them), alternating.
+5. The design's choices, measured: CRC-32 (zlib) against CRC-32C (google-crc32c, the one Zarr's crc32c
    codec uses), and the chunk size and number of writer threads of a checkpoint's write.
 
 Run from the repository root; the full run takes about ten minutes, --quick (20 steps at batch 2, no GPT-2
@@ -58,6 +61,7 @@ import torch
 from replay.config import RunConfig, build_config
 from replay.lifeline import follow_parent
 from replay.recorder import Recorder, RecorderConfig, create_run_store
+from replay.recorder.digest import StateDigest
 from replay.recorder.environment import configure_determinism
 from replay.recorder.state import TorchTrainState
 from replay.store.integrity import crc32c
@@ -169,6 +173,45 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, sets: list[str] 
     print(f"  ({timed_steps} steps per variant, alternating step by step after {warmup} warm-up steps; "
           f"{n_params(state.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers x {cfg.model.n_embd}, "
           f"seq {cfg.model.block_size}, batch {cfg.batch_size}, {cfg.precision} on {device})", flush=True)
+
+
+# -- the state digest of every step -------------------------------------------------------------------------
+
+def bench_digest(sets: list[str], micro: int, steps: int, device: str = "cpu") -> None:
+    """The digest every rank takes of its model and optimizer state after each update (recorder/digest.py),
+    against a training step of one micro-batch of `micro` sequences: forward, backward, clipping and AdamW,
+    alternating with the digest step by step. On a GPU the digest's reductions run on the device."""
+    cfg = build_config("tiny", None, [*sets, f"batch_size={micro}", f"micro_batch_size={micro}"])
+    data = make_data(cfg, builtin_corpus(max(cfg.data.corpus_bytes, 2 * micro * (cfg.model.block_size + 1))))
+    order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
+    model = build_model(cfg.model, data.vocab_size, cfg.seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    digest = StateDigest(TorchTrainState(model, opt), rank=0)
+    train, taken = [], []
+    for s in range(steps + 1):   # the first step makes AdamW's state: untimed
+        ids = order.rank_ids(s, 0, 1, micro)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
+            loss = lm_loss(model, *(t.to(device) for t in data.batch(ids)))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        digest()
+        t2 = time.perf_counter()
+        if s:
+            train.append(t1 - t0)
+            taken.append(t2 - t1)
+    step_s, digest_s = statistics.median(train), statistics.median(taken)
+    state = sum(t.nbytes for _, t in TorchTrainState(model, opt).named_tensors())
+    print(f"state digest per step: {1e3 * digest_s:.1f} ms for {len(digest.names or []) - 1} tensors "
+          f"({state / MB:.0f} MB: {n_params(model) / 1e6:.0f}M params + AdamW state, {digest.kind}; "
+          f"{state / MB / digest_s:.0f} MB/s), {100 * digest_s / step_s:.2f}% of a step of one micro-batch of "
+          f"{micro} x {cfg.model.block_size} tokens ({step_s:.2f} s, {cfg.precision if device == 'cpu' else 'bf16'} "
+          f"on {device}; median of {steps}; target <= 1%)", flush=True)
 
 
 # -- 2. checkpoint throughput ------------------------------------------------------------------------------
@@ -399,9 +442,11 @@ def main() -> None:
         if args.device == "cuda":
             print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
             bench_overhead(workdir, timed_steps=20 if args.quick else 100, batch=8, sets=LARGE, device="cuda")
+            bench_digest(LARGE, micro=8, steps=10, device="cuda")
             bench_blocking(LARGE, repeats=5, device="cuda")
             return
         bench_overhead(workdir, timed_steps=20 if args.quick else 300, batch=2 if args.quick else 16)
+        bench_digest(SMALL if args.quick else LARGE, micro=2 if args.quick else 8, steps=3)
         bench_throughput(workdir, SMALL, "4 layers x 128", repeats=2 if args.quick else 5)
         if not args.quick:
             bench_throughput(workdir, LARGE, "GPT-2 small: 12 layers x 768, seq 1024, vocab 50304", repeats=5)

@@ -35,8 +35,16 @@ from replay import faults
 from replay.bisect.probes import ProbeRunner, request
 from replay.bisect.rule import Rule, judge
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
-from replay.bisect.session import (BaselineResult, DataResult, HeadsResult, LayersResult, Separation, Session,
-                                   StepsResult, Verdict)
+from replay.bisect.session import (
+    BaselineResult,
+    DataResult,
+    HeadsResult,
+    LayersResult,
+    Separation,
+    Session,
+    StepsResult,
+    Verdict,
+)
 from replay.errors import ReplayError, UsageError
 from replay.launch.ray_cluster import cluster_cpus, ray_session
 from replay.launch.ray_ranks import Placing, RayRanks

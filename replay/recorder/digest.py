@@ -16,6 +16,7 @@ into the last slot, `LATE`, so nothing of the state goes unchecked.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -60,7 +61,7 @@ def model_and_optimizer(model: torch.nn.Module, optimizer: Any) -> list[tuple[st
         if key not in seen:
             seen.add(key)
             out.append((f"model/{name}", local))
-    names = {}
+    names: dict[int, str] = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
     for g, group in enumerate(getattr(optimizer, "param_groups", [])):
@@ -112,10 +113,11 @@ class StateDigest:
 
 
 def _crc(t: torch.Tensor) -> int:
-    flat = t.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return crc32c(flat.view(torch.uint8).numpy())
+    """The CRC-32C of a host tensor's bytes, read in place (a copy only of a non-contiguous one): the bytes
+    seen through ctypes rather than numpy, which costs a third of the dispatch per tensor."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return crc32c((ctypes.c_char * t.nbytes).from_address(t.data_ptr()))
 
 
 def _device_sums(tensors: list[torch.Tensor]) -> list[int]:

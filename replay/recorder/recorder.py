@@ -299,7 +299,7 @@ class Recorder:
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             out = [c.to(device) for c in counts]
             dist.all_gather(out, torch.tensor(mine, dtype=torch.int64, device=device))
-            rows = [tuple(int(x) for x in row) for c in out for row in c.cpu()]
+            rows = [(int(row[0]), int(row[1]), int(row[2]), int(row[3])) for c in out for row in c.cpu()]
         else:
             rows = mine
         if len({r[:2] for r in rows}) > 1:

@@ -25,8 +25,8 @@ from replay.errors import ChecksumError
 SEAL = "crc32c"
 
 
-def crc32c(data: bytes | np.ndarray) -> int:
-    """CRC-32C of bytes, or of a contiguous array's bytes (read in place, never copied)."""
+def crc32c(data: bytes | np.ndarray | ctypes.Array[ctypes.c_char]) -> int:
+    """CRC-32C of bytes, or of a contiguous array's or memory's bytes (read in place, never copied)."""
     return int(google_crc32c.value(data))
 
 

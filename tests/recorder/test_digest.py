@@ -1,0 +1,93 @@
+"""The per-step state digest (recorder/digest.py): one checksum per tensor of a rank's model and optimizer state,
+in a fixed order of names, that changes when any bit of that tensor changes and only then."""
+
+from __future__ import annotations
+
+import google_crc32c
+import numpy as np
+import torch
+
+from replay.recorder.digest import LATE, StateDigest, _device_sums, model_and_optimizer
+from replay.recorder.state import TorchTrainState
+
+
+def _tied_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 11, bias=False))
+    model[2].weight = model[0].weight   # tied, as GPT-2's embedding and head
+    return model
+
+
+def _stepped() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _tied_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_each_tensor_once_by_name_with_its_optimizer_state():
+    model, opt = _stepped()
+    names = [name for name, _ in model_and_optimizer(model, opt)]
+    assert names == ["model/0.weight", "model/1.weight", "model/1.bias",
+                     *[f"optimizer/{p}/{k}" for p in ("0.weight", "1.weight", "1.bias")
+                       for k in ("step", "exp_avg", "exp_avg_sq")]]
+
+
+def test_a_digest_is_the_crc32c_of_the_tensors_bytes():
+    model, opt = _stepped()
+    digest = StateDigest(TorchTrainState(model, opt), rank=0)
+    values = digest()
+    assert digest.names is not None and digest.names[-1] == LATE and digest.kind == "crc32c"
+    weight = model[1].weight.detach().numpy().tobytes()
+    assert values[digest.names.index("model/1.weight")] == google_crc32c.value(weight)
+    assert values[-1] == 0   # no tensor appeared late
+
+
+def test_one_flipped_bit_changes_that_tensors_digest_and_no_other():
+    model, opt = _stepped()
+    digest = StateDigest(TorchTrainState(model, opt), rank=0)
+    before = digest()
+    with torch.no_grad():
+        bits = opt.state[model[1].bias]["exp_avg"].view(torch.int32)
+        bits[2] ^= 1
+    after = digest()
+    assert digest.names is not None
+    assert [digest.names[i] for i in np.flatnonzero(before != after)] == ["optimizer/1.bias/exp_avg"]
+    with torch.no_grad():
+        bits[2] ^= 1
+    assert np.array_equal(digest(), before)
+
+
+def test_bf16_and_non_contiguous_tensors_are_digested_by_their_bytes():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16)
+    model = torch.nn.Module()
+    model.register_buffer("b", t)
+    model.register_buffer("strided", torch.arange(12.0).reshape(3, 4).t())
+    digest = StateDigest(TorchTrainState(model, torch.optim.SGD([torch.zeros(1, requires_grad=True)])), rank=0)
+    values = digest()
+    assert values[0] == google_crc32c.value(t.view(torch.int16).numpy().tobytes())
+    assert values[1] == google_crc32c.value(np.ascontiguousarray(torch.arange(12.0).reshape(3, 4).t().numpy()))
+
+
+def test_a_tensor_that_appears_after_the_first_step_is_covered_by_the_last_slot():
+    model = _tied_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    digest = StateDigest(TorchTrainState(model, opt), rank=0)
+    first = digest()   # before any step: AdamW holds no state yet
+    model(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
+    second = digest()
+    assert digest.names is not None and not any(n.startswith("optimizer/") for n in digest.names)
+    assert first[-1] == 0 and second[-1] != 0
+
+
+def test_the_device_digest_is_a_function_of_the_bits_alone():
+    """The GPU's digest (integer sums reduced on the device), run here on host tensors: equal bits give equal
+    digests, one flipped bit another, whatever tensor holds them."""
+    a = torch.randn(1000)
+    b = a.clone()
+    assert _device_sums([a]) == _device_sums([b])
+    b.view(torch.int32)[500] ^= 1 << 7
+    assert _device_sums([a]) != _device_sums([b])
+    assert _device_sums([a.to(torch.bfloat16)]) != _device_sums([a])
