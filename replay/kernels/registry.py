@@ -29,23 +29,28 @@ from replay.kernels.baseline import baseline_attention, causal_mask
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.flash_emu import flash_attention
 from replay.kernels.plan import PLUGINS, AttentionPlan, BackendSpec
+from replay.kernels.reach import AttentionReach
 
 
 class LayerAttention:
     """One layer's heads, grouped by backend; called by the registered `replay` attention function and by
-    `sdpa_dispatch`."""
+    `sdpa_dispatch`. Every call is counted in `reach`, per head and backend, when one is given."""
 
-    def __init__(self, plan: AttentionPlan, layer: int, n_head: int):
+    def __init__(self, plan: AttentionPlan, layer: int, n_head: int, reach: AttentionReach | None = None):
         groups: dict[BackendSpec, list[int]] = {}
         for head in range(n_head):
             groups.setdefault(plan.backend_for(layer, head), []).append(head)
         self.groups = [(spec, heads) for spec, heads in groups.items()]
-        self.layer, self.n_head = layer, n_head
+        self.layer, self.n_head, self.reach = layer, n_head, reach
+        self._names = [spec.canonical() for spec, _ in self.groups]
 
     def __call__(self, module, q, k, v, keep: torch.Tensor | None, scaling: float,
                  dropout: float = 0.0) -> torch.Tensor:
         """q: [B, H, N, d]; k, v: [B, H_kv, M, d] (H_kv divides H); `keep`: bool [B, 1, N, M] (True = attend)
         or None for plain causal; `dropout`: attention dropout's probability."""
+        if self.reach is not None:
+            for name, (_, heads) in zip(self._names, self.groups, strict=True):
+                self.reach.ran(self.layer, heads, name)
         if len(self.groups) == 1:   # the module's own keys and values: a transformers backend runs as it would
             spec, heads = self.groups[0]
             return _run(spec, module, q, k, v, keep, scaling, (self.layer, heads), dropout)
@@ -204,16 +209,21 @@ def hf_attention_modules(model) -> list:
     return sorted(found, key=lambda m: m.layer_idx)
 
 
-def apply_plan(model, plan: AttentionPlan) -> None:
+def apply_plan(model, plan: AttentionPlan, reach: AttentionReach | None = None) -> None:
     """Give every attention module of a transformers model (GPT-2, Llama, Qwen2, Mistral, ...) its backends
-    and switch the model to them."""
+    and switch the model to them; with `reach`, every attention call is counted there, per head and backend
+    (a plan of one transformers implementation: by a forward hook on each attention module, which runs it)."""
     modules = hf_attention_modules(model)
     n_head = model.config.get_text_config().num_attention_heads
     plan.validate(len(modules), n_head)
     if plan.is_transformers_builtin:
         model.set_attn_implementation(plan.default.name)
+        if reach is not None:
+            name = plan.default.canonical()
+            for module in modules:
+                module.register_forward_pre_hook(lambda m, *_: reach.ran(m.layer_idx, range(n_head), name))
         return
     register()
     for module in modules:
-        module.replay_attention = LayerAttention(plan, module.layer_idx, n_head)
+        module.replay_attention = LayerAttention(plan, module.layer_idx, n_head, reach)
     model.set_attn_implementation("replay")

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
 from replay.kernels.plan import AttentionPlan
+from replay.kernels.reach import AttentionReach
 from replay.kernels.registry import LayerAttention, raise_deferred
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -58,16 +59,19 @@ ATTENTION_NAMES = ("attn", "attention", "self_attn", "self_attention")
 
 
 @contextlib.contextmanager
-def sdpa_dispatch(model: torch.nn.Module, plan: AttentionPlan, pattern: str | None = None) -> Iterator[list[str]]:
+def sdpa_dispatch(model: torch.nn.Module, plan: AttentionPlan, pattern: str | None = None,
+                  reach: AttentionReach | None = None) -> Iterator[list[str]]:
     """Route the model's SDPA calls through `plan` while the context is open; yields the attention modules'
-    names (layer i is the i-th). Hooks and mode are removed on exit, whatever happens."""
+    names (layer i is the i-th). With `reach`, every call an attention module makes is counted there (per
+    head and backend, the model's own SDPA calls as `sdpa`), and what each module called besides. Hooks and
+    mode are removed on exit, whatever happens."""
     modules = attention_modules(model, pattern)
     plan.validate(len(modules), n_head=1 << 30)   # layers now; heads once a call shows how many there are
-    mode = _PlanMode(plan, len(modules))
+    mode = _PlanMode(plan, len(modules), reach)
     handles = []
     try:
-        for layer, (_, module) in enumerate(modules):
-            handles.append(module.register_forward_pre_hook(mode.entering(layer, module)))
+        for layer, (name, module) in enumerate(modules):
+            handles.append(module.register_forward_pre_hook(mode.entering(layer, module, name)))
             handles.append(module.register_forward_hook(mode.leaving(), always_call=True))   # also when it raises
         with mode:
             yield [name for name, _ in modules]
@@ -78,15 +82,17 @@ def sdpa_dispatch(model: torch.nn.Module, plan: AttentionPlan, pattern: str | No
 
 
 class _PlanMode(TorchFunctionMode):
-    def __init__(self, plan: AttentionPlan, n_layer: int):
+    def __init__(self, plan: AttentionPlan, n_layer: int, reach: AttentionReach | None = None):
         super().__init__()
-        self.plan, self.n_layer = plan, n_layer
+        self.plan, self.n_layer, self.reach = plan, n_layer, reach
         self.active: list[tuple[int, torch.nn.Module]] = []   # the attention modules running, innermost last
         self.layers: dict[tuple[int, int], LayerAttention] = {}
 
-    def entering(self, layer: int, module: torch.nn.Module):
+    def entering(self, layer: int, module: torch.nn.Module, name: str):
         def hook(*_):
             self.active.append((layer, module))
+            if self.reach is not None:
+                self.reach.entered(layer, name, type(module).__name__)
         return hook
 
     def leaving(self):
@@ -97,6 +103,8 @@ class _PlanMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not _SDPA or not self.active:
+            if self.active and self.reach is not None:
+                self.reach.called(self.active[-1][0], getattr(func, "__name__", ""))
             return func(*args, **kwargs)
         layer, module = self.active[-1]
         bound = dict(zip(_PARAMS, args, strict=False)) | kwargs
@@ -105,8 +113,10 @@ class _PlanMode(TorchFunctionMode):
         attention = self.layers.get((layer, n_head))
         if attention is None:
             self.plan.validate(self.n_layer, n_head)
-            attention = self.layers[(layer, n_head)] = LayerAttention(self.plan, layer, n_head)
+            attention = self.layers[(layer, n_head)] = LayerAttention(self.plan, layer, n_head, self.reach)
         if all(spec.name == "sdpa" for spec, _ in attention.groups):
+            if self.reach is not None:
+                self.reach.ran(layer, range(n_head), "sdpa")
             return func(*args, **kwargs)
         keep, scale = _causal_keep(layer, q, k, bound)
         device = q.device.type
