@@ -4,6 +4,7 @@ replay's Trainer callback added (the lines marked `# replay`).
     python train.py --family=llama --max_steps=60           # or --family=qwen2, --family=mistral
     torchrun --nproc-per-node 2 train.py --max_steps=60
     python train.py --max_steps=60 --resume=True            # continue a recording that was killed
+    python train.py --max_steps=60 --callback_form=True     # Trainer(callbacks=[recorder]), trainer.train()
 
 The data is a token file (examples/nanogpt/prepare.py writes one) cut into blocks of `block_size + 1`
 tokens: sample i is block i. Options are `--name=value` for any setting below.
@@ -27,6 +28,7 @@ batch_size, gradient_accumulation_steps, learning_rate, max_steps, checkpoint_ev
 bf16, fp16 = False, False
 dataloader_num_workers = 0
 resume = False                      # replay: continue the recording in `store` from its last checkpoint
+callback_form = False               # replay: Trainer(..., callbacks=[recorder]) and trainer.train() instead
 save_steps = 0                      # the Trainer's own checkpoints (0: none)
 attn_implementation = "sdpa"        # eager or sdpa
 seed = 1337
@@ -65,5 +67,8 @@ config = AutoConfig.for_model(family, vocab_size=256, hidden_size=n_embd, interm
                               max_position_embeddings=block_size)
 model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
 recorder = TrainerRecorder(store, checkpoint_every=checkpoint_every, layout="hf-llama", resume=resume)  # replay
-trainer = Trainer(model=model, args=args, train_dataset=Blocks(data))
-recorder.train(trainer)                                                          # replay: for trainer.train()
+trainer = Trainer(model=model, args=args, train_dataset=Blocks(data), callbacks=[recorder] if callback_form else None)
+if callback_form:
+    trainer.train()
+else:
+    recorder.train(trainer)                                                      # replay: for trainer.train()

@@ -6,6 +6,9 @@
     trainer = Trainer(model, args, train_dataset=train_dataset)
     recorder.train(trainer)                 # instead of trainer.train(): adds the callback, starts or resumes
 
+    trainer = Trainer(model, args, train_dataset=train_dataset, callbacks=[recorder])
+    trainer.train()                         # the same: this Trainer's train() goes through recorder.train
+
 The Trainer's training DataLoader is the loop's (`loop.loader`, recorder/loader.py, driven by the Trainer):
 its batch sampler is tapped, so each batch is noted by its dataset indices where it is sampled (worker
 processes, prefetch and persistent workers included), and each training forward of the model takes the
@@ -30,7 +33,11 @@ Trainer at S's place in its epoch (its batch count within the epoch, a last step
 which only the Trainer's own resume reaches: `recorder.train` hands it a checkpoint of its own format
 holding nothing but the step and the model's current weights (a temporary directory, deleted after), so
 the Trainer skips to S itself and loads no optimizer, scheduler or RNG state; the loop then restores the
-store's checkpoint at S over all of it.
+store's checkpoint at S over all of it. A Trainer built with the recorder among its `callbacks` gets there
+too: at the end of its `__init__` (`on_init_end`; the event is given no Trainer, so it is that `__init__`'s
+`self`) its `train` becomes an attribute of that instance calling `recorder.train` on its own `train`. A Trainer the
+recorder was added to later (`trainer.add_callback`) and then started by its `train()` could not be
+started past step 0 by a replay: its recording is refused as it starts, before the store is made.
 
 A step a replay skips (`--skip`, and the data bisect's probes) still runs, as the Trainer runs every step
 it fetches, but without its update: its gradients are dropped before the optimizer step, and the
@@ -43,12 +50,15 @@ iterable training dataset (no sampler to tap).
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import tempfile
-from typing import Any
+from types import FrameType
+from typing import Any, NoReturn
 
 import torch
-from transformers import TrainerCallback, TrainerState
+from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
@@ -58,6 +68,7 @@ from replay.errors import ReplayError, UsageError
 from replay.recorder.command import RESUME_ENV, STORE_ENV
 from replay.recorder.loader import RecordedLoader
 from replay.recorder.loop import Loop
+from replay.recorder.modes import one_line_errors
 from replay.recorder.state import unwrap
 from replay.store import RunStore
 from replay.store.location import Location, Where
@@ -67,7 +78,8 @@ class TrainerRecorder(TrainerCallback):
     """Record a `transformers.Trainer` run into `store` (or replay it, started by `replay run`); the
     keyword arguments are the `Loop`'s (checkpoint_every, snapshot_every, snapshot_ring, spike, layout,
     description, n_head, resume). The run's length is the Trainer's `max_steps`; its precision its
-    `bf16`/`fp16`. Start the Trainer with `recorder.train(trainer)`."""
+    `bf16`/`fp16`. Start the Trainer with `recorder.train(trainer)`, or build it with `callbacks=[recorder]`
+    and start it with `trainer.train()`."""
 
     def __init__(self, store: Where, **loop_options: Any):
         unknown = set(loop_options) - {"checkpoint_every", "snapshot_every", "snapshot_ring", "spike", "layout",
@@ -82,26 +94,32 @@ class TrainerRecorder(TrainerCallback):
         self._summed = False
         self._grad_norm: Any = float("nan")
         self._hooks: list = []
+        self._started = False   # by self.train, which can start the Trainer past step 0
 
     def train(self, trainer: Any, **train_kwargs: Any) -> Any:
         """`trainer.train(**train_kwargs)`, recorded: a new recording from step 0; a resumed one (resume=True)
         or a replay from where its checkpoint stands, through the Trainer's own resume (the module's
         docstring). Adds this callback to the Trainer when it is not among its callbacks."""
         if train_kwargs.get("resume_from_checkpoint"):
-            raise UsageError("recorder.train(trainer, resume_from_checkpoint=...): the store's run resumes from the "
+            raise UsageError("TrainerRecorder: train(resume_from_checkpoint=...): the store's run resumes from the "
                              "store: TrainerRecorder(store, resume=True)")
         train_kwargs.pop("resume_from_checkpoint", None)
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
+        run = trainer.train.own if isinstance(trainer.train, _Routed) else trainer.train
         start = self._start_step()
-        if start == 0:
-            return trainer.train(**train_kwargs)
-        if trainer.args.ignore_data_skip:
+        if start and trainer.args.ignore_data_skip:
             raise UsageError("TrainerRecorder: a run that starts at a later step needs the Trainer to skip its "
                              "epoch's trained batches: leave ignore_data_skip=False")
-        with tempfile.TemporaryDirectory(prefix="replay-trainer-") as where:
-            _trainer_checkpoint(trainer, start, where)
-            return trainer.train(resume_from_checkpoint=where, **train_kwargs)
+        self._started = True
+        try:
+            if start == 0:
+                return run(**train_kwargs)
+            with tempfile.TemporaryDirectory(prefix="replay-trainer-") as where:
+                _trainer_checkpoint(trainer, start, where)
+                return run(resume_from_checkpoint=where, **train_kwargs)
+        finally:
+            self._started = False
 
     @staticmethod
     def dataset(dataset: Any) -> Any:
@@ -129,12 +147,14 @@ class TrainerRecorder(TrainerCallback):
 
     # -- the Trainer's events ----------------------------------------------------------------------
 
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = _trainer_being_built(self)
+        if trainer is not None and not isinstance(vars(trainer).get("train"), _Routed):
+            trainer.train = _Routed(self, trainer)
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                        train_dataloader=None, **kwargs):
-        start = self._start_step()
-        if state.global_step != start:
-            raise UsageError(f"TrainerRecorder: the Trainer starts at step {state.global_step}, the store's run at "
-                             f"step {start}: start it with recorder.train(trainer), not trainer.train(...)")
+        self._check_start(args, state)
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.loop = Loop(self.store, model, getattr(optimizer, "optimizer", optimizer), scheduler=lr_scheduler,
                          scaler=getattr(optimizer, "scaler", None),   # accelerate's (fp16), kept by its optimizer
@@ -150,6 +170,19 @@ class TrainerRecorder(TrainerCallback):
         self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        model.register_forward_hook(self._after_forward)]
         self._steps = self.loop.steps()
+
+    def _check_start(self, args, state) -> None:
+        """Refuse, before the store is touched, a start a replay could not reproduce past step 0 (a recording
+        not started through `self.train`), or a Trainer not at the store's step."""
+        how = "build the Trainer with callbacks=[recorder] or start it with recorder.train(trainer)"
+        if not self._started and not os.environ.get(STORE_ENV):
+            _refuse(f"TrainerRecorder: a Trainer given the recorder after it was built (trainer.add_callback) and "
+                    f"started by its own train() could not be started past step 0 by a replay: {how}",
+                    args.process_index)
+        start = self._start_step()
+        if state.global_step != start:
+            _refuse(f"TrainerRecorder: the Trainer starts at step {state.global_step}, the store's run at step "
+                    f"{start}: {how}", args.process_index)
 
     @staticmethod
     def _check_replay(loop: Loop) -> None:
@@ -206,6 +239,37 @@ class TrainerRecorder(TrainerCallback):
                 hook.remove()
             if self.loop is not None:
                 self.loop.close()
+
+
+class _Routed:
+    """The `train` of a Trainer built with the recorder among its callbacks: an attribute of that instance
+    (nothing else changes), its calls made through `recorder.train` on the Trainer's own `train`."""
+
+    def __init__(self, recorder: TrainerRecorder, trainer: Any):
+        self.recorder, self.trainer, self.own = recorder, trainer, trainer.train
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        names = inspect.signature(self.own).parameters   # resume_from_checkpoint, trial, ignore_keys_for_eval
+        return self.recorder.train(self.trainer, **dict(zip(names, args, strict=False)), **kwargs)
+
+
+def _trainer_being_built(callback: TrainerCallback) -> Any:
+    """The Trainer whose `__init__` calls `on_init_end` (its callback handler gives a callback no Trainer): the
+    nearest caller's `self` that is a Trainer with `callback` among its callbacks; None if there is none."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer) and callback in candidate.callback_handler.callbacks:
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _refuse(message: str, rank: int) -> NoReturn:
+    """A UsageError that, not caught by the script, ends its process in one line (exit code 2), as a replay's
+    errors do, though no loop has started."""
+    sys.excepthook = one_line_errors(sys.excepthook, rank)
+    raise UsageError(message)
 
 
 def _trainer_checkpoint(trainer: Any, step: int, where: str) -> None:

@@ -99,8 +99,9 @@ Hook = Callable[[type[BaseException], BaseException, TracebackType | None], obje
 
 
 def one_line_errors(hook: Hook, rank: int) -> Hook:
-    """In a replay, the loop's own errors end the process with one line and their exit code, as a rank of the
-    built-in trainer does (a traceback with REPLAY_DEBUG=1); any other error is the script's, shown whole."""
+    """In a replay (and in a recording the Trainer's callback refuses as it starts, recorder/hf_trainer.py),
+    replay's own errors end the process with one line and their exit code, as a rank of the built-in trainer
+    does (a traceback with REPLAY_DEBUG=1); any other error is the script's, shown whole."""
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> object:
         if not isinstance(value, ReplayError) or os.environ.get("REPLAY_DEBUG"):
             return hook(kind, value, tb)

@@ -1,10 +1,14 @@
 """TrainerRecorder in this process: misuse fails in one line before anything trains (the Trainer stops at
-its first event), a run's precision and loss scaler are the Trainer's, and an fp16 run on a GPU resumes
+its first event), a Trainer built with the recorder among its callbacks records and resumes as
+recorder.train does, a run's precision and loss scaler are the Trainer's, and an fp16 run on a GPU resumes
 with accelerate's loss scaler as it was. The example's runs recorded, killed, resumed and replayed:
 test_hf_trainer_integration.py."""
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +41,17 @@ def _trainer(tmp_path, callbacks=(), **args):
         output_dir=str(tmp_path / "out"), **options), train_dataset=_Tokens(10), callbacks=list(callbacks))
 
 
+def _stop_after(step: int):
+    """A callback that ends the Trainer's run after `step`."""
+    from transformers import TrainerCallback
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == step
+
+    return Stop()
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """4 steps over 10 samples (batches of 4, 4, 2), checkpoints 0, 2, 4."""
@@ -55,20 +70,46 @@ def test_a_recording_through_recorder_train_adds_the_callback_and_keeps_a_partia
     assert sorted(ids[:3][ids[:3] >= 0].tolist()) == list(range(10)) and (ids[2] >= 0).sum() == 2
 
 
+@pytest.mark.parametrize("started_by", ["trainer.train", "recorder.train"])
+def test_a_trainer_built_with_the_recorder_records_and_resumes_as_recorder_train_does(recorded, tmp_path, started_by):
+    """Trainer(callbacks=[recorder]) and trainer.train(): stopped after step 2 and resumed there (the middle of an
+    epoch: the Trainer's own resume, reached through its train), the steps and the last weights are those
+    recorder.train recorded, bit for bit; recorder.train on such a Trainer resumes it once, as trainer.train."""
+    from replay.recorder.hf_trainer import TrainerRecorder
+
+    recorder = TrainerRecorder(str(tmp_path / "run"), checkpoint_every=2)
+    _trainer(tmp_path, callbacks=[recorder, _stop_after(2)]).train()
+    assert RunStore.open(tmp_path / "run").manifest.status == "running"
+    recorder = TrainerRecorder(str(tmp_path / "run"), checkpoint_every=2, resume=True)
+    trainer = _trainer(tmp_path, callbacks=[recorder])
+    trainer.train() if started_by == "trainer.train" else recorder.train(trainer)
+    ours, theirs = RunStore.open(tmp_path / "run"), RunStore.open(recorded)
+    assert ours.manifest.status == "complete" and [r.from_step for r in ours.manifest.resumes] == [2]
+    fields = ["sample_ids", "loss", "grad_norm", "lr"]
+    mine, record = ours.read_steps(fields), theirs.read_steps(fields)
+    assert all(np.array_equal(mine[f], record[f]) for f in fields)
+    after, expected = (s.read_shard(4, 0)["state"]["replicated"]["model"] for s in (ours, theirs))
+    assert all(torch.equal(after[k], expected[k]) for k in expected)
+
+
 @pytest.mark.parametrize("how, message", [
-    ("directly", r"the Trainer starts at step 0, the store's run at step 4: start it with recorder.train\(trainer\)"),
+    ("added", r"a Trainer given the recorder after it was built \(trainer.add_callback\) and started by its own "
+              r"train\(\) could not be started past step 0 by a replay: build the Trainer with callbacks=\[recorder\] "
+              r"or start it with recorder.train\(trainer\)"),
     ("ignore_data_skip", "leave ignore_data_skip=False"),
     ("resume_from_checkpoint", r"resumes from the store: TrainerRecorder\(store, resume=True\)"),
 ])
 def test_a_resume_the_trainer_cannot_reach_is_one_error_and_leaves_the_store_as_it_was(recorded, tmp_path, how,
-                                                                                         message):
+                                                                                         message, monkeypatch):
     from replay.recorder.hf_trainer import TrainerRecorder
 
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)   # a refusal makes the uncaught error one line
     before = tree_snapshot(recorded)
     recorder = TrainerRecorder(str(recorded), resume=True)
-    trainer = _trainer(tmp_path, callbacks=[recorder], ignore_data_skip=how == "ignore_data_skip")
+    trainer = _trainer(tmp_path, ignore_data_skip=how == "ignore_data_skip")
     with pytest.raises(UsageError, match=message):
-        if how == "directly":
+        if how == "added":
+            trainer.add_callback(recorder)
             trainer.train()
         else:
             recorder.train(trainer, **({"resume_from_checkpoint": "elsewhere"} if how != "ignore_data_skip" else {}))
@@ -87,17 +128,12 @@ def test_an_unknown_option_is_refused():
 def test_an_fp16_run_keeps_accelerates_loss_scaler_and_resumes_bit_for_bit(tmp_path, device):
     """Stopped after step 1 (its checkpoint, 2, written) and resumed: the weights and the loss scaler's state
     at checkpoint 4 are the uninterrupted run's (on a CPU accelerate keeps no scaler: nothing to keep)."""
-    from transformers import TrainerCallback
-
     from replay.recorder.hf_trainer import TrainerRecorder
-
-    class Stop(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 2
 
     gpu = {"use_cpu": device == "cpu", "fp16": True}
     TrainerRecorder(str(tmp_path / "whole"), checkpoint_every=2).train(_trainer(tmp_path, **gpu))
-    TrainerRecorder(str(tmp_path / "cut"), checkpoint_every=2).train(_trainer(tmp_path, callbacks=[Stop()], **gpu))
+    stopped = _trainer(tmp_path, callbacks=[_stop_after(2)], **gpu)
+    TrainerRecorder(str(tmp_path / "cut"), checkpoint_every=2).train(stopped)
     assert RunStore.open(tmp_path / "cut").manifest.status == "running"
     TrainerRecorder(str(tmp_path / "cut"), checkpoint_every=2, resume=True).train(_trainer(tmp_path, **gpu))
     whole, cut = (RunStore.open(tmp_path / name).read_shard(4, 0)["state"]["replicated"] for name in ("whole", "cut"))

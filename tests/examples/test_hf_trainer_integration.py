@@ -1,8 +1,8 @@
 """examples/hf_trainer: a transformers Trainer run of a Llama built from a config, recorded through
 TrainerRecorder in one process (two DataLoader workers, 18 samples in batches of 4 and steps of 2: every
 epoch's last step trains on one micro-batch of 2 samples) and under torchrun, killed and resumed, and
-replayed by the product's commands through the recorded command (misuse of the callback:
-test_hf_trainer.py)."""
+replayed by the product's commands through the recorded command, the Trainer started by recorder.train or
+built with the recorder among its callbacks (misuse of the callback: test_hf_trainer.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,18 @@ class Kill(transformers.TrainerCallback):
             os._exit(9)
 init = transformers.Trainer.__init__
 transformers.Trainer.__init__ = lambda self, *a, **k: (init(self, *a, **k), self.add_callback(Kill()))[0]
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+# the example with its callbacks given to each Trainer after it was built (trainer.add_callback)
+ADDED_LATER = """
+import runpy, sys, transformers
+init = transformers.Trainer.__init__
+def given_later(self, *args, callbacks=None, **kwargs):
+    init(self, *args, **kwargs)
+    for callback in callbacks or []:
+        self.add_callback(callback)
+transformers.Trainer.__init__ = given_later
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -126,6 +138,37 @@ def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_pr
     v = json.loads(result.stdout)["verification"]
     assert not v["bitwise"] and v["divergence"]["step"] == 12
     assert tree_snapshot(Path(f"{one_process}-out")) == trainer_out
+
+
+def test_a_trainer_built_with_the_recorder_records_as_recorder_train_and_replays_bit_for_bit(one_process, runs,
+                                                                                          token_file):
+    """Trainer(..., callbacks=[recorder]) and a plain trainer.train() (--callback_form=True): the steps
+    recorder.train records, bit for bit, and a replay from checkpoint 10 (the Trainer's own resume, reached
+    through its train) bit for bit."""
+    store = _record(runs, token_file, "callback_form", "--callback_form=True", *SMALL_EPOCHS)
+    fields = ["sample_ids", "loss", "grad_norm", "lr"]
+    ours, theirs = RunStore.open(store).read_steps(fields), RunStore.open(one_process).read_steps(fields)
+    assert all(np.array_equal(ours[f], theirs[f]) for f in fields)
+    result = replay_cli("run", str(store), "--from", "12", "--to", "15", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verification"] == {"steps": [10, 15], "bitwise": True, "divergence": None}
+
+
+def test_a_recorder_added_after_the_trainer_was_built_is_refused_in_one_line_before_the_store(runs, token_file):
+    """The Trainer's own train() with the recorder added by trainer.add_callback: no replay could start it
+    past step 0, so its recording is refused as it starts, and no store is made."""
+    wrapper = runs / "added_later.py"
+    wrapper.write_text(ADDED_LATER)
+    store = runs / "added_later"
+    done = _train(runs, f"--data={token_file}", f"--store={store}", f"--output_dir={store}-out", "--max_steps=4",
+                  "--callback_form=True", launcher=[sys.executable, str(wrapper)])
+    lines = [line for line in done.stderr.splitlines() if "TrainerRecorder" in line]
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(lines) == 1, done.stderr
+    assert lines[0].endswith("rank 0: TrainerRecorder: a Trainer given the recorder after it was built "
+                             "(trainer.add_callback) and started by its own train() could not be started past step 0 "
+                             "by a replay: build the Trainer with callbacks=[recorder] or start it with "
+                             "recorder.train(trainer)")
+    assert not store.exists()
 
 
 def test_a_killed_recording_resumes_from_the_store_bit_for_bit(one_process, runs, token_file):
