@@ -66,8 +66,8 @@ def warm_vs_fresh(record: list[str], root: Path, windows: list[tuple[int, int]])
     same replays with fresh ranks (`replay run` commands) and on those warm ranks."""
     from replay.cli import main as replay_main
     from replay.launch.pool import RankPool
-    from replay.replayer.overrides import Overrides
     from replay.replayer.replays import ReplayRequest, run
+    from replay.store.overrides import Overrides
 
     store = root / "recorded"
     with RankPool(2) as pool:

@@ -25,12 +25,13 @@ from replay.launch import ranks
 from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
 from replay.lifeline import follow_parent
-from replay.replayer.overrides import Overrides, parse_drop, parse_fix, parse_heads, parse_steps
+from replay.replayer.overrides import parse_drop, parse_fix, parse_heads, parse_steps
 from replay.replayer.replays import NotBitForBit, ReplayRequest, run_on_ray
 from replay.replayer.replays import run as run_replay
 from replay.store import RunStore
 from replay.store.lease import current_spec, writing
 from replay.store.location import Location
+from replay.store.overrides import Overrides
 from replay.views import info_lines, sample_lines, step_batch, summarize
 
 
@@ -297,7 +298,8 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     if as_json:
         click.echo(json.dumps({"replay": str(result.location), "ran": result.created,
                                "environment_differences": result.environment_notes, "warnings": result.warnings,
-                               "verification": v.to_dict()},
+                               "verification": v.to_dict(),
+                               "reached": result.reached.to_dict() if result.reached else None},
                               indent=2))
     else:
         for note in result.environment_notes:
@@ -306,6 +308,8 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         click.echo(f"replay {result.location} ({'ran' if result.created else 'already complete; not re-run'}): "
                    f"steps {v.steps[0]}..{v.steps[-1]}"
                    + (f", overrides {overrides.to_dict()}" if not plain else ""))
+        if result.reached is not None:
+            click.echo(f"reached: {result.reached.describe()}")
         if verify and not (plain and not v.bitwise):
             click.echo(f"verify: {v.describe()}")
     if plain and not v.bitwise:

@@ -5,6 +5,7 @@ class ReplayError(Exception):
     """A problem with the user's input or store; the message says what is wrong and what to do."""
 
     exit_code = 2
+    said_by_launcher = False   # raised in a rank, whose launcher says it (in one line): the rank stays silent
 
 
 class UsageError(ReplayError, ValueError):

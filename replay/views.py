@@ -18,6 +18,7 @@ from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import holder_of
 from replay.store.location import Location, Where
+from replay.store.overrides import Reached
 from replay.store.run_store import micro_batches
 from replay.store.verification import STATE, Divergence
 from replay.train.data import load_data
@@ -155,6 +156,12 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
                      f"{r['start_checkpoint']}, {r['status']}, {r['outcome']}"
                      + (f", overrides {r['overrides']}" if r["overrides"] else "")
                      + _verdict(v))
+        if r.get("reached"):
+            reached = Reached.from_dict(r["reached"])
+            lines.append(f"              reached: {reached.describe()}")
+            if reached.path:
+                lines.append("              attention path (rank 0): "
+                             + "; ".join(p.describe() for p in reached.path))
     lines += [f"            {r['id']}: cannot be read: {r['error']}" for r in summary["replays"] if "error" in r]
     if summary["numerics"]:
         n = summary["numerics"]

@@ -49,7 +49,7 @@ from replay.errors import ReplayError, UsageError
 from replay.launch.ray_cluster import cluster_cpus, ray_session
 from replay.launch.ray_ranks import Placing, RayRanks
 from replay.recorder.command import check_unchanged
-from replay.replayer.overrides import Overrides, apply, parse_fix
+from replay.replayer.overrides import apply, parse_fix
 from replay.replayer.replays import ReplayRequest, replay_id
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
@@ -57,6 +57,7 @@ from replay.store.lease import Lease, writing
 from replay.store.location import Location, Where
 from replay.store.manifest import Manifest
 from replay.store.object_lease import ObjectLease
+from replay.store.overrides import Overrides
 
 PHASES = {"steps": ["steps"], "layers": ["layers"], "heads": ["layers", "heads"], "data": ["data"],
           "all": ["steps", "layers", "heads", "data"]}

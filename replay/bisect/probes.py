@@ -23,10 +23,10 @@ from replay.errors import ReplayError
 from replay.launch.pool import RankPool, RankPoolError
 from replay.launch.ray_cluster import worker_options
 from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
-from replay.replayer.overrides import Overrides
 from replay.replayer.replays import Replay, ReplayRequest, run
 from replay.store.location import Location
 from replay.store.manifest import Manifest
+from replay.store.overrides import Overrides
 
 
 def request(start: int, stop: int, overrides: Overrides) -> ReplayRequest:

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         return serve(train, int(os.environ["REPLAY_REPLY_FD"]))
     store, resume = Location.parse(argv[0]), "--resume" in argv[1:]
     error, code = _attempt(train, store, resume, lease=os.environ[LEASE_ENV])
-    if error:
+    if error and not error.startswith(_SAID):
         print(f"rank {rank}: {error}", file=sys.stderr, flush=True)
     return code
 
@@ -63,11 +63,14 @@ def serve(train, reply_fd: int) -> int:
     return 0
 
 
+_SAID = "(said by the launcher) "   # an error the launching command says itself: this rank does not print it
+
+
 def _attempt(train, store: Location, resume: bool, lease: str, **kwargs) -> tuple[str | None, int]:
     try:
         train(store, lease, resume=resume, **kwargs)
     except ReplayError as e:
-        return str(e), e.exit_code
+        return (_SAID if e.said_by_launcher else "") + str(e), e.exit_code
     except Exception as e:  # e.g. a peer rank died and the collective broke
         if os.environ.get("REPLAY_DEBUG"):
             traceback.print_exc()

@@ -43,12 +43,14 @@ import torch.distributed as dist
 from replay.config import RunConfig, SpikeConfig
 from replay.errors import ReplayError, UsageError
 from replay.kernels.plan import AttentionPlan
+from replay.kernels.reach import AttentionReach
 from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder.environment import configure_determinism, fingerprint
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, Start, decide, one_line_errors
+from replay.recorder.overrides import ReplayOverrides
 from replay.recorder.placement import gather_placement
 from replay.recorder.recorder import Recorder, TrainState
 from replay.recorder.recording import Recording
@@ -97,8 +99,9 @@ class Loop:
     `lease`, the spec of the lease it holds (store/lease.py), says the store exists already: a new run, one
     to resume (`resume=True`, rewound by the launcher) or a replay (its kind says so); its config is the
     stored one. `state` is checkpointed instead of model, optimizer, scheduler and scaler (a DeepSpeed
-    engine: recorder/state.py). `apply_attention(plan)` puts a replay's attention plan into the model at
-    `--from` (default: `sdpa_dispatch`), returning a context to leave at the end, or None.
+    engine: recorder/state.py). `apply_attention(plan, reach)` puts a replay's attention plan into the model
+    at `--from`, counting its calls in `reach` (default: `sdpa_dispatch`), returning a context to leave at
+    the end, or None.
     `skipped_numerics()` gives the numerics row of a step a replay skips. `yield_skipped=True`, for a
     driver that cannot leave a step out (the Trainer, recorder/hf_trainer.py): a step the replay skips is
     yielded with `loop.skipping` true; the driver runs it without its update (and steps its scheduler as
@@ -110,7 +113,7 @@ class Loop:
                  snapshot_every: int = 0, snapshot_ring: int = 3, spike: SpikeConfig | None = None,
                  attention: str | None = None, n_head: int | None = None, layout: str | dict | None = None,
                  resume: bool = False, description: str = "", lease: str | None = None, state: TrainState | None = None,
-                 apply_attention: Callable[[AttentionPlan], Any] | None = None,
+                 apply_attention: Callable[[AttentionPlan, AttentionReach], Any] | None = None,
                  skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None, yield_skipped: bool = False):
         follow_parent()   # started by `replay run`: die with it
         engine = engine_state(model, optimizer) if state is None else None   # a DeepSpeed engine (recorder/zero.py)
@@ -174,6 +177,12 @@ class Loop:
     def window(self) -> ReplaySpec | None:
         """In a replay, what it replays (its window, overrides, skipped steps, dropped samples); else None."""
         return self._mode.window
+
+    @property
+    def overrides(self) -> ReplayOverrides:
+        """A replay's overrides as the training process applies them (recorder/overrides.py): the built-in
+        trainer's dropped samples and scoped learning rates; a recording's apply nothing."""
+        return self._mode.overrides
 
     @property
     def in_window(self) -> bool:
@@ -391,7 +400,9 @@ class Loop:
         self._ahead = now.draws[trained:]
         event = self.recorder.record_step(now.number, sample_ids=[d.ids.reshape(-1) for d in now.draws[:trained]],
                                           loss=_losses(loss), grad_norm=_number(grad_norm), lr=float(lr),
-                                          tokens=int(tokens), numerics=numerics, finish=False)
+                                          tokens=int(tokens), numerics=numerics, counts=self._mode.counted(),
+                                          finish=False)
+        self._mode.reached(now.number, self.recorder.counted)
         # checkpointed when the next step begins (or at close): it must hold what the script does after log
         self._unfinished = (now.number, event)
         return event
@@ -498,14 +509,14 @@ def _train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
     return TorchTrainState(model, optimizer, scheduler, scaler)
 
 
-def _attention_applier(model: torch.nn.Module, pattern: str | None) -> Callable[[AttentionPlan], Any]:
+def _attention_applier(model: torch.nn.Module, pattern: str | None) -> Callable[[AttentionPlan, AttentionReach], Any]:
     """How a replay puts its attention plan into the model: through transformers' AttentionInterface for a
     transformers model (per query head, grouped-query attention included), else by routing the SDPA calls
     of its attention modules (kernels/sdpa_dispatch.py)."""
     model = unwrap(model)
     if pattern is None and is_transformers_model(model):
-        return lambda plan: apply_plan(model, plan)
-    return lambda plan: sdpa_dispatch(model, plan, pattern)
+        return lambda plan, reach: apply_plan(model, plan, reach)
+    return lambda plan, reach: sdpa_dispatch(model, plan, pattern, reach)
 
 
 def _number(x: Any) -> float:

@@ -20,6 +20,7 @@ import numpy as np
 from replay.config import RunConfig
 from replay.errors import ReplayError
 from replay.recorder import command as cmd
+from replay.recorder.overrides import ReplayOverrides
 from replay.recorder.recorder import RecorderConfig
 from replay.store import RunStore
 from replay.store.holder import ENV as LEASE_ENV
@@ -58,6 +59,7 @@ class Mode(Protocol):
     start_from: tuple[RunStore, int] | None     # the checkpoint the first step restores (a replay's parent's)
     recorder_config: RecorderConfig             # steps, checkpoint cadence, snapshots
     window: ReplaySpec | None                   # a replay's window, overrides and skips
+    overrides: ReplayOverrides                  # a replay's overrides as applied (a recording's: none, never begun)
 
     def opened(self, store: RunStore) -> None:
         """Rank 0, once the recorder has the store open for writing."""
@@ -78,6 +80,12 @@ class Mode(Protocol):
 
     def check_step(self, autocast_used: bool) -> None:
         """Refuse, at `log`, a step the mode cannot record as it ran."""
+
+    def counted(self) -> np.ndarray | None:
+        """A replay: what its overrides replaced in the step that ends, on this process (None: nothing to count)."""
+
+    def reached(self, step: int, totals: np.ndarray | None) -> None:
+        """A replay: the step's counts summed over the ranks, kept, and an override that reached nothing refused."""
 
     def precision(self) -> str:
         """What `loop.autocast()` gives now."""
@@ -105,7 +113,8 @@ def one_line_errors(hook: Hook, rank: int) -> Hook:
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> object:
         if not isinstance(value, ReplayError) or os.environ.get("REPLAY_DEBUG"):
             return hook(kind, value, tb)
-        print(f"rank {rank}: {value}", file=sys.stderr, flush=True)
+        if not value.said_by_launcher:
+            print(f"rank {rank}: {value}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(value.exit_code)
     return excepthook

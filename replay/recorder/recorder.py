@@ -121,6 +121,7 @@ class Recorder:
         self.detector = SpikeDetector(cfg.spike)
         self.digest = StateDigest(state, rank)
         self._digests_noted = False
+        self.counted: np.ndarray | None = None   # the last step's counts, summed over the processes
         self.ring: deque[tuple[int, Packed]] = deque(maxlen=max(1, cfg.snapshot_ring))
         self._spare: deque[np.ndarray] = deque()   # buffers of written checkpoints, reused by the next capture
         self.writer = BackgroundWriter(f"replay-writer-rank{rank}", guard)
@@ -217,7 +218,7 @@ class Recorder:
     def record_step(self, step: int, *, sample_ids: np.ndarray | list[np.ndarray], loss: float | list[float],
                     grad_norm: float,
                     lr: float, tokens: int, numerics: dict[str, np.ndarray] | None = None,
-                    finish: bool = True) -> SpikeEvent | None:
+                    counts: np.ndarray | None = None, finish: bool = True) -> SpikeEvent | None:
         """Record optimizer step `step` (its state is now the one *after* the step: its digest is taken here,
         recorder/digest.py). `sample_ids`: this rank's
         micro-batches' ids, (micro, sample) or a list of micro-batches of any sizes; every rank must train on
@@ -225,6 +226,8 @@ class Recorder:
         padded with -1 to the run's first step's shape (a process playing several ranks: theirs in order, and
         a loss for each). `numerics`: this
         rank's per-layer attention numerics (replay.kernels.numerics), stored from rank 0 when given.
+        `counts`: what a replay's overrides replaced in the step on this process (recorder/overrides.py),
+        summed over the processes into `counted`, which every process reads after the call.
         `finish=False` leaves the step's checkpoint cadence (and a spike's snapshots) to `finish_step`,
         for a caller whose state may still change after it records the step's metrics."""
         now = time.perf_counter()
@@ -232,7 +235,8 @@ class Recorder:
         digest = self.digest()
         sample_ids, width = self._agree(step, [np.asarray(a, dtype=np.int64).reshape(-1) for a in sample_ids],
                                         len(digest))
-        rank_loss, all_ids, all_tokens, digests = self._gather(loss, sample_ids, tokens, _padded(digest, width))
+        rank_loss, all_ids, all_tokens, digests, self.counted = self._gather(loss, sample_ids, tokens,
+                                                                             _padded(digest, width), counts)
         global_loss = self.last_loss = float(np.mean(rank_loss))
         if self.coordinator:
             self._rows.append({"loss": global_loss, "rank_loss": rank_loss, "grad_norm": float(grad_norm),
@@ -323,26 +327,28 @@ class Recorder:
     def _skipped_shape(self, sample_ids: np.ndarray) -> tuple[int, ...]:
         return self._ids_shape if self._ids_shape is not None else np.shape(sample_ids)
 
-    def _gather(self, loss: float | list[float], ids: np.ndarray, tokens: int,
-                digest: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
-        """Every recorded rank's loss, (micro, sample) ids and state digests, in rank order, and the tokens of
-        all; `ids`: this process's ranks', `digest`: its state's (each rank it plays holds that state)."""
+    def _gather(self, loss: float | list[float], ids: np.ndarray, tokens: int, digest: np.ndarray,
+                counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray | None]:
+        """Every recorded rank's loss, (micro, sample) ids and state digests, in rank order, the tokens of all,
+        and `counts` summed over the processes; `ids`: this process's ranks', `digest`: its state's (each rank
+        it plays holds that state). One all_gather of float64 (ids < 2**53, 32-bit digests, counts: exact)."""
         losses = np.asarray(loss, dtype=np.float64).reshape(len(self.ranks))
         played = len(self.ranks)
+        counts = None if counts is None else np.asarray(counts, dtype=np.int64)
         if self.processes == 1:
-            return losses, ids, tokens, np.tile(digest, (played, 1))
+            return losses, ids, tokens, np.tile(digest, (played, 1)), counts
+        parts = [np.asarray([tokens], np.float64), losses, ids.reshape(-1).astype(np.float64),
+                 digest.astype(np.float64), (counts if counts is not None else np.zeros(0)).astype(np.float64)]
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mine = torch.cat([torch.tensor([float(tokens)], dtype=torch.float64), torch.from_numpy(losses),
-                          torch.from_numpy(ids.reshape(-1).astype(np.float64)),
-                          torch.from_numpy(digest.astype(np.float64))]).to(device)
+        mine = torch.from_numpy(np.concatenate(parts)).to(device)
         out = [torch.empty_like(mine) for _ in range(self.processes)]
-        dist.all_gather(out, mine)   # ids < 2**53 and 32-bit digests: exact in float64
+        dist.all_gather(out, mine)
         rows = torch.stack(out).cpu().numpy()
-        n_ids = ids.size
-        digests = rows[:, 1 + played + n_ids:].astype(np.uint32)
-        return (rows[:, 1:1 + played].reshape(-1).copy(),
-                rows[:, 1 + played:1 + played + n_ids].astype(np.int64).reshape(self.world, *ids.shape[1:]),
-                int(rows[:, 0].sum()), np.repeat(digests, played, axis=0))
+        edges = np.cumsum([0, *(len(p) for p in parts)])
+        tokens_, losses_, ids_, digests, counts_ = (rows[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True))
+        return (losses_.reshape(-1).copy(), ids_.astype(np.int64).reshape(self.world, *ids.shape[1:]),
+                int(tokens_.sum()), np.repeat(digests.astype(np.uint32), played, axis=0),
+                None if counts is None else counts_.sum(axis=0).astype(np.int64))
 
     def _digest_width(self) -> int:
         return len(self.digest.names) if self.digest.names is not None else len(self.digest())

@@ -18,6 +18,7 @@ from replay.config import Launcher, RunConfig
 from replay.errors import ReplayError, UsageError
 from replay.recorder import command as cmd
 from replay.recorder.modes import Start
+from replay.recorder.overrides import ReplayOverrides
 from replay.recorder.recorder import RecorderConfig
 from replay.recorder.run_options import RunOptions
 from replay.recorder.state import origin_of
@@ -33,6 +34,7 @@ from replay.store.run_store import check_empty
 class Recording:
     window: ReplaySpec | None = None
     start_from: tuple[RunStore, int] | None = None
+    overrides = ReplayOverrides(start=-1)   # none, never begun
 
     def __init__(self, start: Start, model: torch.nn.Module, options: RunOptions, rank: int, world: int):
         """`model`: unwrapped (not DDP's)."""
@@ -139,6 +141,12 @@ class Recording:
         raise AssertionError("a recording skips no step")
 
     def check_step(self, autocast_used: bool) -> None:
+        pass
+
+    def counted(self) -> np.ndarray | None:
+        return None
+
+    def reached(self, step: int, totals: np.ndarray | None) -> None:
         pass
 
     def precision(self) -> str:

@@ -1,10 +1,11 @@
 """The loop replaying a window of its record (started by `replay run`, or a launcher's replay store): it
 restores the parent's checkpoint at or before the window, hands out the recorded sample ids (checking that
-the loader drew them too), applies the overrides from the window on (recorder/overrides.py) and ends after
-the window's last step."""
+the loader drew them too), applies the overrides from the window on (recorder/overrides.py), keeps what they
+reached in the replay's manifest (rank 0), and ends after the window's last step."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +14,9 @@ import torch
 
 from replay.errors import ReplayError
 from replay.kernels.plan import AttentionPlan
+from replay.kernels.reach import AttentionReach
 from replay.recorder.modes import Start
-from replay.recorder.overrides import ReplayOverrides
+from replay.recorder.overrides import ReplayOverrides, UnreachedOverride
 from replay.recorder.recorder import RecorderConfig
 from replay.store import RunStore
 from replay.store.manifest import ReplaySpec
@@ -23,7 +25,7 @@ from replay.store.run_store import micro_batches
 
 class Replaying:
     def __init__(self, start: Start, ranks: range, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 apply_attention: Callable[[AttentionPlan], Any]):
+                 apply_attention: Callable[[AttentionPlan, AttentionReach], Any]):
         store = RunStore.open(start.store)
         spec = store.manifest.replay
         assert spec is not None, "a replay's store has its spec"
@@ -44,6 +46,11 @@ class Replaying:
         self._ranks, self._optimizer, self._scheduler = ranks, optimizer, scheduler
         self._apply_attention = apply_attention
         self._check_draws = True   # the loader draws the recorded ids, until a skipped step moves its randomness
+        self._store = store
+        prior = spec.reached   # a resumed replay's, so far
+        self._reached: tuple[list[int], list[list[int]]] = (
+            (list(prior.steps), list(prior.counts)) if prior else ([], []))
+        self._refused: str | None = None
 
     def opened(self, store: RunStore) -> None:
         pass
@@ -92,6 +99,33 @@ class Replaying:
     def check_step(self, autocast_used: bool) -> None:
         self.overrides.check_step(autocast_used)
 
+    def counted(self) -> np.ndarray | None:
+        return self.overrides.counted() if self.overrides.counters else None
+
+    def reached(self, step: int, totals: np.ndarray | None) -> None:
+        """The step's counts, summed over the ranks: kept (rank 0), then checked on every rank alike; an
+        override that reached nothing is written into the replay's manifest before the replay stops."""
+        if totals is None or not self.overrides.active:
+            return
+        steps, counts = self._reached
+        while steps and steps[-1] >= step:   # a resumed replay runs the steps after its checkpoint again
+            steps.pop()
+            counts.pop()
+        steps.append(step)
+        counts.append(totals.tolist())
+        try:
+            self.overrides.check(step, totals)
+        except UnreachedOverride as e:
+            self._refused = str(e)
+            self._keep_reached()
+            raise
+
+    def _keep_reached(self) -> None:
+        if self._ranks[0] == 0 and self.overrides.counters:
+            store = RunStore.open(self._store.location, mode="a")
+            store.update_manifest(replay=dataclasses.replace(
+                store.manifest.replay_spec, reached=self.overrides.reached(*self._reached, refused=self._refused)))
+
     def precision(self) -> str:
         return self.overrides.autocast_precision(self.cfg.precision)
 
@@ -99,4 +133,8 @@ class Replaying:
         return self.overrides.active
 
     def close(self) -> None:
-        self.overrides.close()
+        try:
+            if self.overrides.active and self._refused is None:
+                self._keep_reached()
+        finally:
+            self.overrides.close()

@@ -50,7 +50,9 @@ def list_replays(store_path: Where) -> list[dict[str, Any]]:
             continue
         spec = m.replay_spec
         out.append({"id": path.name, "window": {"from": spec.start, "to": spec.stop},
-                    "start_checkpoint": spec.start_checkpoint, "overrides": spec.overrides, "status": m.status,
-                    "spikes": spikes, "verification": spec.verification.to_dict() if spec.verification else None,
+                    "start_checkpoint": spec.start_checkpoint, "overrides": spec.overrides.to_dict(),
+                    "status": m.status, "spikes": spikes,
+                    "verification": spec.verification.to_dict() if spec.verification else None,
+                    "reached": spec.reached.to_dict() if spec.reached else None,
                     "outcome": spike_outcome(recorded, spikes, spec)})
     return out

@@ -1,102 +1,24 @@
-"""Counterfactual overrides of a replay: what changes, checked against the recorded run, folded into its config.
+"""A replay's overrides (the value: store/overrides.py) parsed from the command line, checked against the
+recorded run and folded into the replay's config; they are applied in the training process by
+recorder/overrides.py.
 
-The scope is the whole model, or `layers`, or `heads` of those layers, or explicit (layer, head) `units`.
-Attention overrides rewrite the recorded attention plan (replay.kernels.plan) in that scope:
-`attention` swaps the backend; `fix` (the safe-softmax fix, with beta) and `hp_delta` switch options on
-the flash backends there (they need an emulated or Triton flash backend: `eager` and `sdpa` have no such
-knobs). `lr_scale` multiplies the learning rate: of every parameter group for the whole model, or, in a
-scope, of that scope's updates (a layer's parameters; a head's columns of W_Q, W_K, W_V and rows of W_O).
-`precision` replaces the run's precision; `skip` lists steps whose batches are not trained on (their
-optimizer step does not happen; the LR schedule moves on, so later steps keep their recorded learning
-rates); `drop` lists (step, sample id) pairs left out of their step's loss.
+Attention overrides rewrite the recorded attention plan (replay.kernels.plan) in their scope: `attention`
+swaps the backend; `fix` and `hp_delta` need an emulated or Triton flash backend (`eager` and `sdpa` have
+no such knobs). A skipped step's optimizer step does not happen, but the LR schedule moves on, so later
+steps keep their recorded learning rates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 from replay.config import PRECISIONS, RunConfig
 from replay.errors import UsageError
 from replay.kernels.options import SafeSoftmaxFix
 from replay.kernels.plan import AttentionPlan, BackendSpec, check_numerics
 from replay.store.capabilities import Capabilities
-
-
-@dataclass
-class Overrides:
-    attention: str | None = None
-    layers: list[int] | None = None
-    heads: list[int] | None = None
-    precision: str | None = None
-    fix: float | None = None          # safe-softmax beta
-    hp_delta: bool = False
-    skip: list[int] = field(default_factory=list)
-    lr_scale: float | None = None
-    units: list[list[int]] | None = None      # explicit [layer, head] pairs (instead of layers x heads)
-    drop: list[list[int]] = field(default_factory=list)   # [step, sample id] pairs
-
-    @property
-    def scoped(self) -> bool:
-        return self.layers is not None or self.heads is not None or self.units is not None
-
-    @property
-    def touches_attention(self) -> bool:
-        return bool(self.attention or self.fix is not None or self.hp_delta)
-
-    def scope(self, n_layer: int, n_head: int) -> list[tuple[int, int]]:
-        if self.units is not None:
-            return [(layer, head) for layer, head in self.units]
-        return [(layer, head) for layer in (self.layers if self.layers is not None else range(n_layer))
-                for head in (self.heads if self.heads is not None else range(n_head))]
-
-    def lr_scope(self, n_layer: int, n_head: int) -> dict[str, Any] | None:
-        """A scoped lr_scale, for the trainer (train/counterfactual.py): the scale, and whole layers or
-        (layer, head) units."""
-        if self.lr_scale is None or not self.scoped:
-            return None
-        if self.units is None and self.heads is None and self.layers is not None:
-            return {"scale": self.lr_scale, "layers": list(self.layers)}
-        return {"scale": self.lr_scale, "units": [list(u) for u in self.scope(n_layer, n_head)]}
-
-    def with_scope(self, layers: list[int] | None = None, units: list[list[int]] | None = None) -> Overrides:
-        return dataclasses.replace(self, layers=layers, heads=None, units=units)
-
-    def as_args(self) -> str:
-        """The `replay run` options that give these overrides."""
-        args = []
-        if self.attention:
-            args.append(f"--attention {self.attention}")
-        if self.units is not None:
-            args.append("--heads " + ",".join(f"{layer}.{head}" for layer, head in self.units))
-        if self.layers is not None:
-            args.append(f"--layers {format_steps(self.layers)}")
-        if self.heads is not None:
-            args.append(f"--heads {format_steps(self.heads)}")
-        if self.precision:
-            args.append(f"--precision {self.precision}")
-        if self.fix is not None:
-            args.append(f"--fix safe-softmax:{self.fix:g}")
-        if self.hp_delta:
-            args.append("--hp-delta")
-        if self.lr_scale is not None:
-            args.append(f"--lr-scale {self.lr_scale:g}")
-        if self.skip:
-            args.append(f"--skip {format_steps(self.skip)}")
-        if self.drop:
-            args.append("--drop " + ",".join(f"{step}:{sample}" for step, sample in self.drop))
-        return " ".join(args)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False, [])}
-
-    def tag(self) -> str:
-        """A short stable id of these overrides, for replay names."""
-        return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+from replay.store.overrides import Overrides
 
 
 def parse_fix(text: str) -> float:
@@ -134,17 +56,6 @@ def parse_drop(text: str) -> list[list[int]]:
                              f"prints them), got {text!r}")
         pairs.append([int(step), int(sample)])
     return sorted(pairs)
-
-
-def format_steps(steps: list[int]) -> str:
-    """[5, 8, 9, 10] -> `5,8-10` (what parse_steps reads)."""
-    runs: list[list[int]] = []
-    for s in sorted(steps):
-        if runs and s == runs[-1][-1] + 1:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def parse_steps(text: str, what: str = "--skip") -> list[int]:

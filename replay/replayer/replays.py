@@ -28,7 +28,6 @@ from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
 from replay.launch.script import run_script
 from replay.recorder.command import check_unchanged
 from replay.recorder.host import environment_notes
-from replay.replayer.overrides import Overrides
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
@@ -36,6 +35,7 @@ from replay.store.lease import writing
 from replay.store.lifecycle import resume_run
 from replay.store.location import Location, Where
 from replay.store.manifest import Manifest, ReplaySpec
+from replay.store.overrides import Overrides, Reached
 from replay.store.run_store import DigestInfo
 from replay.store.verification import SCALARS, STATE, Divergence, ScalarChange, StateChange, Verification
 
@@ -68,6 +68,7 @@ class Replay:
     verification: Verification | None = None
     environment_notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)   # e.g. the nearest checkpoint is damaged
+    reached: Reached | None = None                       # what its overrides reached (recorder/overrides.py)
 
 
 def replay_id(req: ReplayRequest) -> str:
@@ -122,7 +123,7 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
 
     spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,
                       start_checkpoint_kind=ckpt.kind, checkpoint_every=req.checkpoint_every,
-                      overrides=req.overrides.to_dict(), skip=req.overrides.skip, drop=req.overrides.drop,
+                      overrides=req.overrides, skip=req.overrides.skip, drop=req.overrides.drop,
                       lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head), processes=processes)
     path = store_path / "replays" / replay_id(req)
     if (path / "zarr.json").exists():
@@ -227,6 +228,10 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
         except NodeLost as e:
             raise NodeLost(f"{e}: {_keep_committed(path, recorded.world_size)}") from None
         except ReplayError:
+            refused = _refusal(path)
+            if refused is not None:   # an override reached nothing (recorder/overrides.py): no result is kept
+                path.remove_tree()
+                raise UsageError(refused) from None
             left = RunStore.open(path)
             if (script or cluster is not None) and not resume and left.n_steps == 0 and not left.checkpoints():
                 path.remove_tree()   # refused before its first step (by the script, or the cluster): nothing to keep
@@ -238,7 +243,7 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
                               "(a `break`, or a step limit of its own)")
         verification = verify(parent, done)
         result = Replay(path, created=pending, verification=verification, environment_notes=notes,
-                        warnings=warnings)
+                        warnings=warnings, reached=done.manifest.replay_spec.reached)
         lease.check()
         done.update_manifest(replay=dataclasses.replace(done.manifest.replay_spec, verification=verification))
     return result
@@ -250,6 +255,15 @@ def run_on_ray(store: Where, req: ReplayRequest, address: str, placing: Placing 
     store = Location.parse(store)
     with ray_session(address), RayRanks(RunStore.open(store).manifest, placing or Placing()) as cluster:
         return run(store, req, warn=warn, cluster=cluster)
+
+
+def _refusal(path: Location) -> str | None:
+    """Why the replay's ranks stopped it, when an override of it reached nothing (rank 0 wrote it)."""
+    try:
+        reached = RunStore.open(path).manifest.replay_spec.reached
+    except ReplayError:
+        return None
+    return reached.refused if reached is not None else None
 
 
 def _keep_committed(path: Location, world_size: int) -> str:

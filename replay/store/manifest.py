@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from replay.config import Launcher, RunConfig
+from replay.store.overrides import Overrides, Reached
 from replay.store.sharding import Sharding
 from replay.store.verification import Verification
 
@@ -62,13 +63,16 @@ class ReplaySpec:
     start_checkpoint: int          # the parent's committed checkpoint the replay restores
     start_checkpoint_kind: str
     checkpoint_every: int          # 0: only the checkpoint at the end
-    overrides: dict[str, Any]      # replayer/overrides.py Overrides.to_dict()
+    overrides: Overrides           # what the replay changes (store/overrides.py)
     skip: list[int] = field(default_factory=list)
     drop: list[list[int]] = field(default_factory=list)   # [step, sample id] pairs left out
-    lr_scope: dict[str, Any] | None = None                # a scoped lr scale (train/counterfactual.py)
+    lr_scope: dict[str, Any] | None = None                # a scoped lr scale (recorder/overrides.py)
     processes: int | None = None   # --ranks: processes that played the recorded ranks (None: one per rank)
     verification: Verification | None = None              # written when the replay has run
+    reached: Reached | None = None                        # what its overrides reached (recorder/overrides.py)
 
+
+_TYPED_SPEC_FIELDS = ("parent", "start", "stop", "overrides", "verification", "reached")   # read by hand below
 
 PROBE_SAMPLES = 4                  # the analysis probe's batch: this many samples ...
 PROBE_TOKENS = 256                 # ... and at most this many of their tokens
@@ -159,7 +163,7 @@ class Manifest:
         if self.replay is not None:
             spec = asdict(self.replay)
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
-                        **spec})
+                        **spec, "overrides": self.replay.overrides.to_dict()})
         return out
 
     @classmethod
@@ -168,10 +172,12 @@ class Manifest:
         replay = None
         if meta["kind"] == "replay":
             replay = ReplaySpec(parent=d["parent"], start=d["window"]["from"], stop=d["window"]["to"],
-                                **{f.name: d[f.name] for f in dataclasses.fields(ReplaySpec)
-                                   if f.name not in ("parent", "start", "stop", "verification") and f.name in d},
+                                **{f.name: d[f.name] for f in dataclasses.fields(ReplaySpec) if f.name in d
+                                   and f.name not in _TYPED_SPEC_FIELDS},
+                                overrides=Overrides.from_dict(d["overrides"]),
                                 verification=Verification.from_dict(d["verification"]) if d.get("verification")
-                                else None)
+                                else None,
+                                reached=Reached.from_dict(d["reached"]) if d.get("reached") else None)
         data = {f.name: d["data"].get(f.name) for f in dataclasses.fields(DataInfo)}
         return cls(kind=meta["kind"], schema=meta["schema"], config=RunConfig.from_dict(d["config"]),
                    world_size=d["world_size"], launcher=d["launcher"], data=DataInfo(**data), created=d["created"],

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from replay.recorder.loop import Loop
-from replay.train.counterfactual import ScopedUpdate
 from replay.train.data import TokenData
 from replay.train.model import lm_loss
 
@@ -147,11 +146,10 @@ class PlayedRanks:
 
 
 def played_step(played: PlayedRanks, optimizer: torch.optim.Optimizer, scheduler, data: TokenData, loop: Loop,
-                ids: np.ndarray, dropped: frozenset[int], weight: float, scoped: ScopedUpdate | None
-                ) -> tuple[list[float], float, float]:
+                ids: np.ndarray) -> tuple[list[float], float, float]:
     """One optimizer step of the played ranks (trainer.py's `_torch_step`, for several recorded ranks):
-    (each played rank's mean loss, grad norm before clipping, lr)."""
-    assert not dropped and scoped is None, "refused with --ranks by replayer/replays.py"
+    (each played rank's mean loss, grad norm before clipping, lr). Replays with overrides are refused with
+    --ranks (replayer/replays.py)."""
     played.ddp.train()
     per = len(ids) // len(played.ranks)
     batches = [[data.batch(micro) for micro in ids[i * per:(i + 1) * per]] for i in range(len(played.ranks))]

@@ -29,7 +29,6 @@ from replay.recorder.state import DeepSpeedTrainState, TorchTrainState
 from replay.store import RunStore
 from replay.store.lease import require
 from replay.store.location import Location, Where
-from replay.train.counterfactual import ScopedUpdate, keep_mask, kept_weight
 from replay.train.data import DataOrder, TokenData, load_data
 from replay.train.fewer_ranks import PlayedRanks, played_step
 from replay.train.model import build_model, lm_loss, lr_factor
@@ -119,29 +118,21 @@ def _train(store: RunStore, cfg: RunConfig, r: Rank, resume: bool, lease: str) -
         step_fn = functools.partial(_torch_step, ddp, optimizer, scheduler, data, r)
     probe = NumericsProbe(model) if cfg.numerics else None
     loop = Loop(store.location, model, optimizer, total_steps=cfg.steps, scheduler=scheduler, state=state,
-                lease=lease, resume=resume, apply_attention=lambda plan: apply_plan(model, plan),
+                lease=lease, resume=resume, apply_attention=lambda plan, reach: apply_plan(model, plan, reach),
                 skipped_numerics=probe.skipped if probe else None)
-    drop: dict[int, set[int]] = {}
-    for step, sample in (spec.drop if spec else []):
-        drop.setdefault(step, set()).add(sample)
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
-    scoped = None   # a scoped lr_scale, from `from` on
     t0 = time.perf_counter()
     with loop:
         start = None
         for step in loop.steps():
             start = step if start is None else start
-            if loop.in_window and spec and spec.lr_scope and scoped is None:
-                scoped = ScopedUpdate(model, spec.lr_scope)
             ids = np.stack([loop.sample_ids(micro) for rank in ranks
                             for micro in order.rank_ids(step, rank, world, cfg.micro_batch_size)])
             # a replay or resume of 3 or more ranks (with 2, a + b == b + a: the layout cannot change the bits)
             if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and r.world > 2 and step == start > 0:
                 _rebuild_buckets(ddp, data, r, loop, ids[0])
-            dropped = frozenset(drop.get(step, ()))
-            weight = kept_weight(loop.recorded_ids(step), dropped) if dropped else 1.0
             with probe.collecting() if probe else contextlib.nullcontext():
-                loss, grad_norm, lr = step_fn(loop, ids, dropped, weight, scoped)
+                loss, grad_norm, lr = step_fn(loop, ids)
             raise_deferred()
             event = loop.log(loss, grad_norm=grad_norm, lr=lr, tokens=ids.size * cfg.model.block_size,
                              numerics=probe.end_step() if probe else None)
@@ -176,26 +167,30 @@ def _rebuild_buckets(ddp: torch.nn.parallel.DistributedDataParallel, data: Token
     set_rng_state(rngs)
 
 
-def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray,
-                dropped: frozenset[int], weight: float, scoped: ScopedUpdate | None) -> tuple[float, float, float]:
-    """One optimizer step over this rank's micro-batches: (mean loss, grad norm before clipping, lr)."""
+def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loop,
+                ids: np.ndarray) -> tuple[float, float, float]:
+    """One optimizer step over this rank's micro-batches: (mean loss, grad norm before clipping, lr). A
+    replay's samples left out and scoped learning rate are its overrides' (recorder/overrides.py)."""
+    assert loop.step is not None, "inside loop.steps()"
     model.train()
     optimizer.zero_grad(set_to_none=True)
     accum = len(ids)
     total = torch.zeros((), dtype=torch.float32, device=r.device)
+    weight = loop.overrides.loss_weight(loop.step, loop.recorded_ids(loop.step) if loop.replaying else ids)
     for m, micro in enumerate(ids):
         x, y = (t.to(r.device) for t in data.batch(micro))
         sync = m == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with (contextlib.nullcontext() if sync else model.no_sync()):
             with loop.autocast(r.device.type):
-                loss = lm_loss(model, x, y, keep_mask(micro, dropped))
-                loss = loss * weight if dropped else loss   # counterfactual.py: the mean over kept samples
+                keep = loop.overrides.kept(loop.step, micro)
+                loss = lm_loss(model, x, y, keep)
+                loss = loss * weight if keep is not None else loss   # the mean over the step's kept samples
             (loss / accum).backward()
         total += loss.detach()
     max_norm = loop.cfg.optim.grad_clip if loop.cfg.optim.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     lr = scheduler.get_last_lr()[0]
-    scoped.step(optimizer) if scoped else optimizer.step()
+    loop.overrides.optimizer_step(optimizer, model)
     scheduler.step()
     return float(total / accum), float(grad_norm), lr
 
@@ -224,9 +219,8 @@ def _deepspeed_engine(cfg: RunConfig, model, optimizer, scheduler):
     return engine
 
 
-def _deepspeed_step(engine, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray, dropped: frozenset[int],
-                    weight: float, scoped: ScopedUpdate | None) -> tuple[float, float, float]:
-    assert not dropped and scoped is None, "refused for DeepSpeed by replayer/overrides.py"
+def _deepspeed_step(engine, data: TokenData, r: Rank, loop: Loop, ids: np.ndarray) -> tuple[float, float, float]:
+    # dropped samples and scoped learning rates: refused for DeepSpeed (store/capabilities.py)
     engine.train()
     total = torch.zeros((), dtype=torch.float32, device=r.device)
     lr = engine.lr_scheduler.get_last_lr()[0]

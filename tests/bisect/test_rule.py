@@ -9,6 +9,7 @@ import numpy as np
 from replay.bisect.rule import Rule, judge
 from replay.config import SpikeConfig
 from replay.store.manifest import ReplaySpec
+from replay.store.overrides import Overrides
 from tests.conftest import new_store
 
 RULE = Rule(SpikeConfig(window=10, threshold=6.0, min_rise=0.5, warmup=5), horizon=5)
@@ -16,7 +17,7 @@ RULE = Rule(SpikeConfig(window=10, threshold=6.0, min_rise=0.5, warmup=5), horiz
 
 def _store(path, losses, first_step=0, skip=()):
     spec = ReplaySpec(parent="../..", start=first_step, stop=first_step + len(losses) - 1, start_checkpoint=first_step,
-                      start_checkpoint_kind="regular", checkpoint_every=0, overrides={}, skip=list(skip))
+                      start_checkpoint_kind="regular", checkpoint_every=0, overrides=Overrides(), skip=list(skip))
     store = new_store(path, replay=spec if first_step else None, first_step=first_step)
     k = len(losses)
     store.append_steps(first_step, {

@@ -7,9 +7,9 @@ import pytest
 
 from replay.errors import ReplayError
 from replay.launch.pool import RankPool
-from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
+from replay.store.overrides import Overrides
 
 
 def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):

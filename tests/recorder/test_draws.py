@@ -10,10 +10,10 @@ import torch
 
 from replay.errors import UsageError
 from replay.recorder import Loop
-from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
 from replay.store.lease import writing
+from replay.store.overrides import Overrides
 from replay.store.run_store import micro_batches
 from tests.recorder.models import OneBlock
 

@@ -11,10 +11,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from replay.errors import ReplayError, UsageError
 from replay.recorder import Loop
-from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
 from replay.store.lease import writing
+from replay.store.overrides import Overrides
 from replay.store.run_store import micro_batches
 from replay.views import step_batch
 

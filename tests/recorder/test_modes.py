@@ -12,7 +12,6 @@ from replay.errors import ReplayError
 from replay.recorder import Loop
 from replay.recorder.command import RESUME_ENV, STORE_ENV
 from replay.recorder.modes import Start, decide
-from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
 from replay.store.holder import ENV as LEASE_ENV
@@ -20,6 +19,7 @@ from replay.store.lease import writing
 from replay.store.lifecycle import create_run, no_data
 from replay.store.location import Location
 from replay.store.manifest import Manifest, ReplaySpec
+from replay.store.overrides import Overrides
 
 
 def test_the_script_run_as_it_is_records_and_prepares_its_store(tmp_path):
@@ -41,7 +41,7 @@ def test_a_launchers_lease_records_or_replays_as_the_prepared_stores_kind_says(t
     create_run(tmp_path / "run", cfg, world_size=1, launcher="local", data=no_data("test"))
     RunStore.create(tmp_path / "replay", Manifest(kind="replay", config=cfg, world_size=1, launcher="local",
                                                   data=no_data("test"), created=0.0,
-                                                  replay=ReplaySpec("../..", 1, 2, 0, "regular", 0, {})))
+                                                  replay=ReplaySpec("../..", 1, 2, 0, "regular", 0, Overrides())))
     run = Location.parse(tmp_path / "run")
     assert decide(tmp_path / "run", "spec", False, environ={}) == Start("record", run, "spec", False,
                                                                        by_replay_run=False)

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from replay.errors import UsageError
 from replay.launch.pool import RankPool
-from replay.replayer.overrides import Overrides, parse_drop, parse_heads
+from replay.replayer.overrides import parse_drop, parse_heads
 from replay.replayer.replays import ReplayRequest, prepare, run
 from replay.store import RunStore
+from replay.store.overrides import Overrides
 from replay.train.data import load_data
 from replay.train.model import build_model
 from tests.conftest import error_line, replay_cli, tree_snapshot

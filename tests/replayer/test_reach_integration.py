@@ -1,0 +1,115 @@
+"""Overrides prove they reached their target: a replay counts the calls each override replaced, keeps the counts
+in its manifest, and stops, keeping nothing, when an override reached nothing (recorder/overrides.py).
+
+The script is minGPT's shape (its attention computed by hand: q @ k^T, masked_fill, softmax, dropout, @ v,
+which no `--attention` can reach), and, with --sdpa, the documented change that makes it reachable: one call of
+torch.nn.functional.scaled_dot_product_attention instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from replay.store import RunStore
+from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+
+SCRIPT = """
+import math
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from replay.recorder import Loop
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd=16, n_head=2, block_size=8):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.attn_dropout, self.n_head, self.n_embd = nn.Dropout(0.1), n_head, n_embd
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if "--sdpa" in sys.argv:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = self.attn_dropout(F.softmax(att, dim=-1))
+            y = att @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+class GPT(nn.Module):
+    def __init__(self, vocab=32, n_embd=16):
+        super().__init__()
+        self.wte, self.attn, self.lm_head = nn.Embedding(vocab, n_embd), CausalSelfAttention(), nn.Linear(n_embd, vocab)
+
+    def forward(self, idx):
+        return self.lm_head(self.attn(self.wte(idx)))
+
+torch.manual_seed(0)
+model = GPT()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+data = torch.randint(0, 32, (64, 9))
+with Loop(sys.argv[1], model, optimizer, total_steps=6, checkpoint_every=2) as loop:
+    for step in loop.steps():
+        ix = loop.sample_ids(torch.randint(0, 64, (4,)))
+        x, y = data[ix, :8], data[ix, 1:]
+        loss = F.cross_entropy(model(x).view(-1, 32), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loop.log(loss=loss)
+"""
+
+COUNTERFACTUAL = ["--from", "2", "--to", "3", "--attention", "reference-emu:dtype=bf16", "--layers", "0"]
+
+
+def _record(tmp_path: Path, *flags: str) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    store = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(script), str(store), *flags], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return store
+
+
+def test_an_attention_override_that_reaches_no_call_stops_the_replay_in_one_line_and_keeps_nothing(tmp_path):
+    store = _record(tmp_path)
+    before = tree_snapshot(store)
+    result = replay_cli("run", str(store), *COUNTERFACTUAL, "--verify")
+    assert result.returncode == 2
+    line = error_line(result)
+    assert "reached no attention call of layer(s) 0 in step 2, the window's first" in line
+    assert "never called torch.nn.functional.scaled_dot_product_attention" in line
+    assert "it called masked_fill, matmul, softmax" in line and "nothing of the replay is kept" in line
+    assert "rank 0:" not in result.stderr   # said once, by the command
+    assert not (store / "replays").exists() or not any((store / "replays").iterdir())
+    assert tree_snapshot(store) == before
+
+
+def test_after_the_documented_change_the_override_reaches_every_call_and_diverges_at_from(tmp_path):
+    store = _record(tmp_path, "--sdpa")
+    plain = json.loads(replay_cli("run", str(store), "--from", "2", "--to", "3", "--json").stdout)
+    assert plain["verification"]["bitwise"] and plain["reached"] is None   # nothing to reach
+    result = replay_cli("run", str(store), *COUNTERFACTUAL, "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    d = answer["verification"]["divergence"]
+    assert answer["verification"]["level"] == "state" and d["step"] == 2 and d["state"]["tensors"]
+    reached = answer["reached"]
+    assert reached["counters"] == ["attention 0.0 reference-emu:dtype=bf16", "attention 0.1 reference-emu:dtype=bf16"]
+    assert reached["steps"] == [2, 3] and reached["counts"] == [[1, 1], [1, 1]] and reached["refused"] is None
+    assert reached["path"] == [{"layer": 0, "backend": "reference-emu:dtype=bf16", "heads": [0, 1], "calls": 2}]
+    manifest = RunStore.open(answer["replay"]).manifest.replay_spec
+    assert manifest.reached is not None and manifest.reached.totals() == {c: 2 for c in reached["counters"]}
+    info = replay_cli("info", str(store)).stdout
+    assert "reached: 4 attention calls on reference-emu:dtype=bf16 over 2 head(s) (0.0, 0.1)" in info
+    assert "attention path (rank 0): layer 0 heads 0-1: reference-emu:dtype=bf16 (2 calls each)" in info
