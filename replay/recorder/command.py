@@ -13,13 +13,18 @@ import hashlib
 import os
 import sys
 import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
 
 from replay.errors import UsageError
 from replay.store.manifest import CommandInfo
 
-# kept with the command: they change what runs (the code found, thread counts, hashing, cuBLAS's workspace)
+# kept with the command, and set again (exactly: those the record did not have are left out) for its replays:
+# they change what runs and how it computes (the code found, thread counts, hashing, cuBLAS's workspace) ...
 ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")
+# ... and so do the launchers' settings: accelerate's (its mixed precision, its CPU mode), DeepSpeed's,
+# Lightning's (its global seed, its workers' seeding), NCCL's and torch's own for it (its algorithms)
+ENV_PREFIXES = ("ACCELERATE_", "DS_", "DEEPSPEED_", "PL_", "NCCL_", "TORCH_NCCL_")
 # what `replay run` (launch/script.py) sets for the command it starts again
 STORE_ENV = "REPLAY_LOOP_STORE"      # the replay store to write
 RESUME_ENV = "REPLAY_LOOP_RESUME"    # "1": continue that replay from its last committed checkpoint
@@ -31,8 +36,21 @@ def capture(world_size: int) -> CommandInfo:
     cwd = Path.cwd()
     return CommandInfo(argv=list(sys.orig_argv[1:]), cwd=str(cwd), launcher=launcher, world_size=world_size,
                        files={_relative(p, cwd): _sha256(p) for p in _user_files()},
-                       env={k: os.environ[k] for k in ENV if k in os.environ},
+                       env=tracked(os.environ), env_prefixes=list(ENV_PREFIXES),
                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def tracked(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` a record keeps (`ENV`, `ENV_PREFIXES`)."""
+    return {k: v for k, v in sorted(environ.items()) if k in ENV or k.startswith(ENV_PREFIXES)}
+
+
+def environment(command: CommandInfo, base: Mapping[str, str]) -> dict[str, str]:
+    """`base` (this process's environment) with the recorded variables set as they were: the tracked ones the
+    record did not have are left out, so that no setting of the replayer's shell reaches the replay."""
+    kept = {k: v for k, v in base.items()
+            if k not in ENV and not (command.env_prefixes and k.startswith(tuple(command.env_prefixes)))}
+    return {**kept, **command.env}
 
 
 def changed_files(command: CommandInfo) -> list[str]:

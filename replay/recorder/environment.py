@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay.recorder.command import tracked
 from replay.recorder.host import host
 
 
@@ -33,7 +34,7 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "tf32": torch.backends.cuda.matmul.allow_tf32,
-        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")},
+        "env": tracked(os.environ),
     }
     if device.type == "cuda":
         fp["cuda"] = {"version": torch.version.cuda, "gpu": torch.cuda.get_device_name(device),
@@ -76,3 +77,34 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class AutocastSeen:
+    """The autocast in effect at the model's first training forward, however it was set (`loop.autocast`, a
+    launcher's mixed precision wrapping the model's forward, the script's own `torch.autocast`): taken by a
+    pre-hook on every submodule (a wrapped forward enters its autocast after the root module's own hooks), all
+    removed once it is seen. `value`: "off", or the autocast dtype and device ("bf16 on cpu")."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.value: str | None = None
+        modules = [m for m in model.modules() if m is not model] or [model]
+        self._handles = [m.register_forward_pre_hook(self._seen) for m in modules]
+
+    def _seen(self, module: torch.nn.Module, args: Any) -> None:
+        if self.value is not None or not module.training or not torch.is_grad_enabled():
+            return
+        device = next(module.parameters(), torch.empty(0)).device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            self.value = f"{_SHORT.get(dtype, str(dtype))} on {device}"
+        else:
+            self.value = "off"
+        self.close()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

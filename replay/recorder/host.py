@@ -44,6 +44,32 @@ def environment_notes(recorded: dict[str, Any]) -> list[str]:
     return notes
 
 
+def differences(recorded: dict[str, Any], replayed: dict[str, Any]) -> list[str]:
+    """What differs between the environments a run and its replay ran in (two fingerprints of
+    recorder/environment.py), the likeliest cause of a difference in the bits first: the autocast the forward
+    ran under, the launchers' variables, how torch computes, then the machine and the packages."""
+    if not recorded or not replayed:
+        return []
+    out = []
+    if recorded.get("autocast") and replayed.get("autocast") and recorded["autocast"] != replayed["autocast"]:
+        out.append(f"the forward ran under autocast {replayed['autocast']}, the record's under {recorded['autocast']}")
+    was, now = recorded.get("env") or {}, replayed.get("env") or {}
+    for key in sorted(set(was) | set(now)):
+        if was.get(key) != now.get(key):
+            out.append(f"{key}: recorded {_value(was.get(key))}, replayed {_value(now.get(key))}")
+    for key in ("torch_threads", "deterministic_algorithms", "tf32", "device", "python", "machine", "processor"):
+        if key in recorded and recorded.get(key) != replayed.get(key):
+            out.append(f"{key}: recorded {recorded.get(key)}, replayed {replayed.get(key)}")
+    packages = replayed.get("packages") or {}
+    out += [f"{pkg}: recorded {version}, replayed {packages.get(pkg)}"
+            for pkg, version in (recorded.get("packages") or {}).items() if packages.get(pkg) != version]
+    return out
+
+
+def _value(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

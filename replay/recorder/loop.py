@@ -47,7 +47,7 @@ from replay.kernels.reach import AttentionReach
 from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
-from replay.recorder.environment import configure_determinism, fingerprint
+from replay.recorder.environment import AutocastSeen, configure_determinism, fingerprint
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, Start, decide, one_line_errors
 from replay.recorder.overrides import ReplayOverrides
@@ -158,8 +158,10 @@ class Loop:
         self._restored = self.recorder.restored_extra()   # a resumed run's or a replay's checkpoint: its draws ahead
         self._unfinished: tuple[int, SpikeEvent | None] | None = None   # a step ended whose checkpoint is due
         placement = gather_placement(played=len(played))
+        self._fingerprint = fingerprint(next(model.parameters()).device)
+        self._autocast: AutocastSeen | None = AutocastSeen(model)   # noted with the environment at the first log
         if self.rank == 0:
-            note_environment(self.store, fingerprint(next(model.parameters()).device), resumed=start.resume)
+            note_environment(self.store, self._fingerprint, resumed=start.resume)
             self.store.update_manifest(placement=placement)
             self._mode.opened(self.store)
 
@@ -405,7 +407,16 @@ class Loop:
         self._mode.reached(now.number, self.recorder.counted)
         # checkpointed when the next step begins (or at close): it must hold what the script does after log
         self._unfinished = (now.number, event)
+        if self._autocast is not None:
+            self._note_autocast(self._autocast)
         return event
+
+    def _note_autocast(self, seen: AutocastSeen) -> None:
+        """The autocast the first training forward ran under, into the run's environment (rank 0)."""
+        seen.close()
+        self._autocast = None
+        if self.rank == 0 and seen.value is not None:
+            note_environment(self.store, {**self._fingerprint, "autocast": seen.value}, resumed=self.recorder.resume)
 
     def log_skipped(self) -> None:
         """End a step the replay skips, which the driver ran without its update (`yield_skipped=True`)."""
@@ -473,10 +484,19 @@ class _Autocast:
 
 
 def _rank_and_world() -> tuple[int, int]:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and not dist.is_initialized():
-        raise UsageError("WORLD_SIZE > 1: call torch.distributed.init_process_group() before Loop(...)")
-    return rank, world
+    """This process's rank and the world size: the initialised process group's (Lightning's launcher, for one,
+    sets no RANK), checked against torchrun's variables where they are set; one process without a group."""
+    env = {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+    if not dist.is_initialized():
+        if env.get("WORLD_SIZE", 1) > 1:
+            raise UsageError("WORLD_SIZE > 1: call torch.distributed.init_process_group() before Loop(...)")
+        return 0, 1
+    group = {"RANK": dist.get_rank(), "WORLD_SIZE": dist.get_world_size()}
+    if any(env[k] != group[k] for k in env):
+        raise UsageError(f"this process is rank {group['RANK']} of {group['WORLD_SIZE']} in its process group, but "
+                         f"RANK and WORLD_SIZE say {env.get('RANK')} of {env.get('WORLD_SIZE')}: start the ranks with "
+                         "one launcher, or unset the variables left from another job")
+    return group["RANK"], group["WORLD_SIZE"]
 
 
 def _played_ranks(start: Start, rank: int, world: int) -> range:

@@ -238,6 +238,8 @@ class Recorder:
         rank_loss, all_ids, all_tokens, digests, self.counted = self._gather(loss, sample_ids, tokens,
                                                                              _padded(digest, width), counts)
         global_loss = self.last_loss = float(np.mean(rank_loss))
+        if self.coordinator and step == 0 and self.world > 1 and self.start_from is None:
+            _warn_if_unsplit(all_ids)
         if self.coordinator:
             self._rows.append({"loss": global_loss, "rank_loss": rank_loss, "grad_norm": float(grad_norm),
                                "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
@@ -420,6 +422,16 @@ class Recorder:
         self._rows, self._rows_start = [], start + len(rows)
         records = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
         self.writer.submit(lambda: self.store.append_steps(start, records))
+
+
+def _warn_if_unsplit(ids: np.ndarray) -> None:
+    """One line on stderr when every rank trained on the same samples at step 0: the data is not split."""
+    if all(np.array_equal(ids[0], ids[r]) for r in range(1, len(ids))):
+        shown = ", ".join(map(str, ids[0][ids[0] >= 0][:4].tolist()))
+        print(f"warning: all {len(ids)} ranks trained on the same samples at step 0 ({shown}, ...): the data is not "
+              "split across the ranks, so each repeats the others' work (give the DataLoader a DistributedSampler, "
+              "or let accelerate's prepare or Lightning wrap the loader before loop.loader(...))",
+              file=sys.stderr, flush=True)
 
 
 def _padded(digest: np.ndarray, width: int) -> np.ndarray:

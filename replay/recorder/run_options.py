@@ -38,6 +38,15 @@ class RunOptions:
     description: str = ""
 
     def __post_init__(self) -> None:
+        """Refuse what would make the run unrecordable or unreplayable, before anything is written."""
+        if not _whole(self.total_steps) or self.total_steps < 1:
+            raise UsageError(f"Loop(total_steps={self.total_steps!r}): a replay needs the run's length, a whole number "
+                             ">= 1 (a loop that runs until stopped: pass the most steps it may run; minGPT: set "
+                             "trainer.max_iters)")
+        for key, least in (("checkpoint_every", 1), ("snapshot_every", 0), ("snapshot_ring", 1)):
+            value = getattr(self, key)
+            if not _whole(value) or value < least:
+                raise UsageError(f"Loop({key}={value!r}): a whole number >= {least}")
         if self.precision not in PRECISIONS:
             raise UsageError(f"Loop(precision={self.precision!r}): use one of {', '.join(PRECISIONS)}")
 
@@ -60,6 +69,10 @@ class RunOptions:
             info = ModelInfo(json.loads(config.to_json_string(use_diff=False)))
             layout = layout or FAMILIES.get(config.model_type)
         return resolve_layout(layout, cfg.model), info
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _implementation(model: torch.nn.Module) -> str:

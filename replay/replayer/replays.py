@@ -27,7 +27,7 @@ from replay.launch.ray_cluster import ray_session
 from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
 from replay.launch.script import run_script
 from replay.recorder.command import check_unchanged
-from replay.recorder.host import environment_notes
+from replay.recorder.host import differences, environment_notes
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
@@ -241,7 +241,8 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
             raise ReplayError(f"the training script ended without an error after step {done.end_step - 1}, "
                               f"before the window {req.start}..{req.stop} was done: it left `loop.steps()` early "
                               "(a `break`, or a step limit of its own)")
-        verification = verify(parent, done)
+        notes = differences(recorded.last_environment, done.manifest.last_environment) or notes
+        verification = dataclasses.replace(verify(parent, done), environment=notes)
         result = Replay(path, created=pending, verification=verification, environment_notes=notes,
                         warnings=warnings, reached=done.manifest.replay_spec.reached)
         lease.check()
@@ -291,7 +292,8 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
     for i, step in enumerate(steps):
         if step in skipped:
             continue
-        scalars = [change for name in SCALAR_FIELDS for change in _changes(name, rec[name][step], rep[name][i])]
+        scalars = [change for name in SCALAR_FIELDS for change in _changes(name, rec[name][step], rep[name][i])
+                   if not (name == "rank_loss" and np.size(rec[name][step]) == 1)]   # one rank's is the loss
         state = None
         if digests and step >= max(d.since for d in digests):
             state = _state_change(rec["state_digest"][step], rep["state_digest"][i], names)

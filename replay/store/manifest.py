@@ -49,7 +49,8 @@ class CommandInfo:
     launcher: str                  # "torchrun" (torch.distributed's environment) or "python" (one process)
     world_size: int
     files: dict[str, str]          # the script and the local modules it imported: path -> sha256
-    env: dict[str, str] = field(default_factory=dict)   # the variables that change what runs (PYTHONPATH)
+    env: dict[str, str] = field(default_factory=dict)   # the variables that change what runs (recorder/command.py)
+    env_prefixes: list[str] = field(default_factory=list)   # the prefixes `env` was taken by (a launcher's settings)
     local_world_size: int = 0      # ranks on the recording's node (< world_size: it ran on several nodes)
 
 

@@ -85,11 +85,14 @@ class Verification:
     divergence: Divergence | None = None
     tensors: int = 0                      # tensors digested per rank (at the level of the state)
     note: str | None = None               # why the state was not compared everywhere
+    environment: list[str] = field(default_factory=list)   # what differed between the two runs' environments
 
     def describe(self) -> str:
-        """The verdict in one line."""
+        """The verdict in one line; a divergence after what differed in the environment, its likeliest cause."""
         if self.divergence is not None:
-            return self.divergence.describe() + (f" ({self.note})" if self.note else "")
+            where = (f"the replay ran in another environment than the record ({'; '.join(self.environment)}): "
+                     if self.environment else "")
+            return where + self.divergence.describe() + (f" ({self.note})" if self.note else "")
         if self.level == STATE:
             return (f"every replayed step equals the record bit for bit: losses per rank, gradient norm, learning "
                     f"rate and the state after every update ({self.tensors} tensors per rank)")
@@ -99,11 +102,12 @@ class Verification:
     def to_dict(self) -> dict[str, Any]:
         return {"steps": list(self.steps), "bitwise": self.bitwise, "level": self.level,
                 "divergence": None if self.divergence is None else self.divergence.to_dict(),
-                "tensors": self.tensors, "note": self.note}
+                "tensors": self.tensors, "note": self.note, "environment": list(self.environment)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Verification:
         div = d.get("divergence")
         return cls(steps=list(d.get("steps", [])), bitwise=bool(d["bitwise"]), level=d.get("level", SCALARS),
                    divergence=Divergence.from_dict(div) if div else None, tensors=int(d.get("tensors", 0)),
-                   note=d.get("note") if "level" in d else "verified by an earlier version of replay, on its scalars")
+                   note=d.get("note") if "level" in d else "verified by an earlier version of replay, on its scalars",
+                   environment=list(d.get("environment", [])))

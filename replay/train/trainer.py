@@ -182,9 +182,8 @@ def _torch_step(model, optimizer, scheduler, data: TokenData, r: Rank, loop: Loo
         sync = m == accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         with (contextlib.nullcontext() if sync else model.no_sync()):
             with loop.autocast(r.device.type):
-                keep = loop.overrides.kept(loop.step, micro)
-                loss = lm_loss(model, x, y, keep)
-                loss = loss * weight if keep is not None else loss   # the mean over the step's kept samples
+                loss = lm_loss(model, x, y, loop.overrides.kept(loop.step, micro))
+                loss = loss * weight if weight != 1.0 else loss   # the mean over the step's kept samples
             (loss / accum).backward()
         total += loss.detach()
     max_norm = loop.cfg.optim.grad_clip if loop.cfg.optim.grad_clip > 0 else math.inf
