@@ -120,8 +120,10 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
     if command:   # a script of the user's own: what replay knows of it is its command
         lines.append(f"command     {command['launcher']} x {command['world_size']}: python {' '.join(command['argv'])}"
                      f"  (in {command['cwd']}; {len(command['files'])} file(s) hashed)")
-        lines.append(f"model       {m['n_layer']} attention layers x {m['n_head']} heads, {cfg['precision']}, layout "
-                     f"{(summary['layout'] or {}).get('name', 'none')}")
+        autocast = (summary["environment"] or {}).get("autocast")
+        lines.append(f"model       {m['n_layer']} attention layers x {m['n_head']} heads, {cfg['precision']}"
+                     + (f" (its first forward ran under autocast {autocast})" if autocast else "")
+                     + f", layout {(summary['layout'] or {}).get('name', 'none')}")
     else:
         lines.append(f"config      preset {cfg['preset']}, {m['n_layer']} layers x {m['n_head']} heads x "
                      f"{m['n_embd']}, seq {m['block_size']}, {cfg['precision']}, attention {m['attention']}, "

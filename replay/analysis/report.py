@@ -21,9 +21,11 @@ from replay.analysis.localise import WARN_Z, Localisation, localise_store
 from replay.analysis.names import HEAD_MATRICES
 from replay.analysis.results import read_distances, read_metrics
 from replay.bisect.session import Session
+from replay.config import Launcher
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.location import Location, Where
+from replay.store.overrides import Reached
 from replay.store.verification import Verification
 
 
@@ -160,9 +162,9 @@ def _bisect_html(session: Session) -> str:
             ("rule", session.rule), *(session.verdict.rows() if session.verdict else [])]
     table = "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(x))}</td></tr>" for k, x in rows)
     probe_rows = "".join(
-        f"<tr><td>{e(q['phase'])}</td><td>{e(key)}</td><td>{q['window'][0]}..{q['window'][1]}</td>"
-        f"<td>{e(str(q['overrides'] or '-'))}</td>"
-        f"<td>{'prevents' if q['prevented'] else 'spike at ' + str(q['spike_at'])}</td></tr>"
+        f"<tr><td>{e(q.phase)}</td><td>{e(key)}</td><td>{q.window[0]}..{q.window[1]}</td>"
+        f"<td>{e(q.overrides.as_args() or '-')}</td>"
+        f"<td>{'prevents' if q.prevented else 'spike at ' + str(q.spike_at)}</td></tr>"
         for key, q in session.probes.items())
     return (f"<h3>Session {e(session.id)}</h3><table>{table}</table>"
             "<details><summary>every probe</summary><table><tr><th>phase</th><th>replay</th><th>window</th>"
@@ -176,12 +178,12 @@ def _probe_plot(run: RunStore, session: Session) -> str:
 
     def draw(fig):
         ax = fig.subplots()
-        lo = min(q["window"][0] for q in session.probes.values())
-        hi = max(q["window"][1] for q in session.probes.values())
+        lo = min(q.window[0] for q in session.probes.values())
+        hi = max(q.window[1] for q in session.probes.values())
         keep = (steps["step"] >= lo) & (steps["step"] <= hi)
         for q_id, q in session.probes.items():
             rep = RunStore.open(run.location / "replays" / q_id).read_steps(["loss"])
-            ax.plot(rep["step"], rep["loss"], lw=0.8, alpha=0.5, color="tab:green" if q["prevented"] else "tab:red")
+            ax.plot(rep["step"], rep["loss"], lw=0.8, alpha=0.5, color="tab:green" if q.prevented else "tab:red")
         ax.plot(steps["step"][keep], steps["loss"][keep], color="black", lw=1.5, label="record")
         ax.plot([], [], color="tab:green", label="probe: prevents")
         ax.plot([], [], color="tab:red", label="probe: spikes")
@@ -224,8 +226,12 @@ def write_report(store_path: Where, out: str | Path | None = None, top: int = 10
     table = read_metrics(store_path)
     found = localise_store(store_path)
     figures = []
+    own = m.launcher is Launcher.CUSTOM and m.model is None   # a model of the user's own: its attention is its own
+    attention = ("its own (replay's overrides reach its SDPA calls)" if own
+                 else f"<code>{html.escape(cfg.model.attention)}</code>")
+    autocast = f" (autocast {m.environment['autocast']})" if m.environment.get("autocast") else ""
     what = (f"{cfg.preset} preset: {cfg.model.n_layer} layers, {cfg.model.n_head} heads, d={cfg.model.n_embd}, "
-            f"{cfg.precision}, attention <code>{html.escape(cfg.model.attention)}</code>, {m.world_size} ranks "
+            f"{cfg.precision}{autocast}, attention {attention}, {m.world_size} ranks "
             f"({m.launcher}); {run.n_steps} steps recorded" if m.series is None else
             f"{m.series.format} checkpoints replay did not record, at "
             f"{html.escape(str(store_path.resolve(m.series.location)))}: {cfg.model.n_layer} layers, "
@@ -284,14 +290,17 @@ def write_report(store_path: Where, out: str | Path | None = None, top: int = 10
                      "<code>replay compare</code>).</p>")
 
     if replays:
-        parts.append("<h2>Replays</h2><table><tr><th>id</th><th>window</th><th>overrides</th><th>outcome</th>"
-                     "<th>verification</th></tr>")
+        parts.append("<h2>Replays</h2><table><tr><th>id</th><th>window</th><th>overrides</th><th>reached (the "
+                     "attention path taken)</th><th>outcome</th><th>verification</th></tr>")
         for r in replays:
             v = Verification.from_dict(r["verification"]) if r["verification"] else None
             verdict = "-" if v is None else html.escape(v.describe())
+            reached = Reached.from_dict(r["reached"]) if r.get("reached") else None
+            taken = "-" if reached is None else html.escape(
+                "; ".join([reached.describe(), *(p.describe() for p in reached.path)]))
             parts.append(f"<tr><td>{html.escape(r['id'])}</td><td>{r['window']['from']}..{r['window']['to']}</td>"
-                         f"<td>{html.escape(str(r['overrides'] or '-'))}</td><td>{html.escape(r['outcome'])}</td>"
-                         f"<td>{verdict}</td></tr>")
+                         f"<td>{html.escape(str(r['overrides'] or '-'))}</td><td>{taken}</td>"
+                         f"<td>{html.escape(r['outcome'])}</td><td>{verdict}</td></tr>")
         parts.append("</table>")
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>replay report</title><style>{_STYLE}</style>"
             f"</head><body data-figures='{len(figures)}'>" + "\n".join(parts) + _CHECK + "</body></html>")

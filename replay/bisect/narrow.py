@@ -40,6 +40,7 @@ from replay.bisect.session import (
     DataResult,
     HeadsResult,
     LayersResult,
+    Probe,
     Separation,
     Session,
     StepsResult,
@@ -199,9 +200,9 @@ class Bisect:
     # -- probes ------------------------------------------------------------------------------------
 
     def prevents(self, requests: list[ReplayRequest], phase: str) -> list[bool]:
-        return [entry["prevented"] for entry in self.probe(requests, phase)]
+        return [probe.prevented for probe in self.probe(requests, phase)]
 
-    def probe(self, requests: list[ReplayRequest], phase: str) -> list[dict[str, Any]]:
+    def probe(self, requests: list[ReplayRequest], phase: str) -> list[Probe]:
         """Run (or reuse) the probes, judge them by the rule, and save the session after each batch. The
         first batch carries the baseline along (it does not depend on it) and is checked against it
         before any of its answers is used."""
@@ -212,18 +213,19 @@ class Bisect:
         if todo:
             assert self.runner is not None
             runs = [dataclasses.replace(r, allow_changed=self.cfg.allow_changed) for r in todo.values()]
-            for (key, req), result in zip(todo.items(), self.runner.run(runs), strict=True):
+            for (key, req), outcome in zip(todo.items(), self.runner.run(runs), strict=True):
                 phase_of = "baseline" if baseline and key == replay_id(baseline[0]) else phase
                 found = judge(self.record, RunStore.open(self.record.location / "replays" / key), self.rule,
-                              req.start, req.stop)
-                self.session.probes[key] = {"phase": phase_of, "window": [req.start, req.stop],
-                                           "overrides": req.overrides.to_dict(), **found.to_dict(), **result}
-                self.new_probes += bool(result["ran"])
-                self.say(f"  probe {key}: " + ("prevents the spike" if found.prevented else
-                                               f"spike at step {found.spike_at}")
-                         + (f" ({result['seconds']:.1f} s)" if result["ran"] else " (already in the store)")
-                         + (f"; run again on a new placement group after: {result['retried_after']}"
-                            if "retried_after" in result else ""))
+                              req.start, req.stop).to_dict()
+                self.session.probes[key] = Probe(phase=phase_of, window=[req.start, req.stop], overrides=req.overrides,
+                                                 prevented=found["prevented"], spike_at=found["spike_at"],
+                                                 peak=found["peak"], baseline=found["baseline"], outcome=outcome)
+                self.new_probes += outcome.ran
+                self.say(f"  probe {key}: " + ("prevents the spike" if found["prevented"] else
+                                               f"spike at step {found['spike_at']}")
+                         + (f" ({outcome.seconds:.1f} s)" if outcome.ran else " (already in the store)")
+                         + (f"; run again on a new placement group after: {outcome.retried_after}"
+                            if outcome.retried_after else ""))
             self.save()
             faults.hit("bisect-kill", self.new_probes)
         if not checked:
@@ -329,28 +331,30 @@ class Bisect:
     def baseline_request(self) -> ReplayRequest:
         return request(self.checkpoints[-1], self.stop, Overrides())
 
-    def check_baseline(self, base: dict[str, Any]) -> None:
-        """Stop unless the plain replay reproduced the spike (bit for bit where the environment matches)."""
+    def check_baseline(self, base: Probe) -> None:
+        """Stop unless the plain replay reproduced the spike (bit for bit, at the level of the state, where the
+        environment matches)."""
         c = self.checkpoints[-1]
         where = f"the plain replay of steps {c}..{self.stop} from checkpoint {c}"
-        if not base["bitwise"] and not base["environment_notes"]:
-            d = base["divergence"]
+        v, environment = base.outcome.verification, base.outcome.environment
+        if not v.bitwise and not environment:
             raise UntrustedReplayError(
-                f"{where} diverges from the record at step {d['step']} ({d['quantity']}) although the environment "
-                "matches the recording: replays of this run are not deterministic, so no probe could be trusted; "
+                f"{where} is not bit for bit although the environment matches the recording ({v.describe()}): "
+                "replays of this run are not deterministic, so no probe could be trusted; "
                 f"`replay run {self.store_path} --from {c} --to {self.stop} --verify` shows the same")
-        if base["prevented"]:
+        if base.prevented:
             raise UntrustedReplayError(
                 f"{where} does not reproduce the spike by the rule"
-                + ("" if base["bitwise"] else f" (the environment differs: {'; '.join(base['environment_notes'])})")
-                + ": nothing below could be trusted" + ("; lower --threshold?" if base["bitwise"] else ""))
-        if not base["bitwise"]:
+                + ("" if v.bitwise else f" (the environment differs: {'; '.join(environment)})")
+                + ": nothing below could be trusted" + ("; lower --threshold?" if v.bitwise else ""))
+        if not v.bitwise:
             self.say(f"warning: {where} reproduces the spike but not bit for bit (environment differs: "
-                     f"{'; '.join(base['environment_notes'])})")
-        self.session.phases.baseline = BaselineResult(checkpoint=c, bitwise=base["bitwise"], spike_at=base["spike_at"],
+                     f"{'; '.join(environment)})")
+        assert base.spike_at is not None, "a baseline that did not spike was refused above"
+        self.session.phases.baseline = BaselineResult(checkpoint=c, bitwise=v.bitwise, spike_at=base.spike_at,
                                                       probe=replay_id(self.baseline_request()))
-        self.say(f"baseline: {where} reproduces the spike at step {base['spike_at']}"
-                 + (", bit for bit" if base["bitwise"] else ""))
+        self.say(f"baseline: {where} reproduces the spike at step {base.spike_at}"
+                 + (", bit for bit" if v.bitwise else ""))
 
     # -- 2. steps ----------------------------------------------------------------------------------
 
@@ -420,9 +424,9 @@ class Bisect:
 
     def _alternatives(self, phase: str, key: str, found: list[Any]) -> list[Any]:
         """Other sets no larger than the answer that the probes found preventing too (ddmin keeps the first)."""
-        return [p["overrides"][key] for p in self.session.probes.values()
-                if p["phase"] == phase and p["prevented"] and key in p["overrides"]
-                and len(p["overrides"][key]) <= len(found) and sorted(p["overrides"][key]) != found]
+        sets = [(p, getattr(p.overrides, key)) for p in self.session.probes.values() if p.phase == phase]
+        return [chosen for p, chosen in sets
+                if p.prevented and chosen is not None and len(chosen) <= len(found) and sorted(chosen) != found]
 
     def heads(self, start: int, layers: list[int] | None) -> HeadsResult:
         if not layers:
@@ -456,12 +460,12 @@ class Bisect:
 
         everything = self.probe([self._without(start, Overrides(skip=batches))], "data")[0]
         bound = 1 + ddmin_bound(len(batches))
-        if not everything["prevented"]:
+        if not everything.prevented:
             self.say(f"data: skipping every batch of steps {start}..{self.spike} does not prevent the spike "
-                     f"(the detector fires at step {everything['spike_at']} instead): the data in the window is not "
+                     f"(the detector fires at step {everything.spike_at} instead): the data in the window is not "
                      "what makes it")
             return DataResult(window=[start, self.spike], batches=None, samples=None, bound=bound,
-                              spike_at_without=everything["spike_at"])
+                              spike_at_without=everything.spike_at)
         steps, minimal = ddmin(batches, skipped, self.exhausted)
         steps = sorted(steps)
         if not self.caps.can_drop_samples:   # e.g. a script of the user's own: narrowed down to batches
@@ -512,7 +516,7 @@ class Bisect:
         steps, layers, heads, data = (self.session.phases.steps, self.session.phases.layers,
                                       self.session.phases.heads, self.session.phases.data)
         searches = [p for p in (layers, heads, data) if p is not None]
-        used = {p: sum(1 for e in self.session.probes.values() if e["phase"] == p)
+        used = {p: sum(1 for e in self.session.probes.values() if e.phase == p)
                 for p in ("baseline", "steps", "layers", "heads", "data")}
         return Verdict(
             spike=self.spike, phases=PHASES[self.cfg.by], fix=self.cfg.fix, rule=self.rule.describe(),

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from replay.bisect.session import ProbeOutcome
 from replay.errors import ReplayError
 from replay.launch.pool import RankPool, RankPoolError
 from replay.launch.ray_cluster import worker_options
@@ -45,7 +46,7 @@ class ProbeWorker:
         if self.pool is not None:
             self.pool.start()   # every actor's ranks start at once, before the first probe
 
-    def run(self, store: Location, req: ReplayRequest, under: str) -> dict[str, Any]:
+    def run(self, store: Location, req: ReplayRequest, under: str) -> ProbeOutcome:
         """One probe, written under `under`: the spec of the bisect's lease of the store (store/lease.py)."""
         t0 = time.perf_counter()
         retried = None
@@ -58,12 +59,10 @@ class ProbeWorker:
             self.cluster.close()
             retried = str(e)
             result = self._run(store, req, under)
-        v = result.verification
-        assert v is not None, "a replay that ran is verified"
-        return {"id": result.location.name, "ran": result.created, "seconds": time.perf_counter() - t0,
-                "bitwise": v.bitwise, "divergence": None if v.divergence is None else vars(v.divergence),
-                "environment_notes": result.environment_notes, "node": socket.gethostname(),
-                **({"retried_after": retried} if retried else {})}
+        assert result.verification is not None, "a replay that ran is verified"
+        return ProbeOutcome(id=result.location.name, ran=result.created, seconds=time.perf_counter() - t0,
+                            verification=result.verification, environment=result.environment_notes,
+                            node=socket.gethostname(), retried_after=retried)
 
     def _run(self, store: Location, req: ReplayRequest, under: str) -> Replay:
         return run(store, req, pool=self.pool, under=under, command="replay bisect (probe)", cluster=self.cluster)
@@ -94,11 +93,11 @@ class ProbeRunner:
         # Ray actor handles: their methods are called as `.remote(...)`, which Ray's types do not model
         self.actors: list[Any] = [actor.remote(world_size, warm, placed) for _ in range(slots)]
 
-    def run(self, requests: list[ReplayRequest]) -> list[dict[str, Any]]:
+    def run(self, requests: list[ReplayRequest]) -> list[ProbeOutcome]:
         """Every request's result, in order; the requests run at once, one per actor."""
         import ray
 
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, ProbeOutcome] = {}
         queue, idle = list(enumerate(requests)), list(self.actors)
         pending: dict[Any, tuple[int, Any]] = {}   # the running probes' object refs -> (request, actor)
         while queue or pending:

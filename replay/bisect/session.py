@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Self
 
+from replay.store.overrides import Overrides
+from replay.store.verification import Divergence, Verification
+
 
 @dataclass(frozen=True)
 class Separation:
@@ -255,13 +258,70 @@ class Phases:
                    data=DataResult.from_dict(d["data"]) if "data" in d else None)
 
 
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """How a probe replay ran (bisect/probes.py): its verification against the record, at the level of the
+    state, and what differed in its environment."""
+
+    id: str
+    ran: bool                            # False: an identical replay was in the store already
+    seconds: float
+    verification: Verification
+    environment: list[str]               # what differed from the record's environment
+    node: str
+    retried_after: str | None = None     # a lost node, after which it ran again
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A probe as the session keeps it: its phase, window and overrides, the rule's judgement (bisect/rule.py)
+    and how it ran."""
+
+    phase: str
+    window: list[int]
+    overrides: Overrides
+    prevented: bool
+    spike_at: int | None
+    peak: float | str                    # non-finite values as strings, as JSON keeps them
+    baseline: float | str
+    outcome: ProbeOutcome
+
+    def to_dict(self) -> dict[str, Any]:
+        """The session document's entry: the keys it has always had (bitwise, divergence, environment_notes,
+        ...), and the whole verification."""
+        o = self.outcome
+        d = o.verification.divergence
+        return {"phase": self.phase, "window": list(self.window), "overrides": self.overrides.to_dict(),
+                "prevented": self.prevented, "spike_at": self.spike_at, "peak": self.peak, "baseline": self.baseline,
+                "id": o.id, "ran": o.ran, "seconds": o.seconds, "bitwise": o.verification.bitwise,
+                "divergence": None if d is None else d.to_dict(), "verification": o.verification.to_dict(),
+                "environment_notes": list(o.environment), "node": o.node,
+                **({"retried_after": o.retried_after} if o.retried_after else {})}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Probe:
+        if "verification" in d:
+            verification = Verification.from_dict(d["verification"])
+        else:   # a session of an earlier version: the scalars' verdict only
+            div = d.get("divergence")
+            verification = Verification(steps=list(d["window"]), bitwise=bool(d["bitwise"]),
+                                        divergence=Divergence.from_dict(div) if div else None,
+                                        note="verified by an earlier version of replay, on its scalars")
+        outcome = ProbeOutcome(id=d["id"], ran=bool(d["ran"]), seconds=float(d["seconds"]), verification=verification,
+                               environment=list(d.get("environment_notes", [])), node=d.get("node", ""),
+                               retried_after=d.get("retried_after"))
+        return cls(phase=d["phase"], window=list(d["window"]), overrides=Overrides.from_dict(d["overrides"]),
+                   prevented=bool(d["prevented"]), spike_at=d.get("spike_at"), peak=d.get("peak", "nan"),
+                   baseline=d.get("baseline", "nan"), outcome=outcome)
+
+
 @dataclass
 class Session:
     id: str
     params: dict[str, Any]               # spike, by, fix, horizon, threshold, lookback
     rule: str
     created: float
-    probes: dict[str, dict[str, Any]] = field(default_factory=dict)   # replay id -> phase, window, judgement
+    probes: dict[str, Probe] = field(default_factory=dict)            # by replay id
     phases: Phases = field(default_factory=Phases)                    # each phase's result
     runs: list[dict[str, Any]] = field(default_factory=list)          # every invocation: time, seconds, probes
     status: str = "running"              # running, complete or failed
@@ -269,13 +329,16 @@ class Session:
     verdict: Verdict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "phases": self.phases.to_dict(),
+        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name not in ("probes", "phases", "verdict")}
+        return {**plain, "probes": {k: p.to_dict() for k, p in self.probes.items()}, "phases": self.phases.to_dict(),
                 "verdict": self.verdict.to_dict() if self.verdict else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Session:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in d.items() if k in known}
+        fields["probes"] = {k: Probe.from_dict(p) for k, p in (d.get("probes") or {}).items()}
         fields["phases"] = Phases.from_dict(d.get("phases") or {})
         fields["verdict"] = Verdict.from_dict(d["verdict"]) if d.get("verdict") else None
         return cls(**fields)

@@ -71,7 +71,8 @@ def test_a_window_replays_bit_for_bit_through_the_recorded_command(torchrun_stor
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "22", "--verify", "--json")
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
-    assert answer["verification"] == {"steps": [10, 22], "bitwise": True, "divergence": None}
+    v = answer["verification"]
+    assert (v["steps"], v["bitwise"], v["level"], v["divergence"]) == ([10, 22], True, "state", None)
     replay = RunStore.open(answer["replay"])
     assert replay.manifest.status == "complete" and [c.step for c in replay.checkpoints()] == [23]
 
@@ -91,12 +92,19 @@ def test_bf16_autocast_from_from_on_through_loop_autocast(torchrun_store):
     assert json.loads(result.stdout)["verification"]["divergence"]["step"] == 15
 
 
-def test_a_halved_learning_rate_changes_the_steps_after_from(torchrun_store):
-    """The step at --from is computed before its scaled update: the loss first differs one step later."""
+def test_a_halved_learning_rate_changes_the_state_at_from_and_the_loss_one_step_later(torchrun_store):
+    """The step at --from is computed before its scaled update: its loss is the record's, the state after its
+    update is not (the verdict's first divergence), and the loss differs from the next step on."""
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "17", "--verify", "--json",
                         "--lr-scale", "0.5")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["verification"]["divergence"]["step"] == 16
+    answer = json.loads(result.stdout)
+    d = answer["verification"]["divergence"]
+    assert d["step"] == 15 and d["state"]["tensors"] and "loss" not in {c["quantity"] for c in d["scalars"]}
+    assert answer["reached"]["counters"] == ["optimizer steps at the scaled learning rate"]
+    assert answer["reached"]["counts"] == [[2], [2], [2]]   # each step, on each of the 2 ranks
+    replayed = RunStore.open(answer["replay"]).read_steps(["loss"], start=16)["loss"]
+    assert (replayed != RunStore.open(torchrun_store).read_steps(["loss"], start=16, stop=18)["loss"]).all()
 
 
 def test_an_edited_script_is_refused_unless_allowed(data_dir, tmp_path):

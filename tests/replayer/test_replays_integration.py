@@ -169,7 +169,7 @@ def test_another_backend_on_one_layer_diverges_exactly_at_the_window(store_copy)
     assert not v["bitwise"] and v["divergence"]["step"] == 13       # the fast-forward 10..12 was exact
     replay = RunStore.open(answer["replay"])
     assert replay.manifest.config.model.attention == "eager;1=reference-emu:dtype=bf16"
-    assert replay.manifest.replay.overrides == {"attention": "reference-emu:dtype=bf16", "layers": [1]}
+    assert replay.manifest.replay.overrides.to_dict() == {"attention": "reference-emu:dtype=bf16", "layers": [1]}
     info = replay_cli("info", str(store_copy))
     assert "diverges at step 13" in info.stdout
 
