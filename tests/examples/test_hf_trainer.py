@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from replay.errors import UsageError
 from replay.store import RunStore
 from tests.conftest import tree_snapshot
+from tests.examples.conftest import assert_resumed_as_recorded
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -83,13 +83,7 @@ def test_a_trainer_built_with_the_recorder_records_and_resumes_as_recorder_train
     recorder = TrainerRecorder(str(tmp_path / "run"), checkpoint_every=2, resume=True)
     trainer = _trainer(tmp_path, callbacks=[recorder])
     trainer.train() if started_by == "trainer.train" else recorder.train(trainer)
-    ours, theirs = RunStore.open(tmp_path / "run"), RunStore.open(recorded)
-    assert ours.manifest.status == "complete" and [r.from_step for r in ours.manifest.resumes] == [2]
-    fields = ["sample_ids", "loss", "grad_norm", "lr"]
-    mine, record = ours.read_steps(fields), theirs.read_steps(fields)
-    assert all(np.array_equal(mine[f], record[f]) for f in fields)
-    after, expected = (s.read_shard(4, 0)["state"]["replicated"]["model"] for s in (ours, theirs))
-    assert all(torch.equal(after[k], expected[k]) for k in expected)
+    assert_resumed_as_recorded(tmp_path / "run", recorded, resumed_from=2, checkpoint=4)
 
 
 @pytest.mark.parametrize("how, message", [

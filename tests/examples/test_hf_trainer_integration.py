@@ -21,6 +21,7 @@ from replay.analysis.results import read_metrics
 from replay.store import RunStore
 from replay.store.run_store import micro_batches
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+from tests.examples.conftest import assert_resumed_as_recorded
 
 EXAMPLE = REPO / "examples" / "hf_trainer"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -188,13 +189,7 @@ def test_a_killed_recording_resumes_from_the_store_bit_for_bit(one_process, runs
     assert killed.manifest.status == "running" and [c.step for c in killed.checkpoints()][-1] == 10
     done = _train(runs, *args, "--resume=True")
     assert done.returncode == 0, done.stderr
-    ours, theirs = RunStore.open(store), RunStore.open(one_process)
-    assert ours.manifest.status == "complete" and [r.from_step for r in ours.manifest.resumes] == [10]
-    fields = ["sample_ids", "loss", "grad_norm", "lr"]
-    mine, record = ours.read_steps(fields), theirs.read_steps(fields)
-    assert all(np.array_equal(mine[f], record[f]) for f in fields)
-    after, expected = (s.read_shard(20, 0)["state"]["replicated"]["model"] for s in (ours, theirs))
-    assert all(torch.equal(after[k], expected[k]) for k in expected)
+    assert_resumed_as_recorded(store, one_process, resumed_from=10, checkpoint=20)
 
 
 def test_a_killed_replay_resumes_from_its_own_checkpoint_to_the_uninterrupted_one(one_process):
