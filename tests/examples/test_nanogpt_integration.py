@@ -71,7 +71,8 @@ def test_a_window_replays_bit_for_bit_through_the_recorded_command(torchrun_stor
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "22", "--verify", "--json")
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
-    assert answer["verification"] == {"steps": [10, 22], "bitwise": True, "divergence": None}
+    v = answer["verification"]
+    assert v["bitwise"] and v["steps"] == [10, 22] and v["level"] == "state" and v["divergence"] is None, v
     replay = RunStore.open(answer["replay"])
     assert replay.manifest.status == "complete" and [c.step for c in replay.checkpoints()] == [23]
 
@@ -91,12 +92,14 @@ def test_bf16_autocast_from_from_on_through_loop_autocast(torchrun_store):
     assert json.loads(result.stdout)["verification"]["divergence"]["step"] == 15
 
 
-def test_a_halved_learning_rate_changes_the_steps_after_from(torchrun_store):
-    """The step at --from is computed before its scaled update: the loss first differs one step later."""
+def test_a_halved_learning_rate_changes_the_state_after_the_update_at_from(torchrun_store):
+    """The step at --from computes its losses and gradient norm before its scaled update: they are the
+    record's, and the state after that update is not."""
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "17", "--verify", "--json",
                         "--lr-scale", "0.5")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["verification"]["divergence"]["step"] == 16
+    d = json.loads(result.stdout)["verification"]["divergence"]
+    assert d["step"] == 15 and d["scalars"] == [] and d["state"]["ranks"] == [0, 1], d
 
 
 def test_an_edited_script_is_refused_unless_allowed(data_dir, tmp_path):
