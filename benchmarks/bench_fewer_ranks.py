@@ -54,8 +54,9 @@ def main() -> None:
         for name, extra in (*fresh, *((f"{n} process(es)", ["--ranks", str(n)]) for n in fewer)):
             seconds = replay("run", str(run), *window, "--verify", *extra)
             path = run / "replays" / (extra[1] if extra[0] == "--name" else f"steps-{start}-{stop}-ranks{extra[1]}")
-            verification = RunStore.open(path).manifest.replay_spec.verification or {}
-            rows.append((name, path, seconds, verification.get("bitwise"), *differences(run, path, start, stop)))
+            verification = RunStore.open(path).manifest.replay_spec.verification
+            bitwise = verification.bitwise if verification is not None else None
+            rows.append((name, path, seconds, bitwise, *differences(run, path, start, stop)))
         print(f"window {start}..{stop} of a {world}-rank tiny run")
         if not quick:
             spread = differences(rows[0][1], rows[1][1], start, stop)

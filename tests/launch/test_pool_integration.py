@@ -10,6 +10,7 @@ from replay.launch.pool import RankPool
 from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.overrides import Overrides
+from replay.store.verification import STATE
 
 
 def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):
@@ -19,7 +20,9 @@ def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):
         for overrides in (Overrides(attention="fa2-emu:br=16,bc=16", layers=[1]),
                           Overrides(lr_scale=0.5, units=[[1, 0]])):
             changed = run(store_copy, ReplayRequest(12, 14, overrides=overrides), pool=pool)
-            assert changed.created and not changed.verification.bitwise
+            v = changed.verification   # on the state after every update (its digests), not on the losses only
+            assert changed.created and not v.bitwise and v.level == STATE, v
+            assert v.divergence is not None and v.divergence.step == 12 and v.divergence.state is not None, v
         pids = [p.pid for p in pool._procs]
         for start, stop in [(13, 19), (20, 25), (12, 14)]:
             plain = run(store_copy, ReplayRequest(start, stop), pool=pool)

@@ -1,4 +1,4 @@
-"""The schema-1 store kept in tests/data, copied for each test that uses it."""
+"""The schema-1 store kept in tests/data (tests/data/README.md), copied for each test that uses `schema1`."""
 
 import shutil
 from pathlib import Path
