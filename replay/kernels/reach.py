@@ -62,5 +62,6 @@ class AttentionReach:
                 f"torch.nn.functional.scaled_dot_product_attention, which is what replay routes to another backend; "
                 f"it {did}: it computes attention by hand. The smallest change that makes it reachable: in "
                 f"{seen.kind}.forward, replace the explicit attention (att = softmax(q @ k^T * scale, masked) ... "
-                "y = att @ v) with y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, "
-                "dropout_p=p if self.training else 0.0) (docs/your-loop.md)")
+                "y = att @ v, and its attention dropout) with one call, y = torch.nn.functional."
+                "scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=<that dropout's probability> if "
+                "self.training else 0.0), and record again (docs/your-loop.md)")

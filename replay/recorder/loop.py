@@ -29,7 +29,9 @@ replay's overrides are one component (recorder/overrides.py).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -84,6 +86,19 @@ class _Step:
     autocast: bool = False                                 # a forward ran under loop.autocast(...)
 
 
+def _refusals_in_one_line(init: Callable[..., None]) -> Callable[..., None]:
+    """A `Loop` refused as it is made (nothing written yet) ends an unguarded script with its one line and exit
+    code, as a replay's errors do, rather than a traceback."""
+    @functools.wraps(init)
+    def made(self: Loop, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except ReplayError:
+            sys.excepthook = one_line_errors(sys.excepthook, getattr(self, "rank", 0))
+            raise
+    return made
+
+
 class Loop:
     """Record (or, started by `replay run`, replay) a training loop of your own; one per rank.
 
@@ -108,6 +123,7 @@ class Loop:
     usual) and ends it with `loop.log_skipped()` instead of `log`.
     """
 
+    @_refusals_in_one_line
     def __init__(self, store: Where, model: torch.nn.Module, optimizer: Any, *, total_steps: int,
                  scheduler: Any = None, scaler: Any = None, precision: str = "fp32", checkpoint_every: int = 100,
                  snapshot_every: int = 0, snapshot_ring: int = 3, spike: SpikeConfig | None = None,
@@ -160,6 +176,8 @@ class Loop:
         placement = gather_placement(played=len(played))
         self._fingerprint = fingerprint(next(model.parameters()).device)
         self._autocast: AutocastSeen | None = AutocastSeen(model)   # noted with the environment at the first log
+        self._completed = self._closed = False
+        atexit.register(self.close)   # a script that never closes its loop loses none of what it recorded
         if self.rank == 0:
             note_environment(self.store, self._fingerprint, resumed=start.resume)
             self.store.update_manifest(placement=placement)
@@ -232,11 +250,16 @@ class Loop:
             yield step
             if not self._current.logged:
                 raise UsageError(f"step {step} ended without loop.log(loss=...): call it once in every step")
+        self._complete()
+
+    def _complete(self) -> None:
+        """Every step is recorded: its last checkpoint, the store's completion (rank 0)."""
         self._finish()
         self._current = None
         self.recorder.flush()
         if self.rank == 0:
             complete_run(self.store)
+        self._completed = True
 
     def _warn_ddp_layout(self, start: int) -> None:
         """A DDP of the script's over 3 or more ranks, started past step 0, reduces its first step in its
@@ -457,8 +480,18 @@ class Loop:
         return self._mode.precision()
 
     def close(self) -> None:
-        """Flush the store and release what the loop holds (the `with` block does it)."""
+        """Flush the store and release what the loop holds (the `with` block does it; at the interpreter's exit,
+        a loop not closed is closed, so that nothing it recorded is lost). A loop left by a `break` after the
+        log of its last step (minGPT's own `max_iters` check) is complete; left earlier, it is not."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         try:
+            last = self._current
+            if not self._completed and last is not None and last.logged \
+                    and last.number == self._mode.recorder_config.total_steps - 1:
+                self._complete()
             self._finish()   # a loop left after its last log (a `break`): that step's checkpoint is still due
             self.recorder.close()
         finally:

@@ -215,7 +215,7 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
 
         path, cfg, pending, resume = prepare(parent, req, note, on_cluster=cluster is not None)
         recorded = parent.manifest
-        notes = environment_notes(recorded.environment)
+        notes = environment_notes(recorded.last_environment)
         script = pending and Capabilities.of(recorded).relaunches_script
         try:
             if pending and cluster is not None:
@@ -289,6 +289,8 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
     digests = _comparable(parent.digests, replay.digests)
     names = digests[0].names if digests else []
     note = _scalars_only(parent.digests, replay.digests, steps)
+    held = [name for name in ("loss", "grad_norm", "lr")   # a loop may not log its gradient norm: NaN throughout
+            if steps and not np.isnan(np.asarray(rec[name], np.float64)[steps]).all()]
     for i, step in enumerate(steps):
         if step in skipped:
             continue
@@ -299,8 +301,8 @@ def verify(parent: RunStore, replay: RunStore) -> Verification:
             state = _state_change(rec["state_digest"][step], rep["state_digest"][i], names)
         if scalars or state:
             return Verification(_span(steps), False, STATE if note is None else SCALARS,
-                                Divergence(step, scalars, state), len(names), note)
-    return Verification(_span(steps), True, STATE if note is None else SCALARS, None, len(names), note)
+                                Divergence(step, scalars, state), len(names), note, compared=held)
+    return Verification(_span(steps), True, STATE if note is None else SCALARS, None, len(names), note, compared=held)
 
 
 def _span(steps: list[int]) -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any
 
 STATE, SCALARS = "state", "scalars"
 SHOWN = 3   # tensor names a one-line description shows
+_WORDS = {"loss": "losses per rank", "grad_norm": "gradient norm", "lr": "learning rate"}   # the scalars, in words
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class Divergence:
     def describe(self) -> str:
         parts = [c.describe() for c in self.scalars] + ([self.state.describe()] if self.state else [])
         first, rest = parts[0], parts[1:]
-        same = [] if self.scalars else ["its losses, gradient norm and learning rate equal the record's"]
+        same = [] if self.scalars else ["its losses, gradient norm and learning rate (where recorded) equal the "
+                                        "record's"]
         return f"first divergence at step {self.step}: " + "; then ".join([first, *rest]) + "".join(
             f"; {s}" for s in same)
 
@@ -86,6 +88,7 @@ class Verification:
     tensors: int = 0                      # tensors digested per rank (at the level of the state)
     note: str | None = None               # why the state was not compared everywhere
     environment: list[str] = field(default_factory=list)   # what differed between the two runs' environments
+    compared: list[str] = field(default_factory=lambda: list(_WORDS))   # the scalars the record holds (not NaN)
 
     def describe(self) -> str:
         """The verdict in one line; a divergence after what differed in the environment, its likeliest cause."""
@@ -93,16 +96,19 @@ class Verification:
             where = (f"the replay ran in another environment than the record ({'; '.join(self.environment)}): "
                      if self.environment else "")
             return where + self.divergence.describe() + (f" ({self.note})" if self.note else "")
+        words = [_WORDS[name] for name in self.compared if name in _WORDS]
         if self.level == STATE:
-            return (f"every replayed step equals the record bit for bit: losses per rank, gradient norm, learning "
-                    f"rate and the state after every update ({self.tensors} tensors per rank)")
-        return ("every replayed step's losses per rank, gradient norm and learning rate equal the record's bit for "
-                f"bit; the state was not compared ({self.note})")
+            return (f"every replayed step equals the record bit for bit: {', '.join(words)} and the state after every "
+                    f"update ({self.tensors} tensors per rank)").replace(": and", ":")
+        listed = " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+        return (f"every replayed step's {listed} equal the record's bit for bit; the state was not compared "
+                f"({self.note})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": list(self.steps), "bitwise": self.bitwise, "level": self.level,
                 "divergence": None if self.divergence is None else self.divergence.to_dict(),
-                "tensors": self.tensors, "note": self.note, "environment": list(self.environment)}
+                "tensors": self.tensors, "note": self.note, "environment": list(self.environment),
+                "compared": list(self.compared)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Verification:
@@ -110,4 +116,4 @@ class Verification:
         return cls(steps=list(d.get("steps", [])), bitwise=bool(d["bitwise"]), level=d.get("level", SCALARS),
                    divergence=Divergence.from_dict(div) if div else None, tensors=int(d.get("tensors", 0)),
                    note=d.get("note") if "level" in d else "verified by an earlier version of replay, on its scalars",
-                   environment=list(d.get("environment", [])))
+                   environment=list(d.get("environment", [])), compared=list(d.get("compared", _WORDS)))
