@@ -34,6 +34,8 @@ import contextlib
 import functools
 import os
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +86,20 @@ class _Step:
     draws: list[_Draw] = field(default_factory=list)      # its micro-batches, then any drawn ahead for the next
     logged: bool = False
     autocast: bool = False                                 # a forward ran under loop.autocast(...)
+
+
+def _at_exit(close: Callable[[], None]) -> None:
+    """Call `close` (a loop's bound method, held weakly: a warm rank makes a loop per replay) when the
+    interpreter exits, before it stops the thread pools a store's writes use (threading's own exit hook, as
+    concurrent.futures registers; plain atexit handlers run after them). A closed loop's call does nothing."""
+    method = weakref.WeakMethod(close)
+
+    def at_exit() -> None:
+        alive = method()
+        if alive is not None:
+            alive()
+
+    getattr(threading, "_register_atexit", atexit.register)(at_exit)
 
 
 def _refusals_in_one_line(init: Callable[..., None]) -> Callable[..., None]:
@@ -177,7 +193,7 @@ class Loop:
         self._fingerprint = fingerprint(next(model.parameters()).device)
         self._autocast: AutocastSeen | None = AutocastSeen(model)   # noted with the environment at the first log
         self._completed = self._closed = False
-        atexit.register(self.close)   # a script that never closes its loop loses none of what it recorded
+        _at_exit(self.close)   # a script that never closes its loop loses none of what it recorded
         if self.rank == 0:
             note_environment(self.store, self._fingerprint, resumed=start.resume)
             self.store.update_manifest(placement=placement)
@@ -486,7 +502,6 @@ class Loop:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
         try:
             last = self._current
             if not self._completed and last is not None and last.logged \

@@ -61,7 +61,8 @@ def test_a_loop_records_its_steps_and_finds_the_attention(tmp_path):
     assert m.command.argv == sys.orig_argv[1:]
     info = replay_cli("info", str(tmp_path / "run")).stdout
     assert f"command     python x 1: python {' '.join(sys.orig_argv[1:])}" in info
-    assert "model       1 attention layers x 2 heads, fp32, layout none" in info
+    assert ("model       1 attention layers x 2 heads, fp32 (its first forward ran under autocast off), layout "
+            "none") in info
 
 
 def test_what_a_loop_cannot_do_is_refused_in_one_line_before_anything_is_written(tmp_path):
@@ -192,3 +193,46 @@ def test_a_killed_replay_with_a_skip_resumes_to_the_uninterrupted_one(tmp_path):
     for name in ("loss", "sample_ids"):
         x, y = a.read_steps([name])[name], b.read_steps([name])[name]
         assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), name
+
+
+MINGPT_SHAPE = """
+import sys
+import torch
+from replay.recorder import Loop
+from tests.recorder.test_loop_integration import Tiny
+
+torch.manual_seed(0)
+model = Tiny()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+max_iters = None if "--forever" in sys.argv else 6
+loop = Loop(sys.argv[1], model, optimizer, total_steps=max_iters, checkpoint_every=4)   # neither `with` nor close()
+for it in loop.steps():
+    ids = loop.sample_ids(torch.randint(0, 1000, (2,)))
+    x = ids.view(1, 2) % 16
+    loss = torch.nn.functional.cross_entropy(model(x).view(-1, 16), x.view(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    loop.log(loss=loss)
+    if it + 1 >= max_iters:   # minGPT's own termination check, after the step's log
+        break
+"""
+
+
+def test_a_loop_left_by_a_break_after_its_last_step_and_never_closed_is_complete(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(MINGPT_SHAPE))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    store = RunStore.open(tmp_path / "run")
+    assert store.manifest.status == "complete" and store.n_steps == 6
+    assert [c.step for c in store.checkpoints()] == [0, 4, 6]
+    plain = replay_cli("run", str(tmp_path / "run"), "--from", "4", "--to", "5", "--verify")
+    assert plain.returncode == 0 and "bit for bit" in plain.stdout, plain.stderr
+    forever = subprocess.run([sys.executable, str(script), str(tmp_path / "forever"), "--forever"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert forever.returncode == UsageError.exit_code and "Traceback" not in forever.stderr
+    assert forever.stderr.strip().splitlines()[-1].startswith("rank 0: Loop(total_steps=None): a replay needs")
+    assert not (tmp_path / "forever").exists()
