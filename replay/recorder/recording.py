@@ -34,11 +34,11 @@ from replay.store.run_store import check_empty
 class Recording:
     window: ReplaySpec | None = None
     start_from: tuple[RunStore, int] | None = None
-    overrides = ReplayOverrides(start=-1)   # none, never begun
 
     def __init__(self, start: Start, model: torch.nn.Module, options: RunOptions, rank: int, world: int):
         """`model`: unwrapped (not DDP's)."""
         self.model, self.rank, self.world = model, rank, world
+        self.overrides = ReplayOverrides(start=-1)   # none, never begun
         self._own_lease: Lease | ObjectLease | None = None   # taken by rank 0 of the script's own recording
         if start.lease is None:
             self.lease = self._prepare(start.store, options.config(model, world), start.resume, options)
