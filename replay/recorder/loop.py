@@ -272,7 +272,9 @@ class Loop:
         if self._restored is not None and restored is None:
             raise UsageError("loop.loader(...): the checkpoint this run starts from was recorded without a loader "
                              "(its batches went through loop.sample_ids): run the script as it was recorded")
-        self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed())
+        self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed(),
+                                      tell=not self.replaying and self.rank == 0,
+                                      follows=lambda: self._mode.follows_record)
         if restored is not None:
             self._loader.restore(restored, self._schedule())
         return self._loader
@@ -369,7 +371,7 @@ class Loop:
         training loader's position for that step."""
         out: dict[str, Any] = {"ahead": [d.ids for d in self._ahead if d.batch is None]}
         if self._loader is not None:
-            out["loader"] = self._loader.position(self._ahead[0].batch if self._ahead else None)
+            out["loader"] = self._loader.position([d.batch for d in self._ahead if d.batch is not None])
         return out
 
     def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0,

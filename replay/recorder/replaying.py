@@ -45,6 +45,10 @@ class Replaying:
         self._apply_attention = apply_attention
         self._check_draws = True   # the loader draws the recorded ids, until a skipped step moves its randomness
 
+    @property
+    def follows_record(self) -> bool:
+        return self._check_draws
+
     def opened(self, store: RunStore) -> None:
         pass
 
