@@ -46,7 +46,7 @@ from replay.kernels.plan import AttentionPlan
 from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
-from replay.recorder.environment import configure_determinism, fingerprint
+from replay.recorder.environment import configure_determinism, determinism_notice, fingerprint
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, Start, decide, one_line_errors
 from replay.recorder.placement import gather_placement
@@ -132,7 +132,9 @@ class Loop:
             if self.replaying else Recording(start, unwrap(model), options, self.rank, self.world))
         self.cfg: RunConfig = self._mode.cfg   # as recorded
         self.precision = self.cfg.precision
-        configure_determinism(self.cfg.threads)
+        changed = configure_determinism(self.cfg.threads)
+        if changed and not self.replaying and self.rank == 0:   # a replay runs as its recording did
+            print(determinism_notice(changed), file=sys.stderr, flush=True)
         if state is None:
             state = _train_state(model, optimizer, scheduler, scaler)
         self.recorder = Recorder(start.store, state,
