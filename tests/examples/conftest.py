@@ -1,4 +1,5 @@
-"""The examples' token file, written once by examples/nanogpt/prepare.py (the standard library's bytes)."""
+"""The examples' token file, written once by examples/nanogpt/prepare.py (the standard library's bytes), and
+the comparison of an example's run recorded with the same run without replay (`--record=False`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, tensors_equal
+
+# the line a recording prints when it turned PyTorch's deterministic algorithms on (recorder/environment.py)
+DETERMINISM = "replay: this recording runs with torch.use_deterministic_algorithms(True)"
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +24,14 @@ def token_file(tmp_path_factory) -> Path:
                            "--bytes", "100000"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return out / "train.bin"
+
+
+def assert_same_run(recorded: Path, plain: Path, steps: int) -> None:
+    """An example's `--out` files of a recorded run and of the same run without replay: every step's loss
+    and the final weights, bit for bit."""
+    a, b = (torch.load(path, weights_only=True) for path in (recorded, plain))
+    assert len(a["losses"]) == len(b["losses"]) == steps
+    differ = [(step, x, y) for step, (x, y) in enumerate(zip(a["losses"], b["losses"], strict=True)) if x != y]
+    assert differ == [], f"first differing step, recorded and not: {differ[0]}"
+    assert a["model"].keys() == b["model"].keys()
+    assert [k for k in a["model"] if not tensors_equal(a["model"][k], b["model"][k])] == []
