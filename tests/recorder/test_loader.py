@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from replay.errors import ReplayError, UsageError
 from replay.recorder import Loop
+from replay.recorder.environment import cpu_rng_state
+from replay.recorder.loader import RecordedLoader
 from replay.replayer.overrides import Overrides
 from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
@@ -218,6 +220,14 @@ def test_a_loader_misused_is_refused_in_one_line(tmp_path, misuse, message):
         dl._iterator = object()
     with Loop(tmp_path / "run", model, optimizer, total_steps=2) as loop, pytest.raises(UsageError, match=message):
         misuse(loop, dl)
+
+
+def test_a_checkpoint_whose_loader_drew_from_generators_of_its_own_is_refused_in_one_line():
+    """What an earlier replay kept: the loader's own generator states at the epoch's start, no format."""
+    stream = RecordedLoader(_loader(), take=lambda batch: None, seed=0)
+    old = {"seed": 0, "pass": 1, "position": 2, "number": 6, "pass_start": cpu_rng_state()}
+    with pytest.raises(UsageError, match="recorded by an earlier version of replay"):
+        stream.restore(old, [])
 
 
 def test_replay_batch_shows_an_epochs_smaller_last_batch_without_its_padding(tmp_path):
