@@ -72,7 +72,7 @@ def rate(batches, n: int) -> float:
 
 def restore_time(data: Blocks, position: int) -> float:
     stream = RecordedLoader(loader(data, 0), take=lambda batch: None, seed=0)
-    state = stream.position(None)
+    state = stream.position([])
     state["position"] = position
     stream.restore(state, [])
     start = time.perf_counter()

@@ -5,13 +5,16 @@ One process:          python train.py
 Two ranks (DDP):      torchrun --standalone --nproc-per-node 2 train.py
 Options are `--name=value` for any of the settings below. The token file is the one
 examples/nanogpt/prepare.py writes. Run as it is, the script records into --store;
-`replay run STORE --from A --to B` starts it again in replay mode (see README.md).
+`replay run STORE --from A --to B` starts it again in replay mode (see README.md). `--record=False` runs it
+without its replay lines, `--out=FILE` saves each step's loss and the final weights: the same run recorded
+and not, compared (docs/your-loop.md, "What changes when a run is recorded").
 """
 
 import ast
 import math
 import os
 import sys
+from contextlib import nullcontext
 from itertools import islice
 
 import numpy as np
@@ -22,14 +25,14 @@ from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from replay.recorder import Loop  # replay
-
 # -- settings ------------------------------------------------------------------------------------------
 data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "nanogpt", "data")
 store = "runs/dataloader"           # replay: where the run is recorded
 checkpoint_every = 10               # replay
 resume = False                      # replay: continue the run in `store`
-n_layer, n_head, n_embd, block_size = 2, 2, 32, 32
+record = True                       # replay (False: the script without its replay lines, a plain loop)
+out = ""                            # a file for each step's loss and the final weights (torch.save), to compare runs
+n_layer, n_head, n_embd, block_size, dropout = 2, 2, 32, 32, 0.0
 n_blocks = 900                      # blocks of train.bin in the data set (0: all): 60 steps see an epoch end
 batch_size = 4                      # per rank and micro-batch
 gradient_accumulation_steps = 2     # per rank
@@ -66,9 +69,10 @@ class MLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.c_fc, self.c_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -125,9 +129,9 @@ rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp el
 torch.manual_seed(seed + rank)
 
 train_data = TokenBlocks(os.path.join(data_dir, "train.bin"), n_blocks)
-sampler: DistributedSampler[int] = DistributedSampler(train_data, num_replicas=world, rank=rank, shuffle=True,
-                                                      seed=seed)
-train_loader = DataLoader(train_data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+# under torchrun each rank samples its share of every epoch; in one process the DataLoader shuffles (RandomSampler)
+sampler = DistributedSampler(train_data, num_replicas=world, rank=rank, shuffle=True, seed=seed) if ddp else None
+train_loader = DataLoader(train_data, batch_size=batch_size, sampler=sampler, shuffle=not ddp, num_workers=num_workers,
                           persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None)
 val_loader = DataLoader(TokenBlocks(os.path.join(data_dir, "val.bin")), batch_size=batch_size)
 
@@ -141,9 +145,22 @@ if ddp:
 layout = {"qkv": "h.{layer}.attn.c_attn.weight", "o": "h.{layer}.attn.c_proj.weight",  # replay: the weights
           "fc": "h.{layer}.mlp.c_fc.weight", "proj": "h.{layer}.mlp.c_proj.weight",   # replay: `replay analyze`
           "orientation": "out_in"}                                                    # replay: reads
-loop = Loop(store, model, optimizer, total_steps=max_iters, checkpoint_every=checkpoint_every,  # replay
-            layout=layout, resume=resume)                                                    # replay
-batches = loop.loader(train_loader)  # replay (was: an iterator over train_loader, restarted at each epoch)
+
+
+def forever(loader):   # the batches, epoch after epoch
+    epoch = 0
+    while True:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+if record:                                                                                           # replay
+    from replay.recorder import Loop  # replay
+    loop = Loop(store, model, optimizer, total_steps=max_iters, checkpoint_every=checkpoint_every,  # replay
+                layout=layout, resume=resume)                                                        # replay
+batches = loop.loader(train_loader) if record else forever(train_loader)  # replay (it starts each epoch itself)
 
 
 @torch.no_grad()
@@ -162,8 +179,9 @@ def get_lr(it):
 
 
 # -- training ------------------------------------------------------------------------------------------
-with loop:                                          # replay
-    for iter_num in loop.steps():                   # replay (was: for iter_num in range(max_iters))
+step_losses = []
+with loop if record else nullcontext():                            # replay
+    for iter_num in loop.steps() if record else range(max_iters):  # replay
         for group in optimizer.param_groups:
             group["lr"] = get_lr(iter_num)
         if iter_num % eval_interval == 0 and rank == 0:
@@ -179,8 +197,12 @@ with loop:                                          # replay
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loop.log(loss=total, grad_norm=norm)        # replay
+        step_losses.append(total)
+        if record:                                  # replay
+            loop.log(loss=total, grad_norm=norm)    # replay
         if iter_num % log_interval == 0 and rank == 0:
             print(f"iter {iter_num}: loss {total:.4f}", file=sys.stderr)
+if out and rank == 0 and not (record and loop.replaying):   # a replay writes no files of the script's
+    torch.save({"losses": step_losses, "model": model.state_dict()}, out)
 if ddp:
     destroy_process_group()

@@ -9,11 +9,13 @@ The model uses grouped-query attention (4 query heads sharing 2 key/value heads)
 bit for bit through `replay run STORE --from A --to B --verify`; attention overrides (`--attention
 "sdpa;1.3=fa2-emu"`) go through transformers' AttentionInterface, head numbers being query heads.
 Options are `--name=value` for any setting below; the token file is examples/nanogpt/prepare.py's.
+`--record=False` runs it without its replay lines, `--out=FILE` saves each step's loss and the final weights.
 """
 
 import ast
 import os
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -22,10 +24,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from replay.recorder import Loop  # replay
-
 data = "data/train.bin"             # uint16 tokens (bytes here: vocabulary 256)
 store = "runs/llama"                # replay
+record = True                       # replay (False: the script without its replay lines, a plain loop)
+out = ""                            # a file for each step's loss and the final weights (torch.save), to compare runs
 family = "llama"                    # llama, qwen2 or mistral
 n_layer, n_head, n_kv_head, n_embd, block_size = 2, 4, 2, 32, 32
 batch_size, learning_rate, max_iters, checkpoint_every = 4, 3e-3, 60, 20
@@ -62,15 +64,20 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
 if ddp and not fsdp:
     model = DDP(model, device_ids=[int(os.environ["LOCAL_RANK"])] if device.startswith("cuda") else None)
-loop = Loop(store, model, optimizer, scheduler=scheduler, total_steps=max_iters,    # replay
-            checkpoint_every=checkpoint_every, precision=dtype, layout="hf-llama")  # replay
-ctx = loop.autocast(device.split(":")[0])                                           # replay
+ctx = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
+if record:                                                                              # replay
+    from replay.recorder import Loop  # replay
+    loop = Loop(store, model, optimizer, scheduler=scheduler, total_steps=max_iters,    # replay
+                checkpoint_every=checkpoint_every, precision=dtype, layout="hf-llama")  # replay
+    ctx = loop.autocast(device.split(":")[0])                                           # replay
 
 tokens = np.memmap(data, dtype=np.uint16, mode="r")
-with loop:                                                                          # replay
-    for step in loop.steps():                                                       # replay
+step_losses = []
+with loop if record else nullcontext():                                             # replay
+    for step in loop.steps() if record else range(max_iters):                       # replay
         ix = torch.randint(len(tokens) - block_size, (batch_size,))
-        ix = loop.sample_ids(ix)                                                    # replay
+        if record:                                                                  # replay
+            ix = loop.sample_ids(ix)                                                # replay
         x = torch.stack([torch.from_numpy(tokens[i:i + block_size].astype(np.int64)) for i in ix]).to(device)
         with ctx:
             loss = model(input_ids=x, labels=x).loss
@@ -79,8 +86,15 @@ with loop:                                                                      
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loop.log(loss=loss, grad_norm=norm)                                         # replay
+        step_losses.append(loss.item())
+        if record:                                                                  # replay
+            loop.log(loss=loss, grad_norm=norm)                                     # replay
         if rank == 0 and step % 20 == 0:
             print(f"step {step}: loss {loss.item():.4f}")
+if out and not (record and loop.replaying):   # a replay writes no files of the script's
+    # FSDP2's parameters are each rank's pieces: whole on every rank
+    weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save({"losses": step_losses, "model": weights}, out)
 if ddp:
     dist.destroy_process_group()

@@ -3,6 +3,8 @@
 One process:          python train.py --max_iters=200
 Two ranks (DDP):      torchrun --nproc-per-node 2 train.py --max_iters=200
 Options are `--name=value` for any of the settings below; `--dtype=bfloat16` trains under BF16 autocast.
+`--record=False` runs it without its replay lines, `--out=FILE` saves each step's loss and the final weights:
+the same run recorded and not, compared (docs/your-loop.md, "What changes when a run is recorded").
 Run as it is, the script records into --store; `replay run STORE --from A --to B` starts it again in
 replay mode (see README.md).
 """
@@ -12,6 +14,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -20,13 +23,13 @@ import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from replay.recorder import Loop  # replay
-
 # -- settings ------------------------------------------------------------------------------------------
 data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 store = "runs/nanogpt"              # replay: where the run is recorded
 checkpoint_every = 50               # replay
 resume = False                      # replay: continue the run in `store`
+record = True                       # replay (False: the script without its replay lines, a plain loop)
+out = ""                            # a file for each step's loss and the final weights (torch.save), to compare runs
 n_layer, n_head, n_embd, block_size, dropout, bias = 2, 2, 32, 32, 0.0, True
 batch_size = 4                      # per rank and micro-batch
 gradient_accumulation_steps = 2     # per rank
@@ -129,7 +132,7 @@ ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def get_batch(split):
     data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block_size, (batch_size,))
-    if split == "train":
+    if split == "train" and record:     # replay
         ix = loop.sample_ids(ix)    # replay: the step's sample ids (in a replay, the recorded ones)
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
@@ -144,10 +147,13 @@ optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
-loop = Loop(store, model, optimizer, scaler=scaler, total_steps=max_iters,          # replay
-            checkpoint_every=checkpoint_every, precision=dtype, layout="nanogpt",  # replay
-            resume=resume)                                                          # replay
-ctx = loop.autocast(device_type)    # replay (was: nullcontext() or torch.autocast(device_type, dtype=ptdtype))
+ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
+if record:                                                                              # replay
+    from replay.recorder import Loop  # replay
+    loop = Loop(store, model, optimizer, scaler=scaler, total_steps=max_iters,          # replay
+                checkpoint_every=checkpoint_every, precision=dtype, layout="nanogpt",  # replay
+                resume=resume)                                                          # replay
+    ctx = loop.autocast(device_type)                                                    # replay
 
 
 @torch.no_grad()
@@ -175,8 +181,9 @@ def get_lr(it):
 # -- training ------------------------------------------------------------------------------------------
 x, y = get_batch("train")            # the first batch, fetched ahead of the first step (as nanoGPT does)
 t0 = time.time()
-with loop:                                          # replay
-    for iter_num in loop.steps():                   # replay (was: while True, counting iter_num)
+step_losses = []
+with loop if record else nullcontext():                            # replay
+    for iter_num in loop.steps() if record else range(max_iters):  # replay (was: while True, counting iter_num)
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -197,9 +204,13 @@ with loop:                                          # replay
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        loop.log(loss=total, grad_norm=norm)        # replay
+        step_losses.append(total)
+        if record:                                  # replay
+            loop.log(loss=total, grad_norm=norm)    # replay
         if iter_num % log_interval == 0 and rank == 0:
             print(f"iter {iter_num}: loss {total:.4f}, {(time.time() - t0) * 1000:.0f} ms", file=sys.stderr)
             t0 = time.time()
+if out and rank == 0 and not (record and loop.replaying):   # a replay writes no files of the script's
+    torch.save({"losses": step_losses, "model": model.state_dict()}, out)
 if ddp:
     destroy_process_group()

@@ -13,8 +13,20 @@ from replay.recorder.command import tracked
 from replay.recorder.host import host
 
 
-def configure_determinism(threads: int) -> None:
-    """Fixed thread count, deterministic kernels, no TF32: the same inputs give the same bits."""
+def configure_determinism(threads: int) -> list[str]:
+    """Fixed thread count, deterministic kernels, no TF32: the same inputs give the same bits. Returns what
+    this changed that a run can see, as settings (none when the process had them already; the CUDA ones
+    only where CUDA is)."""
+    cuda = torch.cuda.is_available()
+    changed = [setting for setting, was in [
+        (f"torch.set_num_threads({threads})", torch.get_num_threads() != threads),
+        ("torch.use_deterministic_algorithms(True)", not torch.are_deterministic_algorithms_enabled()
+         or torch.is_deterministic_algorithms_warn_only_enabled()),
+        ("cudnn.deterministic", cuda and not torch.backends.cudnn.deterministic),
+        ("no cudnn.benchmark", cuda and torch.backends.cudnn.benchmark),
+        ("no TF32", cuda and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)),
+        ("CUBLAS_WORKSPACE_CONFIG=:4096:8", cuda and "CUBLAS_WORKSPACE_CONFIG" not in os.environ),
+    ] if was]
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA init)
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
@@ -22,6 +34,14 @@ def configure_determinism(threads: int) -> None:
     torch.backends.cudnn.deterministic = True
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    return changed
+
+
+def determinism_notice(changed: list[str]) -> str:
+    """The line a recording prints when `configure_determinism` changed something."""
+    return (f"replay: this recording runs with {', '.join(changed)}, which the script had not set: operations "
+            "with a deterministic implementation run it rather than their default, and an operation without one "
+            "raises (docs/your-loop.md, \"What changes when a run is recorded\")")
 
 
 def fingerprint(device: torch.device) -> dict[str, Any]:

@@ -6,17 +6,27 @@ that notes every batch in a queue. The DataLoader prefetches (workers, `prefetch
 batches out in the order they were sampled, so the batch the script takes next is always the queue's
 head: the step a batch belongs to is the step that takes it, never the one that sampled it.
 
-What makes a stream replayable from any checkpoint:
-- **The sampler's randomness is the loader's own.** Every draw the sampler makes (RandomSampler's seed,
-  WeightedRandomSampler's multinomial) runs with the loader's own RNG states swapped in for the global ones,
-  so the training's RNG (dropout) does not depend on when the DataLoader samples ahead, and a checkpoint can
-  say where the loader's stream stands: its pass (epoch), the position in it, and the loader's RNG states
-  at the pass's start. A replay or a resumed run samples that pass again from those states and skips to
-  the position (indices only: nothing is fetched), so the sampler's own order carries on as recorded.
-- **Each batch is fetched under a seed of its place in the stream.** A dataset that draws random numbers
-  in `__getitem__` (augmentation), or a collate that does (masking), draws them from a seed made of the
-  loader's seed and the batch's number in the stream, in a worker or in this process alike; a worker
-  restarted in the middle of an epoch (a replay) fetches the same bits.
+A recording draws what the script draws without replay: the sampler (a RandomSampler's seed, a
+WeightedRandomSampler's multinomial), the DataLoader's base seed for its workers and, without worker
+processes, each fetch (an augmentation in `__getitem__`, a collate's masking) all draw from the global
+generators, where and when they would. What makes the stream replayable from any checkpoint:
+- **Each pass (epoch) keeps the generators' states it began with.** A checkpoint says where the stream
+  stands (its pass, the position in it) and, for every pass that had begun before it, the Python, numpy and
+  torch states its sampler began drawing from and torch's state as the DataLoader iterator serving it was
+  made (its base seed's draw). A replay or a resumed run makes that iterator and samples that pass again
+  with those states swapped in, skips to the position (indices only: nothing is fetched), and puts the
+  training's states back: the sampler's order carries on as recorded, and the training's generators are
+  not drawn from for what the record drew before the checkpoint. With persistent workers the record made
+  its iterator once; a replay's is made with its states too.
+- **Without worker processes, a batch is fetched from the global generators** as it would be. A fetch
+  inside a step follows the checkpoint's restored states, as in the record; a batch fetched before the
+  checkpoint and trained after it (the script's prefetch, the Trainer's batches of its next step) is kept
+  with the states its fetch began with, which a replay swaps in for its fetch and collate.
+- **With worker processes, each batch is fetched under a seed of its place in the stream** (the loader's
+  seed and the batch's number): a worker restarted in the middle of an epoch by a replay cannot draw what
+  the record's worker drew after its earlier fetches. A recording whose worker fetches do draw random
+  numbers (`__getitem__`, the collate) says so in one line when it sees the first: those draws differ from
+  the script's without replay (docs/your-loop.md).
 - **`set_epoch(n)`** is called on the sampler at the start of the loader's n-th pass, when it has one
   (DistributedSampler), as accelerate does: the loader, not the script, numbers the passes.
 
@@ -31,7 +41,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import multiprocessing
 import random
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +57,22 @@ from torch.utils.data import DataLoader, IterableDataset
 from replay.errors import ReplayError, UsageError
 from replay.recorder.environment import cpu_rng_state, set_rng_state
 
+FORMAT = 2   # a checkpoint's loader state: 2, the global generators' states (1 drew from the loader's own)
+WORKERS_DRAW = ("replay: this DataLoader's worker processes draw random numbers in a fetch (the dataset's "
+                "__getitem__ or the collate); a recording fetches each batch under a seed of its place in the "
+                "stream, so those draws differ from the script's without replay (docs/your-loop.md)")
+
+Raw = tuple[Any, Any, torch.Tensor]   # Python's, numpy's and torch's CPU generator states, as they give them
+
+
+@dataclass
+class Pass:
+    """A pass (epoch) over the sampler, begun."""
+
+    number: int
+    start: Raw                      # the global generators' states its sampler began drawing from
+    iterator: torch.Tensor | None   # torch's state as the DataLoader iterator serving it was made (non-persistent)
+
 
 @dataclass
 class Batch:
@@ -52,10 +80,10 @@ class Batch:
 
     ids: np.ndarray
     number: int           # in the stream since the run began (the record's numbering, in a replay too)
-    pass_no: int
+    pass_: Pass
     position: int         # in its pass
-    pass_start: Raw               # the loader's RNG states at its pass's start
-    scheduled: tuple[int, int] | None = None   # a replay: the recorded (step, micro-batch) it is
+    fetched_from: Raw | None = None             # no worker processes: the states its fetch began with
+    scheduled: tuple[int, int] | None = None    # a replay: the recorded (step, micro-batch) it is
 
 
 @dataclass
@@ -69,27 +97,38 @@ class Scheduled:
 
 
 class RecordedLoader:
-    """`loop.loader(dataloader)`; `take` is told of every batch the script takes (recorder/loop.py)."""
+    """`loop.loader(dataloader)`; `take` is told of every batch the script takes (recorder/loop.py). `tell`:
+    say so on stderr when a worker's fetch draws random numbers (a recording's rank 0). `follows()`: whether
+    the global generators still draw as the record's did (a replay's skipped step or attention plan moves
+    them): until then the sampler must yield the record's batches; after, a replay hands out the record's."""
 
-    def __init__(self, dataloader: DataLoader, take: Callable[[Batch], None], seed: int):
+    def __init__(self, dataloader: DataLoader, take: Callable[[Batch], None], seed: int, tell: bool = False,
+                 follows: Callable[[], bool] = lambda: True):
         _check(dataloader)
-        self._dl, self._take = dataloader, take
+        self._dl, self._take, self._follows = dataloader, take, follows
         self._batched = dataloader.batch_sampler is not None
         self._inner: Any = dataloader.batch_sampler if self._batched else dataloader.sampler
-        self._rng = _OwnRng(seed)
+        self._workers = dataloader.num_workers > 0
+        self._persistent = self._workers and dataloader.persistent_workers
         self._seed = seed
         self._queue: deque[Batch] = deque()
         self._pass_no, self._position, self._number = 0, 0, 0   # the next batch the tap samples
-        self._pass_start = self._rng.state   # the loader's RNG states at the start of pass `_pass_no`
+        self._pass: Pass | None = None        # pass `_pass_no`, once begun
+        self._made: torch.Tensor | None = None   # torch's state as the DataLoader's last iterator was made
         self._skip_to = 0                     # a restored pass: positions sampled past before the first yield
+        self._restored: deque[Pass] = deque()    # a restore: the passes begun before its checkpoint, in order
+        self._restored_iterator: torch.Tensor | None = None   # ... and, persistent workers, the record's iterator
+        self._fetched: dict[int, Raw] = {}    # ... and the states of the batches fetched before it, by number
         self._schedule: deque[Scheduled] = deque()   # a replay's recorded batches, in stream order
         self._it: Iterator[Any] | None = None
         self._driving = False     # the DataLoader is iterated by a driver (`driven`), not by this stream
         self._driven_passes = 0   # how many passes the driver began
+        drew = multiprocessing.Value("b", 0) if tell and self._workers else None   # shared with the workers
         tap = _Tap(self._inner, self._sample_pass)
         object.__setattr__(dataloader, "batch_sampler" if self._batched else "sampler", tap)   # past its guard:
-        object.__setattr__(dataloader, "dataset", _SeededDataset(dataloader.dataset))        # never iterated yet
-        dataloader.collate_fn = _SeededCollate(dataloader.collate_fn)
+        object.__setattr__(dataloader, "dataset", _SeededDataset(dataloader.dataset, drew))  # never iterated yet
+        dataloader.collate_fn = _SeededCollate(dataloader.collate_fn, drew)
+        object.__setattr__(dataloader, "_get_iterator", self._make_iterator)   # what DataLoader.__iter__ calls
 
     # -- what the checkpoint keeps, and a restore from it --------------------------------------------
 
@@ -99,19 +138,42 @@ class RecordedLoader:
         if self._it is not None:
             raise UsageError("loop.loader(...): the loader was iterated before the run's first step restored its "
                              "checkpoint; take its first batch inside `for step in loop.steps()` or just before it")
+        if state.get("format") != FORMAT:
+            raise UsageError("loop.loader(...): this checkpoint's data loader state was recorded by an earlier "
+                             "version of replay (its sampler drew from the loader's own generators): replay or resume "
+                             "it with that version")
         self._seed = int(state["seed"])
         self._pass_no, self._skip_to, self._number = int(state["pass"]), int(state["position"]), int(state["number"])
-        self._pass_start = self._rng.state = from_storable(state["pass_start"])
+        self._restored = deque(Pass(self._pass_no + i, from_storable(p["start"]), _tensor(p["iterator"]))
+                               for i, p in enumerate(state["passes"]))
+        self._restored_iterator = _tensor(state["iterator"])
+        self._fetched = {int(number): from_storable(s) for number, s in state["fetched"]}
         self._schedule = deque(schedule)
 
-    def position(self, first_unfinished: Batch | None) -> dict[str, Any]:
-        """Where the stream stands for the step that begins: at `first_unfinished`, a batch the script took
-        ahead of it (a prefetch), else at the next batch it takes."""
-        at = first_unfinished or (self._queue[0] if self._queue else None)
-        where = ((at.pass_no, at.position, at.number, at.pass_start) if at is not None
-                 else (self._pass_no, self._position, self._number, self._pass_start))
-        return {"seed": self._seed, "pass": where[0], "position": where[1], "number": where[2],
-                "pass_start": storable(where[3])}
+    def position(self, untrained: list[Batch]) -> dict[str, Any]:
+        """Where the stream stands for the step that begins: at the first of `untrained` (batches the script
+        took ahead of it, a prefetch) or of the batches sampled and not yet taken, else at the next batch to
+        sample; with what a replay needs to sample and fetch again what was sampled before it."""
+        pending = [*untrained, *self._queue]   # sampled before the checkpoint, trained after, in stream order
+        if pending:
+            at = pending[0]
+            where = (at.pass_.number, at.position, at.number)
+            passes = list({id(b.pass_): b.pass_ for b in pending}.values())
+        else:
+            where = (self._pass_no, self._position, self._number)
+            passes = [self._pass] if self._pass is not None else []
+        return {"format": FORMAT, "seed": self._seed, "pass": where[0], "position": where[1], "number": where[2],
+                "passes": [{"start": storable(p.start), "iterator": p.iterator} for p in passes],
+                "iterator": self._persistent_iterator(),
+                "fetched": [[b.number, storable(b.fetched_from)] for b in pending if b.fetched_from is not None]}
+
+    def _persistent_iterator(self) -> torch.Tensor | None:
+        """Persistent workers: torch's state as the record made the DataLoader's one iterator, if it has."""
+        if not self._persistent:
+            return None
+        if self._restored_iterator is not None:   # restored, not made again yet
+            return self._restored_iterator
+        return self._made if self._dl._iterator is not None else None
 
     # -- a driver's passes ----------------------------------------------------------------------------
 
@@ -137,9 +199,7 @@ class RecordedLoader:
         """A driven loader: the driver iterates the DataLoader again, the stream's next pass."""
         if self._driven_passes:
             self._pass_no, self._skip_to = self._pass_no + 1, 0
-            self._pass_start = self._rng.state
         self._driven_passes += 1
-        self._position = 0
         self._queue.clear()
 
     # -- the stream ----------------------------------------------------------------------------------
@@ -156,9 +216,8 @@ class RecordedLoader:
             try:
                 data = next(self._it)
             except StopIteration:
-                self._it = None
+                self._it, self._pass = None, None
                 self._pass_no, self._position, self._skip_to = self._pass_no + 1, 0, 0
-                self._pass_start = self._rng.state   # the sampler's draws of the pass are all made
                 continue
             batch = self._queue.popleft()
             self._take(batch)
@@ -185,58 +244,84 @@ class RecordedLoader:
         told: Any = self._inner if hasattr(self._inner, "set_epoch") else getattr(self._inner, "sampler", None)
         if hasattr(told, "set_epoch"):
             told.set_epoch(self._pass_no)
-        self._position = 0
         self._queue.clear()
-        with _training_rng_kept():   # the DataLoader draws its workers' base seed from the global generator
-            self._it = iter(self._dl)
+        self._it = iter(self._dl)
+
+    def _make_iterator(self) -> Any:
+        """The DataLoader makes an iterator (drawing its workers' base seed from torch's generator): in a
+        restore, one the record made before its checkpoint is made from the record's state, and the
+        training's generator is not drawn from."""
+        if self._persistent:
+            recorded, self._restored_iterator = self._restored_iterator, None
+        else:
+            recorded = self._restored[0].iterator if self._restored else None
+        if recorded is None or self._dl.generator is not None:
+            self._made = torch.get_rng_state()
+            return DataLoader._get_iterator(self._dl)
+        self._made = recorded
+        self._dl.generator = torch.Generator()
+        self._dl.generator.set_state(recorded)
+        try:
+            return DataLoader._get_iterator(self._dl)
+        finally:
+            self._dl.generator = None
 
     def _sample_pass(self) -> Iterator[Any]:
         """The tap's pass: the inner sampler's batches, noted (and, in a replay, checked against the record's)."""
         if self._driving:
             self._driver_pass()
-        pass_no, pass_start = self._pass_no, self._pass_start
-        with self._rng.active():
+        restored = self._restored.popleft() if self._restored else None   # begun before the restored checkpoint
+        with _swapped(restored.start if restored else None):
+            begun = restored or Pass(self._pass_no, _raw(), None if self._persistent else self._made)
             inner = iter(self._inner)
-        with self._rng.active():   # a restored pass: on to the checkpoint's position
-            before = list(itertools.islice(inner, self._skip_to))
+            before = list(itertools.islice(inner, self._skip_to))   # a restored pass: on to the checkpoint's position
+            sampled = next(inner, None) if len(before) == self._skip_to else None
+        self._pass, self._position = begun, self._skip_to
         if self._driving:   # unnoted: the driver skips them itself
             yield from before
-        if len(before) < self._skip_to:
-            return
-        self._position = self._skip_to
-        while True:
-            with self._rng.active():
-                sampled = self._sample_past_skipped(inner)
-            if sampled is None:
-                return
-            scheduled = self._schedule[0] if self._schedule else None
+        sampled = self._past_skipped(sampled, inner)
+        while sampled is not None:
+            scheduled = self._schedule.popleft() if self._schedule else None
             ids = _indices(sampled)
-            if scheduled is not None:
-                self._schedule.popleft()
-                if not np.array_equal(ids, scheduled.ids):
+            if scheduled is not None and not np.array_equal(ids, scheduled.ids):
+                if self._follows():
                     raise ReplayError(f"step {scheduled.step}, micro-batch {scheduled.micro}: the loader's sampler "
                                       f"yields samples {ids[:4].tolist()}..., the record has "
                                       f"{scheduled.ids[:4].tolist()}...: it is not the recorded sampler, or its "
-                                      "randomness is not the loader's own (a generator of its own?)")
-            batch = Batch(ids, self._number, pass_no, self._position, pass_start,
+                                      "randomness is not the global generators' (a generator of its own?)")
+                ids = scheduled.ids   # drawn from generators the replay has moved: the record's batch instead
+                sampled = ids.tolist() if self._batched else int(ids[0])
+            fetched = None if self._workers else self._fetched.pop(self._number, None)
+            batch = Batch(ids, self._number, begun, self._position, None if self._workers else fetched or _raw(),
                           None if scheduled is None else (scheduled.step, scheduled.micro))
             self._queue.append(batch)
             self._number += 1
             self._position += 1
-            yield _tagged(sampled, self._seed, batch.number, self._batched)
+            yield self._tagged(sampled, batch.number, fetched)
+            sampled = self._past_skipped(next(inner, None), inner)
 
-    def _sample_past_skipped(self, inner: Iterator[Any]) -> Any:
-        """The sampler's next batch to hand out (None at the pass's end); in a replay, past the batches of the
-        steps it skips, sampled as the record took them (the stream's numbering and the sampler stay the
-        record's; a skipped step's batches left at a pass's end are the next pass's first). A driver trains
-        on them, without their update: to it they are handed out as any other."""
-        sampled = next(inner, None)
+    def _past_skipped(self, sampled: Any, inner: Iterator[Any]) -> Any:
+        """`sampled`, the sampler's next batch (None at the pass's end), or in a replay the first after the
+        batches of the steps it skips, sampled as the record took them (the stream's numbering and the sampler
+        stay the record's; a skipped step's batches left at a pass's end are the next pass's first). A driver
+        trains on them, without their update: to it they are handed out as any other."""
         while sampled is not None and not self._driving and self._schedule and self._schedule[0].skipped:
             self._schedule.popleft()
+            self._fetched.pop(self._number, None)
             self._number += 1
             self._position += 1
             sampled = next(inner, None)
         return sampled
+
+    def _tagged(self, sampled: Any, number: int, fetched: Raw | None) -> Any:
+        """What the DataLoader fetches: the sampled indices, each with its batch's seed (worker processes) or
+        the states its fetch began with in the record (a batch fetched before the restored checkpoint)."""
+        if not self._workers and fetched is None:
+            return sampled
+        seed = fetch_seed(self._seed, number) if self._workers else None
+        if not self._batched:
+            return _Tagged(int(sampled), seed, fetched)
+        return [_Tagged(int(i), seed, fetched) for i in sampled]
 
 
 class _Tap(torch.utils.data.Sampler):
@@ -277,7 +362,11 @@ def _indices(sampled: Any) -> np.ndarray:
     return ids.astype(np.int64).reshape(-1)
 
 
-# -- fetches seeded by their place in the stream ------------------------------------------------------
+def _tensor(value: Any) -> torch.Tensor | None:
+    return None if value is None else torch.as_tensor(value).clone()
+
+
+# -- the fetches: seeded by their place in the stream (workers), or from the record's states ---------------
 
 def fetch_seed(seed: int, number: int) -> int:
     """The seed of the stream's batch `number`: its samples are fetched, then collated, drawing from it."""
@@ -285,20 +374,20 @@ def fetch_seed(seed: int, number: int) -> int:
     return int.from_bytes(digest, "little") % 2**63
 
 
-def _tagged(sampled: Any, seed: int, number: int, batched: bool) -> Any:
-    batch_seed = fetch_seed(seed, number)
-    if not batched:
-        return _Tagged(int(sampled), batch_seed)
-    return [_Tagged(int(i), batch_seed) for i in sampled]
-
-
 @dataclass(frozen=True)
 class _Tagged:
     index: int
-    seed: int
+    seed: int | None         # a worker's fetch: its generators seeded by it
+    fetched_from: Raw | None  # a fetch in this process: the record's states, swapped in until after the collate
 
 
-Raw = tuple[Any, Any, torch.Tensor]   # Python's, numpy's and torch's CPU generator states, as they give them
+@dataclass
+class _Fetched:
+    """A batch's samples (or a sample that is the batch: no automatic batching) on their way to the collate."""
+
+    data: Any
+    saved: Raw | None = None    # the training's states, put back after the collate
+    seeded: Raw | None = None   # a worker's states as seeded: did the fetch draw from them?
 
 
 def _raw() -> Raw:
@@ -311,95 +400,95 @@ def _set_raw(state: Raw) -> None:
     torch.set_rng_state(state[2])
 
 
-def _seed(seed: int) -> Raw | None:
-    """Seed the CPU generators for a batch's fetch; returns the states to put back after its collate (none in a
-    worker process, whose generators serve the fetches alone)."""
-    saved = _raw() if torch.utils.data.get_worker_info() is None else None
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)   # the CPU's: torch.manual_seed would queue every CUDA device's too
-    return saved
-
-
-class _Fetched(list):
-    """A batch's samples on their way to the collate, with the generator states to put back after it."""
-
-    saved: Raw | None = None
-
-
-@dataclass
-class _One:
-    """A sample that is the batch (no automatic batching), on its way to the collate."""
-
-    sample: Any
-    saved: Raw | None
+def _same(a: Raw, b: Raw) -> bool:
+    return (a[0] == b[0] and a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1]) and a[1][2:] == b[1][2:]
+            and torch.equal(a[2], b[2]))
 
 
 class _SeededDataset(torch.utils.data.Dataset):
-    """The user's dataset, each batch fetched (and then collated) under its own seed."""
+    """The user's dataset; a tagged batch is fetched (and then collated) from its seed or its recorded states."""
 
-    def __init__(self, dataset: Any):
-        self.dataset = dataset
+    def __init__(self, dataset: Any, drew: Any = None):
+        self.dataset, self.drew = dataset, drew
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, item: Any) -> Any:
-        if not isinstance(item, _Tagged):   # a read of the script's own (a length grouping): as it was
+        if not isinstance(item, _Tagged):   # as sampled, or a read of the script's own (a length grouping)
             return self.dataset[item]
-        saved = _seed(item.seed)
-        return _One(self.dataset[item.index], saved)
-
-    def __getitems__(self, items: list[Any]) -> list[Any]:
-        if not items or not isinstance(items[0], _Tagged):
-            return [self.dataset[i] for i in items]
-        fetched = _Fetched()
-        fetched.saved = _seed(items[0].seed)
-        fetched.extend(self.dataset[item.index] for item in items)
+        fetched = self._before(item)
+        fetched.data = self.dataset[item.index]
         return fetched
 
+    def __getitems__(self, items: list[Any]) -> Any:
+        if not items or not isinstance(items[0], _Tagged):
+            return self._fetch(items)
+        fetched = self._before(items[0])
+        fetched.data = self._fetch([item.index for item in items])
+        return fetched
+
+    def _fetch(self, indices: list[Any]) -> Any:
+        """As the DataLoader fetches: through the dataset's own `__getitems__` when it has one."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return getitems(indices) if getitems else [self.dataset[i] for i in indices]
+
+    def _before(self, item: _Tagged) -> _Fetched:
+        if item.fetched_from is not None:
+            fetched = _Fetched(None, saved=_raw())
+            _set_raw(item.fetched_from)
+            return fetched
+        assert item.seed is not None, "a tagged batch has a seed or recorded states"
+        random.seed(item.seed)
+        np.random.seed(item.seed % 2**32)
+        torch.default_generator.manual_seed(item.seed)   # the CPU's: torch.manual_seed would queue every CUDA device's
+        return _Fetched(None, seeded=_raw() if self.drew is not None and not self.drew.value else None)
+
     def __getattr__(self, name: str) -> Any:   # unpickled in a worker: no attribute yet
-        if name == "dataset":
+        if name in ("dataset", "drew"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
 
 class _SeededCollate:
-    """The DataLoader's collate function, drawing on from its batch's seed; then the generators are put back."""
+    """The DataLoader's collate function; after a tagged batch, the training's generators are put back, and
+    a worker's draws from its seed are told once (`drew`, shared by the workers)."""
 
-    def __init__(self, collate: Callable[[Any], Any]):
-        self.collate = collate
+    def __init__(self, collate: Callable[[Any], Any], drew: Any = None):
+        self.collate, self.drew = collate, drew
 
     def __call__(self, samples: Any) -> Any:
-        if not isinstance(samples, (_Fetched, _One)):
+        if not isinstance(samples, _Fetched):
             return self.collate(samples)
         try:
-            return self.collate(samples.sample if isinstance(samples, _One) else list(samples))
+            return self.collate(samples.data)
         finally:
             if samples.saved is not None:
                 _set_raw(samples.saved)
+            elif samples.seeded is not None and not _same(samples.seeded, _raw()):
+                self._tell()
+
+    def _tell(self) -> None:
+        with self.drew.get_lock():
+            first, self.drew.value = not self.drew.value, 1
+        if first:
+            print(WORKERS_DRAW, file=sys.stderr, flush=True)
 
 
-# -- the loader's own RNG --------------------------------------------------------------------------
+# -- generator states --------------------------------------------------------------------------------
 
-class _OwnRng:
-    """The loader's RNG states (Python's, numpy's, torch's CPU generator), swapped in while it samples."""
-
-    def __init__(self, seed: int):
-        saved = _raw()
-        _seed(seed)
-        self.state = _raw()
+@contextmanager
+def _swapped(states: Raw | None) -> Iterator[None]:
+    """The global generators at `states` in the block, and as they were after it (nothing when None)."""
+    if states is None:
+        yield
+        return
+    saved = _raw()
+    _set_raw(states)
+    try:
+        yield
+    finally:
         _set_raw(saved)
-
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        saved = _raw()
-        _set_raw(self.state)
-        try:
-            yield
-        finally:
-            self.state = _raw()
-            _set_raw(saved)
 
 
 def storable(state: Raw) -> dict[str, Any]:
@@ -419,12 +508,3 @@ def from_storable(tree: dict[str, Any]) -> Raw:
         return _raw()
     finally:
         _set_raw(saved)
-
-
-@contextmanager
-def _training_rng_kept() -> Iterator[None]:
-    saved = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved)

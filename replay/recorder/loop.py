@@ -51,7 +51,7 @@ from replay.kernels.reach import AttentionReach
 from replay.kernels.registry import apply_plan, is_transformers_model
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
-from replay.recorder.environment import AutocastSeen, configure_determinism, fingerprint
+from replay.recorder.environment import AutocastSeen, configure_determinism, determinism_notice, fingerprint
 from replay.recorder.loader import Batch, RecordedLoader, Scheduled
 from replay.recorder.modes import Mode, Start, decide, one_line_errors
 from replay.recorder.overrides import ReplayOverrides
@@ -167,7 +167,9 @@ class Loop:
             if self.replaying else Recording(start, unwrap(model), options, self.rank, self.world))
         self.cfg: RunConfig = self._mode.cfg   # as recorded
         self.precision = self.cfg.precision
-        configure_determinism(self.cfg.threads)
+        changed = configure_determinism(self.cfg.threads)
+        if changed and not self.replaying and self.rank == 0:   # a replay runs as its recording did
+            print(determinism_notice(changed), file=sys.stderr, flush=True)
         if state is None:
             state = _train_state(model, optimizer, scheduler, scaler)
         self.recorder = Recorder(start.store, state,
@@ -322,7 +324,9 @@ class Loop:
         if self._restored is not None and restored is None:
             raise UsageError("loop.loader(...): the checkpoint this run starts from was recorded without a loader "
                              "(its batches went through loop.sample_ids): run the script as it was recorded")
-        self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed())
+        self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed(),
+                                      tell=not self.replaying and self.rank == 0,
+                                      follows=lambda: self._mode.follows_record)
         if restored is not None:
             self._loader.restore(restored, self._schedule())
         return self._loader
@@ -419,7 +423,7 @@ class Loop:
         training loader's position for that step."""
         out: dict[str, Any] = {"ahead": [d.ids for d in self._ahead if d.batch is None]}
         if self._loader is not None:
-            out["loader"] = self._loader.position(self._ahead[0].batch if self._ahead else None)
+            out["loader"] = self._loader.position([d.batch for d in self._ahead if d.batch is not None])
         return out
 
     def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0,

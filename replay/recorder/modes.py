@@ -61,6 +61,11 @@ class Mode(Protocol):
     window: ReplaySpec | None                   # a replay's window, overrides and skips
     overrides: ReplayOverrides                  # a replay's overrides as applied (a recording's: none, never begun)
 
+    @property
+    def follows_record(self) -> bool:
+        """The global generators draw as the record's did: no step the replay skipped, no attention plan of its
+        (whose backends draw their own way) has moved them yet."""
+
     def opened(self, store: RunStore) -> None:
         """Rank 0, once the recorder has the store open for writing."""
 

@@ -34,6 +34,7 @@ from replay.store.run_store import check_empty
 class Recording:
     window: ReplaySpec | None = None
     start_from: tuple[RunStore, int] | None = None
+    follows_record = True
 
     def __init__(self, start: Start, model: torch.nn.Module, options: RunOptions, rank: int, world: int):
         """`model`: unwrapped (not DDP's)."""

@@ -52,6 +52,10 @@ class Replaying:
             (list(prior.steps), list(prior.counts)) if prior else ([], []))
         self._refused: str | None = None
 
+    @property
+    def follows_record(self) -> bool:
+        return self._check_draws
+
     def opened(self, store: RunStore) -> None:
         pass
 

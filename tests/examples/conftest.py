@@ -1,4 +1,5 @@
-"""The examples' token file, written once by examples/nanogpt/prepare.py (the standard library's bytes)."""
+"""The examples' token file, written once by examples/nanogpt/prepare.py (the standard library's bytes), and
+the comparison of an example's run recorded with the same run without replay (`--record=False`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 import torch
 
 from replay.store import RunStore
-from tests.conftest import REPO
+from tests.conftest import REPO, tensors_equal
+
+# the line a recording prints when it turned PyTorch's deterministic algorithms on (recorder/environment.py)
+DETERMINISM = "replay: this recording runs with torch.use_deterministic_algorithms(True)"
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +38,14 @@ def assert_resumed_as_recorded(resumed: Path, recorded: Path, resumed_from: int,
     assert all(np.array_equal(mine[f], record[f]) for f in fields)
     after, expected = (s.read_shard(checkpoint, 0)["state"]["replicated"]["model"] for s in (ours, theirs))
     assert all(torch.equal(after[k], expected[k]) for k in expected)
+
+
+def assert_same_run(recorded: Path, plain: Path, steps: int) -> None:
+    """An example's `--out` files of a recorded run and of the same run without replay: every step's loss
+    and the final weights, bit for bit."""
+    a, b = (torch.load(path, weights_only=True) for path in (recorded, plain))
+    assert len(a["losses"]) == len(b["losses"]) == steps
+    differ = [(step, x, y) for step, (x, y) in enumerate(zip(a["losses"], b["losses"], strict=True)) if x != y]
+    assert differ == [], f"first differing step, recorded and not: {differ[0]}"
+    assert a["model"].keys() == b["model"].keys()
+    assert [k for k in a["model"] if not tensors_equal(a["model"][k], b["model"][k])] == []

@@ -1,6 +1,7 @@
 """examples/dataloader: a script that trains from a torch DataLoader (DistributedSampler, worker processes,
 persistent workers, prefetch) through `loop.loader`, recorded under torchrun (gloo, 2 ranks) and replayed,
-bisected and resumed by the product's commands, as its README says. Every run is a real process."""
+bisected and resumed by the product's commands, as its README says; in one process (a RandomSampler), recorded
+and run without replay, bit for bit the same. Every run is a real process."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from replay.errors import StoreError
 from replay.processes import descendants, start_time
+from replay.recorder.loader import WORKERS_DRAW
 from replay.store import RunStore
 from tests.conftest import REPO, assert_gone, replay_cli
+from tests.examples.conftest import DETERMINISM, assert_same_run
 from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "dataloader" / "train.py"
@@ -31,9 +34,10 @@ SETTINGS = [f"--n_blocks={BLOCKS}", f"--batch_size={BATCH}", f"--gradient_accumu
             f"--seed={SEED}", f"--max_iters={STEPS}", "--checkpoint_every=10"]
 
 
-def _torchrun(workdir: Path, *args: str, popen: bool = False):
-    """The example under torchrun, as its user starts it: from their own directory, not through replay."""
-    cmd = [*TORCHRUN, str(EXAMPLE), *args]
+def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: tuple[str, ...] = tuple(TORCHRUN)):
+    """The example under torchrun (or `launcher`), as its user starts it: from their own directory, not through
+    replay."""
+    cmd = [*launcher, str(EXAMPLE), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     if popen:
         return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -71,6 +75,24 @@ def _expected_ids(rank: int) -> np.ndarray:
             batches.append(np.concatenate([chunk, np.full(BATCH - len(chunk), -1)]))
         epoch += 1
     return np.stack(batches[:STEPS * ACCUM]).reshape(STEPS, ACCUM, BATCH)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_recording_trains_as_the_script_without_replay_bit_for_bit(data_dir, tmp_path, workers):
+    """One process: the DataLoader's own RandomSampler (its seed drawn from torch's generator every epoch),
+    the DataLoader's base seed (every epoch without workers, once with persistent ones) and dropout all draw
+    from the global generators, over two epoch ends: with its replay lines and without them (--record=False),
+    every step's loss and the final weights are the same. The dataset draws nothing in its workers: no line
+    says otherwise."""
+    args = [f"--data_dir={data_dir}", "--n_blocks=24", "--max_iters=8", "--dropout=0.1", f"--num_workers={workers}"]
+    python = (sys.executable,)
+    recorded = _torchrun(tmp_path, *args, f"--store={tmp_path / 'run'}", f"--out={tmp_path / 'recorded.pt'}",
+                         launcher=python)
+    assert recorded.returncode == 0, recorded.stderr
+    assert recorded.stderr.count(DETERMINISM) == 1 and WORKERS_DRAW not in recorded.stderr
+    plain = _torchrun(tmp_path, *args, "--record=False", f"--out={tmp_path / 'plain.pt'}", launcher=python)
+    assert plain.returncode == 0 and "replay" not in plain.stderr, plain.stderr
+    assert_same_run(tmp_path / "recorded.pt", tmp_path / "plain.pt", steps=8)
 
 
 def test_the_step_log_holds_each_ranks_sampler_shard_in_order(recorded):
@@ -135,9 +157,9 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(r
         tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
     tokens.flush()
     store = tmp_path / "spiked"
-    # the learning rate's schedule is not the run's length: as recorded; no worker processes (the batches and
-    # their fetches are the same with or without: tests/recorder/test_loader_integration.py), so the bisect's
-    # probes, each the script started again, start none either
+    # the learning rate's schedule is not the run's length: as recorded; no worker processes (the sampler's
+    # batches are the same with or without, and the dataset draws nothing), so the bisect's probes, each the
+    # script started again, start none either
     done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *SETTINGS, "--checkpoint_every=6",
                      "--max_iters=58", "--num_workers=0")
     assert done.returncode == 0, done.stderr

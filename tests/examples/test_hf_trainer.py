@@ -1,13 +1,15 @@
 """TrainerRecorder in this process: misuse fails in one line before anything trains (the Trainer stops at
 its first event), a Trainer built with the recorder among its callbacks records and resumes as
-recorder.train does, a run's precision and loss scaler are the Trainer's, and an fp16 run on a GPU resumes
-with accelerate's loss scaler as it was. The example's runs recorded, killed, resumed and replayed:
+recorder.train does, a run's precision and loss scaler are the Trainer's, an fp16 run on a GPU resumes
+with accelerate's loss scaler as it was, and a collate that draws random numbers draws what it would without
+replay, a resumed run too. The example's runs recorded, killed, resumed and replayed:
 test_hf_trainer_integration.py."""
 
 from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,16 +31,23 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x}
 
 
-def _trainer(tmp_path, callbacks=(), **args):
+def _masking(samples):
+    """A collate that draws: each label left out (-100) with probability 1/4, drawn from torch's generator."""
+    x = torch.stack([s["input_ids"] for s in samples])
+    return {"input_ids": x, "labels": x.masked_fill(torch.rand(x.shape) < 0.25, -100)}
+
+
+def _trainer(tmp_path, callbacks=(), collate=None, dropout=0.0, **args):
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1)
+                                  num_attention_heads=2, num_key_value_heads=1, attention_dropout=dropout)
     options = {"max_steps": 4, "per_device_train_batch_size": 4, "report_to": "none", "use_cpu": True,
                "save_strategy": "no", "seed": 0, **args}
     return Trainer(model=AutoModelForCausalLM.from_config(config), args=TrainingArguments(
-        output_dir=str(tmp_path / "out"), **options), train_dataset=_Tokens(10), callbacks=list(callbacks))
+        output_dir=str(tmp_path / "out"), **options), train_dataset=_Tokens(10), data_collator=collate,
+        callbacks=list(callbacks))
 
 
 def _stop_after(step: int):
@@ -137,3 +146,34 @@ def test_an_fp16_run_keeps_accelerates_loss_scaler_and_resumes_bit_for_bit(tmp_p
     else:
         assert "scaler" not in whole
     assert all(torch.equal(whole["model"][k], cut["model"][k]) for k in whole["model"])
+
+
+def test_a_collate_that_draws_draws_as_without_replay_and_a_resumed_run_as_the_uninterrupted_one(tmp_path):
+    """No worker processes: the collate's masks and the attention's dropout are drawn from the global
+    generators as `trainer.train()` alone draws them (every step's logged loss and the final weights, bit for
+    bit). Stopped after step 2, in the middle of the first epoch (batches of 4, 4, 2) whose next batches the
+    Trainer had fetched, masks drawn, before checkpoint 2, and resumed: the uninterrupted run's steps."""
+    from transformers import TrainerCallback
+
+    from replay.recorder.hf_trainer import TrainerRecorder
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    run = {"collate": _masking, "dropout": 0.1, "logging_steps": 1}
+    plain = _trainer(tmp_path, **run)
+    plain.train()
+    whole = _trainer(tmp_path, **run)
+    TrainerRecorder(str(tmp_path / "whole"), checkpoint_every=2).train(whole)
+    losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (plain, whole)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]
+    assert all(torch.equal(v, whole.model.state_dict()[k]) for k, v in plain.model.state_dict().items())
+
+    TrainerRecorder(str(tmp_path / "cut"), checkpoint_every=2).train(_trainer(tmp_path, [Stop()], **run))
+    TrainerRecorder(str(tmp_path / "cut"), checkpoint_every=2, resume=True).train(_trainer(tmp_path, **run))
+    a, b = (RunStore.open(tmp_path / name) for name in ("whole", "cut"))
+    assert [r.from_step for r in b.manifest.resumes] == [2]
+    assert all(np.array_equal(a.read_steps([f])[f], b.read_steps([f])[f]) for f in ("sample_ids", "loss", "grad_norm"))
+    final_a, final_b = (s.read_shard(4, 0)["state"]["replicated"]["model"] for s in (a, b))
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)

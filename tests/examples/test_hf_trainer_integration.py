@@ -21,13 +21,14 @@ from replay.analysis.results import read_metrics
 from replay.store import RunStore
 from replay.store.run_store import micro_batches
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
-from tests.examples.conftest import assert_resumed_as_recorded
+from tests.examples.conftest import assert_resumed_as_recorded, assert_same_run
 
 EXAMPLE = REPO / "examples" / "hf_trainer"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 BLOCK = 32
 SAMPLES = 18   # 5 batches of 4 an epoch, the last of 2: 3 steps of 2 micro-batches, the last of one
 SMALL_EPOCHS = (f"--samples={SAMPLES}", "--dataloader_num_workers=2")
+ONE_PROCESS = ("--save_steps=5", *SMALL_EPOCHS, "--logging_steps=1")   # the Trainer's own checkpoints too
 # the example under a callback that ends its process (os._exit, no cleanup) as the Trainer begins a step
 KILLED = """
 import os, runpy, sys, time, transformers
@@ -83,7 +84,8 @@ def _record(runs: Path, token_file: Path, name: str, *args: str, launcher: list[
 
 @pytest.fixture(scope="module")
 def one_process(runs, token_file) -> Path:
-    return _record(runs, token_file, "one", "--save_steps=5", *SMALL_EPOCHS)   # the Trainer's own checkpoints too
+    """Its `--out` (every step's logged loss, the final weights): one.pt beside it."""
+    return _record(runs, token_file, "one", *ONE_PROCESS, f"--out={runs / 'one.pt'}")
 
 
 def _first_step_loss(store: RunStore, token_file: Path) -> float:
@@ -123,6 +125,15 @@ def test_the_record_holds_each_steps_dataset_indices_and_its_own_loss(one_proces
     assert steps["loss"][0] == pytest.approx(_first_step_loss(store, token_file), rel=1e-5)
     saved = sorted(p.name for p in Path(f"{one_process}-out").glob("checkpoint-*"))
     assert saved == [f"checkpoint-{s}" for s in (10, 15, 20, 5)]
+
+
+def test_a_recording_trains_as_trainer_train_without_replay_bit_for_bit(one_process, runs, token_file):
+    """The same Trainer run by `trainer.train()` alone (--record=False): the Trainer's logged loss of every
+    step and the final weights are the recording's."""
+    done = _train(runs, f"--data={token_file}", f"--output_dir={runs / 'plain-out'}", "--max_steps=20", *ONE_PROCESS,
+                  "--record=False", f"--out={runs / 'plain.pt'}")
+    assert done.returncode == 0, done.stderr
+    assert_same_run(runs / "one.pt", runs / "plain.pt", steps=20)
 
 
 def test_a_window_replays_bit_for_bit_and_one_query_head_diverges_at_from(one_process):
@@ -181,7 +192,7 @@ def test_a_killed_recording_resumes_from_the_store_bit_for_bit(one_process, runs
     wrapper.write_text(KILLED)
     store = runs / "killed"
     args = (f"--data={token_file}", f"--store={store}", f"--output_dir={store}-out", "--max_steps=20",
-            "--checkpoint_every=10", "--save_steps=5", *SMALL_EPOCHS)
+            "--checkpoint_every=10", *ONE_PROCESS)
     done = _train(runs, *args, launcher=[sys.executable, str(wrapper)],
                   env={"KILL_AT": "18", "KILL_AFTER_COMMIT": "10", "KILL_STORE": str(store)})
     assert done.returncode == 9, done.stderr

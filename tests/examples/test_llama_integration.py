@@ -15,14 +15,19 @@ import pytest
 
 from replay.store import RunStore
 from tests.conftest import REPO, replay_cli
+from tests.examples.conftest import assert_same_run
 
 EXAMPLE = REPO / "examples" / "llama"
 N_HEAD, N_KV, HD = 4, 2, 8   # the example's shape: 4 query heads in 2 groups, n_embd 32
 
 
-def _train(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+FSDP = ["--fsdp=True", "--max_iters=16"]   # each decoder layer and the root fully_shard'ed over 2 gloo ranks
+
+
+def _train(workdir: Path, *args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(EXAMPLE / "train.py"), *args], cwd=workdir, env=env,
+    return subprocess.run([*(launcher or [sys.executable]), str(EXAMPLE / "train.py"), *args], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -64,17 +69,21 @@ def test_one_query_head_on_emulated_bf16_attention_diverges_exactly_at_from(llam
     assert not v["bitwise"] and v["divergence"]["step"] == 12   # steps 10, 11 were bit for bit
 
 
-def test_sharded_with_fsdp2_it_replays_and_one_query_head_with_the_fix_diverges_at_from(runs, token_file):
-    """The same model, each decoder layer and the root fully_shard'ed over 2 gloo ranks: each rank checkpoints
-    its pieces, and a query head's override (the flash emulation with the safe-softmax fix) reaches the
-    sharded layers through transformers' AttentionInterface, diverging exactly at --from."""
+@pytest.fixture(scope="module")
+def fsdp(runs, token_file) -> Path:
+    """The FSDP2 recording, 16 steps, checkpoints every 10; its `--out` (each step's loss, the final weights
+    gathered whole) beside it: fsdp.pt."""
     store = runs / "fsdp"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(EXAMPLE / "train.py"), "--fsdp=True", f"--data={token_file}", f"--store={store}",
-                           "--max_iters=16", "--checkpoint_every=10"], cwd=runs, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = _train(runs, *FSDP, f"--data={token_file}", f"--store={store}", "--checkpoint_every=10",
+                  f"--out={runs / 'fsdp.pt'}", launcher=TORCHRUN)
     assert done.returncode == 0, done.stderr[-3000:]
+    return store
+
+
+def test_sharded_with_fsdp2_it_replays_and_one_query_head_with_the_fix_diverges_at_from(fsdp):
+    """Each rank checkpoints its pieces, and a query head's override (the flash emulation with the safe-softmax
+    fix) reaches the sharded layers through transformers' AttentionInterface, diverging exactly at --from."""
+    store = fsdp
     sharding = RunStore.open(store).manifest.sharding
     assert sharding is not None and sharding.kind == "fsdp2"
     assert [p.length for p in sharding.tensors["model.layers.1.self_attn.q_proj.weight"].pieces] == [16, 16]
@@ -83,6 +92,15 @@ def test_sharded_with_fsdp2_it_replays_and_one_query_head_with_the_fix_diverges_
     assert result.returncode == 0, result.stderr
     v = json.loads(result.stdout)["verification"]
     assert not v["bitwise"] and v["divergence"]["step"] == 12   # steps 10, 11 were bit for bit
+
+
+def test_sharded_with_fsdp2_a_recording_trains_as_the_script_without_replay_bit_for_bit(fsdp, runs, token_file):
+    """The same sharded run without its replay lines (--record=False): rank 0's loss at every step and the
+    final weights, gathered whole, are the recording's."""
+    done = _train(runs, *FSDP, f"--data={token_file}", "--record=False", f"--out={runs / 'fsdp-plain.pt'}",
+                  launcher=TORCHRUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_run(runs / "fsdp.pt", runs / "fsdp-plain.pt", steps=16)
 
 
 def test_per_head_metrics_of_grouped_query_attention_are_the_svds_of_the_stored_weights(llama):

@@ -17,6 +17,7 @@ import pytest
 
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
+from tests.examples.conftest import DETERMINISM, assert_same_run
 from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "nanogpt"
@@ -48,6 +49,20 @@ def torchrun_store(data_dir) -> Path:
                   "--checkpoint_every=10", launcher=TORCHRUN)
     assert done.returncode == 0, done.stderr
     return store
+
+
+def test_a_recording_trains_as_the_script_without_replay_bit_for_bit(data_dir, tmp_path):
+    """The script with its replay lines and without them (--record=False), dropout on (torch's generator
+    draws the masks as well as the offsets, the first batch's ahead of the first step), rank 0 evaluating at
+    step 0 through the same get_batch: every step's loss and the final weights are the same, and the
+    recording says in one line what it changed (deterministic algorithms)."""
+    args = [f"--data_dir={data_dir}", "--max_iters=12", "--dropout=0.1"]
+    recorded = _train(tmp_path, *args, f"--store={tmp_path / 'run'}", f"--out={tmp_path / 'recorded.pt'}")
+    assert recorded.returncode == 0, recorded.stderr
+    assert recorded.stderr.count(DETERMINISM) == 1
+    plain = _train(tmp_path, *args, "--record=False", f"--out={tmp_path / 'plain.pt'}")
+    assert plain.returncode == 0 and "replay" not in plain.stderr, plain.stderr
+    assert_same_run(tmp_path / "recorded.pt", tmp_path / "plain.pt", steps=12)
 
 
 def test_torchrun_records_each_ranks_draws_and_the_command(torchrun_store, data_dir):

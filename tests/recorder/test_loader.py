@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from replay.errors import ReplayError, UsageError
 from replay.recorder import Loop
+from replay.recorder.environment import cpu_rng_state
+from replay.recorder.loader import RecordedLoader
 from replay.replayer.replays import ReplayRequest, prepare, replay_id
 from replay.store import RunStore
 from replay.store.lease import writing
@@ -62,6 +64,32 @@ def _train(loop, model, optimizer, dl, stop_after=None, ahead=False, accum=ACCUM
         if step == stop_after:
             break
     loop.close()
+    return seen
+
+
+def _plain(model, optimizer, dl, steps, ahead=False):
+    """`_train`'s loop without replay: the DataLoader iterated epoch after epoch, told its epoch as the loader
+    tells it."""
+    def forever():
+        for epoch in range(steps * ACCUM + 1):
+            if hasattr(dl.sampler, "set_epoch"):
+                dl.sampler.set_epoch(epoch)
+            yield from dl
+
+    seen, batches = {}, forever()
+    pending = next(batches) if ahead else None
+    for step in range(steps):
+        micro, total = [], 0.0
+        for _ in range(ACCUM):
+            x = next(batches) if pending is None else pending
+            pending = next(batches) if ahead else None
+            loss = model(x / N).pow(2).mean() / ACCUM
+            loss.backward()
+            total += loss.item()
+            micro.append(x)
+        optimizer.step()
+        optimizer.zero_grad()
+        seen[step] = ([x[:, 0].long().tolist() for x in micro], torch.cat(micro)[:, 1].tolist(), total)
     return seen
 
 
@@ -126,7 +154,10 @@ def test_a_replay_that_skips_a_step_trains_the_next_one_on_its_own_batches(tmp_p
     replayed, path = _replay(tmp_path / "run", ReplayRequest(start=3, stop=7, overrides=Overrides(skip=[4])),
                              accum=accum)
     assert sorted(replayed) == [3, 5, 6, 7]
-    assert all(replayed[s][:2] == recorded[s][:2] for s in replayed)   # each step's own samples and augmentations
+    assert all(replayed[s][0] == recorded[s][0] for s in replayed)   # each step's own samples
+    # the augmentations drawn before the skipped step are the record's; after it, without step 4's draws, the
+    # replay's own (as dropout's)
+    assert replayed[3][1] == recorded[3][1] and replayed[5][1] != recorded[5][1]
     assert replayed[5][2] != recorded[5][2]   # trained without step 4's update
     assert (RunStore.open(path).read_steps()["sample_ids"][1] == -1).all()
 
@@ -164,6 +195,19 @@ def test_a_resumed_run_continues_the_stream_as_the_uninterrupted_run_did(tmp_pat
     assert np.array_equal(a["sample_ids"], b["sample_ids"]) and np.array_equal(a["loss"], b["loss"])
 
 
+@pytest.mark.parametrize("kind", SAMPLERS)
+def test_a_recording_draws_what_the_loop_without_replay_draws(tmp_path, kind):
+    """Without worker processes: the sampler's order (a RandomSampler's seed drawn from torch's generator each
+    epoch), the DataLoader's base seed, the augmentation drawn in `__getitem__` and the dropout are the loop's
+    without replay, bit for bit, over four epochs, its first batch taken ahead of the first step."""
+    model, optimizer = _parts()
+    plain = _plain(model, optimizer, _loader(SAMPLERS[kind]()), steps=8, ahead=True)
+    model, optimizer = _parts()
+    recorded = _train(Loop(tmp_path / "run", model, optimizer, total_steps=8, checkpoint_every=3), model, optimizer,
+                      _loader(SAMPLERS[kind]()), ahead=True)
+    assert recorded == plain
+
+
 @pytest.mark.parametrize("misuse, message", [
     (lambda loop, dl: (loop.loader(dl), loop.loader(dl)), "loop.loader\\(...\\) is called once"),
     (lambda loop, dl: loop.loader([1, 2, 3]), "takes a torch.utils.data.DataLoader, not a list"),
@@ -176,6 +220,14 @@ def test_a_loader_misused_is_refused_in_one_line(tmp_path, misuse, message):
         dl._iterator = object()
     with Loop(tmp_path / "run", model, optimizer, total_steps=2) as loop, pytest.raises(UsageError, match=message):
         misuse(loop, dl)
+
+
+def test_a_checkpoint_whose_loader_drew_from_generators_of_its_own_is_refused_in_one_line():
+    """What an earlier replay kept: the loader's own generator states at the epoch's start, no format."""
+    stream = RecordedLoader(_loader(), take=lambda batch: None, seed=0)
+    old = {"seed": 0, "pass": 1, "position": 2, "number": 6, "pass_start": cpu_rng_state()}
+    with pytest.raises(UsageError, match="recorded by an earlier version of replay"):
+        stream.restore(old, [])
 
 
 def test_replay_batch_shows_an_epochs_smaller_last_batch_without_its_padding(tmp_path):
@@ -206,4 +258,4 @@ def test_a_replay_stopped_and_resumed_continues_from_its_own_checkpoint(tmp_path
         resumed = _train(Loop(tmp_path / "run" / "replays" / "cut", model, optimizer, total_steps=8,
                               lease=lease.spec, resume=True), model, optimizer, _loader())
     assert sorted(resumed) == [5, 6, 7] and all(resumed[s] == replays["whole"][s] for s in resumed)
-    assert all(resumed[s][:2] == recorded[s][:2] for s in resumed)   # each step's own samples
+    assert all(resumed[s][0] == recorded[s][0] for s in resumed)   # each step's own samples
