@@ -97,4 +97,5 @@ if out and not (record and loop.replaying):   # a replay writes no files of the 
     if rank == 0:
         torch.save({"losses": step_losses, "model": weights}, out)
 if ddp:
+    dist.barrier()   # every rank past rank 0's save before the group goes: none tears it down under another
     dist.destroy_process_group()

@@ -200,18 +200,22 @@ def run_ranks(store: Location, cfg: RunConfig, nproc: int, resume: bool, lease: 
     if pool is not None and cfg.launcher is Launcher.LOCAL and pool.world_size == nproc:
         pool.train(store, lease, resume=resume)
         return
-    if cfg.launcher is Launcher.DEEPSPEED:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" or not _cuda() else "cuda")
-    failures = run_node(store, resume, lease, Node.local(nproc))
+    extra = {}
+    if cfg.launcher is Launcher.DEEPSPEED:   # the ranks', not this process's (its next command's, in a session)
+        extra["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or ("cpu" if cfg.device == "cpu" or not _cuda()
+                                                                        else "cuda")
+    failures = run_node(store, resume, lease, Node.local(nproc), extra)
     if failures:
         raise ReplayError(f"{failures}; their own messages are above (committed checkpoints are intact: "
                           f"`replay record --store {store} --resume` continues)")
 
 
-def run_node(store: Location, resume: bool, lease: str, node: Node) -> str | None:
-    """Run one node's ranks as fresh processes and wait: their failures in words, or None."""
+def run_node(store: Location, resume: bool, lease: str, node: Node, extra: dict[str, str] | None = None) -> str | None:
+    """Run one node's ranks as fresh processes (`extra`: variables of theirs) and wait: their failures in words,
+    or None."""
     args = [sys.executable, "-m", "replay.launch.worker", str(store)] + (["--resume"] if resume else [])
-    procs = [subprocess.Popen(args, env={**node.env(local), LEASE_ENV: lease}) for local in range(len(node.ranks))]
+    procs = [subprocess.Popen(args, env={**node.env(local), **(extra or {}), LEASE_ENV: lease})
+             for local in range(len(node.ranks))]
     return wait_for_ranks(procs, ranks=node.ranks)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay.recorder.command import tracked
+from replay.recorder.command import ENV, ENV_PREFIXES, tracked
 from replay.recorder.host import host
 
 
@@ -55,6 +55,7 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "tf32": torch.backends.cuda.matmul.allow_tf32,
         "env": tracked(os.environ),
+        "env_covers": {"names": list(ENV), "prefixes": list(ENV_PREFIXES)},   # what `env` holds, set or not
     }
     if device.type == "cuda":
         fp["cuda"] = {"version": torch.version.cuda, "gpu": torch.cuda.get_device_name(device),

@@ -55,7 +55,7 @@ def differences(recorded: dict[str, Any], replayed: dict[str, Any]) -> list[str]
         out.append(f"the forward ran under autocast {replayed['autocast']}, the record's under {recorded['autocast']}")
     was, now = recorded.get("env") or {}, replayed.get("env") or {}
     for key in sorted(set(was) | set(now)):
-        if was.get(key) != now.get(key):
+        if was.get(key) != now.get(key) and _covers(recorded, key) and _covers(replayed, key):
             out.append(f"{key}: recorded {_value(was.get(key))}, replayed {_value(now.get(key))}")
     for key in ("torch_threads", "deterministic_algorithms", "tf32", "device", "python", "machine", "processor"):
         if key in recorded and recorded.get(key) != replayed.get(key):
@@ -64,6 +64,13 @@ def differences(recorded: dict[str, Any], replayed: dict[str, Any]) -> list[str]
     out += [f"{pkg}: recorded {version}, replayed {packages.get(pkg)}"
             for pkg, version in (recorded.get("packages") or {}).items() if packages.get(pkg) != version]
     return out
+
+
+def _covers(fingerprint: dict[str, Any], key: str) -> bool:
+    """Whether a fingerprint's `env` says whether `key` was set (one of an earlier version holds three names)."""
+    covers = fingerprint.get("env_covers") or {"names": ["OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                         "CUBLAS_WORKSPACE_CONFIG"], "prefixes": []}
+    return key in covers["names"] or key.startswith(tuple(covers["prefixes"]))
 
 
 def _value(value: str | None) -> str:

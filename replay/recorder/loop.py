@@ -91,12 +91,13 @@ class _Step:
 def _at_exit(close: Callable[[], None]) -> None:
     """Call `close` (a loop's bound method, held weakly: a warm rank makes a loop per replay) when the
     interpreter exits, before it stops the thread pools a store's writes use (threading's own exit hook, as
-    concurrent.futures registers; plain atexit handlers run after them). A closed loop's call does nothing."""
-    method = weakref.WeakMethod(close)
+    concurrent.futures registers; plain atexit handlers run after them), in this process only (a forked child
+    inherits the hook). A closed loop's call does nothing."""
+    method, pid = weakref.WeakMethod(close), os.getpid()
 
     def at_exit() -> None:
         alive = method()
-        if alive is not None:
+        if alive is not None and os.getpid() == pid:   # a forked DataLoader worker runs these hooks too
             alive()
 
     getattr(threading, "_register_atexit", atexit.register)(at_exit)
