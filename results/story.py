@@ -77,8 +77,9 @@ def _verdict_table(v: dict) -> str:
         rows.append(["decided in steps", f"{v['window'][0]}..{v['window'][1]}: the counterfactual prevents the spike "
                                          f"from checkpoint {v['window'][0]}, not from step {v['window'][1]} on"])
     if sep.get("measurable") is not None:
-        rows.append(["separates from the record", f"at step {sep['measurable']} (first differing bit at step "
-                                                  f"{sep['first_bit']})"])
+        rows.append(["parts from the record", f"first differs at step {sep['first_bit']} (in its "
+                                              f"{sep.get('first_bit_in') or 'loss'}), measurably at step "
+                                              f"{sep['measurable']}"])
     if "layers" in v["phases"]:
         rows.append(["layers", ", ".join(map(str, v["layers"])) if v["layers"] else "none: no layer set prevents it"])
     if "heads" in v["phases"]:
