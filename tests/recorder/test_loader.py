@@ -49,18 +49,8 @@ def _train(loop, model, optimizer, dl, stop_after=None, ahead=False, accum=ACCUM
     seen, batches = {}, iter(loop.loader(dl))
     pending = next(batches) if ahead else None   # a prefetch: the first batch taken before the first step
     for step in loop.steps():
-        micro, total = [], 0.0
-        for _ in range(accum):
-            x = next(batches) if pending is None else pending
-            pending = next(batches) if ahead else None
-            loss = model(x / N).pow(2).mean() / accum
-            loss.backward()
-            total += loss.item()
-            micro.append(x)
-        optimizer.step()
-        optimizer.zero_grad()
-        loop.log(loss=total)
-        seen[step] = ([x[:, 0].long().tolist() for x in micro], torch.cat(micro)[:, 1].tolist(), total)
+        pending, seen[step] = _step(batches, pending, model, optimizer, ahead, accum)
+        loop.log(loss=seen[step][2])
         if step == stop_after:
             break
     loop.close()
@@ -79,18 +69,24 @@ def _plain(model, optimizer, dl, steps, ahead=False):
     seen, batches = {}, forever()
     pending = next(batches) if ahead else None
     for step in range(steps):
-        micro, total = [], 0.0
-        for _ in range(ACCUM):
-            x = next(batches) if pending is None else pending
-            pending = next(batches) if ahead else None
-            loss = model(x / N).pow(2).mean() / ACCUM
-            loss.backward()
-            total += loss.item()
-            micro.append(x)
-        optimizer.step()
-        optimizer.zero_grad()
-        seen[step] = ([x[:, 0].long().tolist() for x in micro], torch.cat(micro)[:, 1].tolist(), total)
+        pending, seen[step] = _step(batches, pending, model, optimizer, ahead, ACCUM)
     return seen
+
+
+def _step(batches, pending, model, optimizer, ahead: bool, accum: int):
+    """One optimizer step over `accum` batches (the one `pending` from a prefetch first); returns the batch it
+    took ahead and the step's samples, augmentations and loss."""
+    micro, total = [], 0.0
+    for _ in range(accum):
+        x = next(batches) if pending is None else pending
+        pending = next(batches) if ahead else None
+        loss = model(x / N).pow(2).mean() / accum
+        loss.backward()
+        total += loss.item()
+        micro.append(x)
+    optimizer.step()
+    optimizer.zero_grad()
+    return pending, ([x[:, 0].long().tolist() for x in micro], torch.cat(micro)[:, 1].tolist(), total)
 
 
 def _stored(path) -> list[list[list[int]]]:
