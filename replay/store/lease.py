@@ -123,7 +123,7 @@ class Lease(HeldLease):
             store = location.local
             created_dir = not store.exists()
             path = lease_file(store, scope)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _make_dirs(path.parent)
             holder = Holder(command=command, pid=os.getpid(), host=socket.gethostname(), since=time.time(),
                             token=uuid.uuid4().hex, start=start_time(os.getpid()))
             try:
@@ -247,7 +247,7 @@ def _create_exclusive(path: Path, holder: Holder, keep_open: bool = True) -> int
     """Make `path` hold `holder`, atomically, only if it does not exist. Returns a descriptor of it (-1
     with keep_open=False), or None if it exists."""
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = _open_new(tmp)
     try:
         os.write(fd, json.dumps(asdict(holder)).encode())
         os.fsync(fd)
@@ -266,6 +266,31 @@ def _create_exclusive(path: Path, holder: Holder, keep_open: bool = True) -> int
         return -1
     finally:
         tmp.unlink()
+
+
+# Another writer releasing its own lease removes the lease folders once they are empty (leases/replays/ is
+# every replay's): a writer about to create its lease file there makes them again, as often as it takes.
+_ATTEMPTS = 100
+
+
+def _make_dirs(folder: Path) -> None:
+    for _ in range(_ATTEMPTS - 1):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return
+        except FileNotFoundError:   # a parent removed between pathlib's making it and the child
+            continue
+    folder.mkdir(parents=True, exist_ok=True)
+
+
+def _open_new(tmp: Path) -> int:
+    """Create `tmp` for writing, its folder made again if it went in the meantime."""
+    for _ in range(_ATTEMPTS - 1):
+        try:
+            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            _make_dirs(tmp.parent)
+    return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
 
 
 def _remove_empty(store: Path, created: bool) -> None:

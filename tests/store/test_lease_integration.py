@@ -79,3 +79,31 @@ except StoreError as e:
     for p in procs:
         p.communicate(timeout=60)
     assert sorted(answers) == ["refused"] * 5 + ["won"], answers
+
+
+CHURN = """
+import sys
+from replay.store.lease import Lease
+from replay.store.location import Location
+store, me, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(rounds):   # as a bisect's probes do: a replay's own lease taken, its folder made and removed
+    lease = Lease.acquire(store, "a probe", scope=f"replays/{me}-{i}")
+    replay = Location.parse(store) / "replays" / f"{me}-{i}"
+    (replay / "zarr.json").write(b"{}")
+    replay.remove_tree()
+    lease.release()
+print("done", flush=True)
+"""
+
+
+def test_writers_of_replays_racing_their_leases_and_removals_never_trip_over_each_other(tmp_path):
+    """Three processes take and release replay leases and make and remove replays side by side in one store (a
+    released lease removes the shared lease folder once empty, while another writer is about to create its
+    lease in it): every one of them finishes, and the store holds no lease afterwards."""
+    (tmp_path / "zarr.json").write_text("{}")
+    procs = [subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), f"w{n}", "150"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in range(3)]
+    outcomes = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outcomes]
+    assert all(out.strip() == "done" for out, _ in outcomes)
+    assert not (tmp_path / "leases").exists() or not any((tmp_path / "leases").rglob("*.json"))
