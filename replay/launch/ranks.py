@@ -127,6 +127,7 @@ def prepare_resume(path: Location, world_size: int) -> Resume:
     notes = _environment_check(m)
     committed = store.checkpoints()
     start = committed[-1].step if committed else None
+    store.verify_steps(0, start or 0)   # the steps it keeps, each chunk present and checksummed
     data = _data(store, cfg, m.data, start)
     if start:
         _check_data_order(store, cfg, data, start)

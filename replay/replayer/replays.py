@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from replay.store.manifest import Manifest, ReplaySpec
 from replay.store.overrides import Overrides, Reached
 from replay.store.run_store import DigestInfo
 from replay.store.verification import SCALARS, STATE, Divergence, ScalarChange, StateChange, Verification
+from replay.train.data import fingerprint_file
 
 SCALAR_FIELDS = ("loss", "rank_loss", "grad_norm", "lr")   # in the order a step computes them
 
@@ -120,6 +122,9 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
     processes = _processes(req, caps, recorded)
     for rank in range(recorded.world_size):   # a corrupted checkpoint is named before anything is written
         parent.verify_shard(ckpt.step, rank)
+    parent.verify_steps(ckpt.step, req.stop + 1)   # and so are the step log and the data the replay reads
+    if caps.builtin:
+        _check_data(parent, recorded)
 
     spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,
                       start_checkpoint_kind=ckpt.kind, checkpoint_every=req.checkpoint_every,
@@ -155,6 +160,18 @@ def _processes(req: ReplayRequest, caps: Capabilities, recorded: Manifest) -> in
         raise UsageError("--ranks reproduces gloo's all-reduce on CPU: the run was recorded on "
                          f"{recorded.last_environment['device']}, whose NCCL reduction it does not")
     return req.ranks
+
+
+def _check_data(parent: RunStore, recorded: Manifest) -> None:
+    """The built-in run's samples are the recorded ones: its embedded corpus whole and as fingerprinted, or its
+    token file unchanged."""
+    if recorded.data.embedded:
+        parent.read_tokens()
+        return
+    path = recorded.config.data.path
+    if path and (not Path(path).is_file() or fingerprint_file(Path(path))["digest"] != recorded.data.digest):
+        raise UsageError(f"data file {path} is missing or changed since the run was recorded: restore the "
+                         "original file to replay it")
 
 
 def _check_drops(parent: RunStore, drop: list[list[int]], store_path: Location) -> None:

@@ -33,6 +33,7 @@ manifest have a single writer (the coordinator, rank 0), and a store has one wri
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -250,7 +251,35 @@ class RunStore:
         arr[...] = tokens
 
     def read_tokens(self) -> np.ndarray:
-        return self._read_array("data/tokens", slice(None))
+        """The embedded corpus, every chunk present and checksummed, and as a whole the bytes the recording
+        fingerprinted (a missing chunk would otherwise read as zeros)."""
+        self._check_chunks("data/tokens", None)
+        tokens = self._read_array("data/tokens", slice(None))
+        data = self.manifest.data
+        if data.embedded and data.method == "sha256" and hashlib.sha256(tokens.tobytes()).hexdigest() != data.digest:
+            raise ChecksumError(f"{self.location}: the embedded data (data/tokens) is not the data the run was "
+                                "recorded on (its SHA-256 differs from the manifest's): the store is corrupted there")
+        return tokens
+
+    def verify_steps(self, start: int, stop: int) -> None:
+        """Every field of the step log holds all its rows and the rows of steps `start`..`stop - 1` match their
+        checksums: what a replay of those steps reads, checked before anything is written (a missing chunk
+        would otherwise read as zeros)."""
+        steps = self._steps()
+        lo, hi = start - self.first_step, stop - self.first_step
+        for name in STEP_FIELDS:
+            if name in steps:
+                self._check_chunks(f"steps/{name}", self.n_steps)
+                self._read_array(f"steps/{name}", slice(max(0, lo), max(0, hi)))
+
+    def _check_chunks(self, name: str, rows: int | None) -> None:
+        """Refuse an array missing any chunk its first `rows` rows (None: all of it) are stored in."""
+        arr = member(self.root, name, zarr.Array)
+        grid = arr.cdata_shape
+        needed = (grid[0] if rows is None else -(-rows // arr.chunks[0])) * int(np.prod(grid[1:], dtype=np.int64))
+        if arr.nchunks_initialized < needed:
+            raise ChecksumError(f"{self.location}: {name} is missing {needed - arr.nchunks_initialized} of its "
+                                f"{needed} chunks: the store is corrupted there")
 
     def _read_array(self, name: str, rows: slice) -> np.ndarray:
         """Rows of an array, every chunk's checksum verified by Zarr's crc32c codec."""

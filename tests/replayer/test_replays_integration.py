@@ -128,6 +128,29 @@ def test_corrupted_start_checkpoint_is_named_and_nothing_written(store_copy):
     assert tree_snapshot(store_copy) == before
 
 
+@pytest.mark.parametrize("damage, named", [
+    (lambda s: (s / "steps/loss/c/0").write_bytes((s / "steps/loss/c/0").read_bytes()[:-9]), "steps/loss is damaged"),
+    (lambda s: (s / "steps/sample_ids/c/0/0/0/0").unlink(), "steps/sample_ids is missing 1 of its 1 chunks"),
+    (lambda s: (s / "data/tokens/c/0").unlink(), "data/tokens is missing 1 of its 1 chunks"),
+    (lambda s: _flip_token(s), "the embedded data (data/tokens) is not the data the run was recorded on"),
+], ids=["truncated step log", "missing sample ids", "missing embedded data", "altered embedded data"])
+def test_a_damaged_step_log_or_embedded_data_is_named_before_anything_is_written(store_copy, damage, named):
+    """What a replay reads besides its checkpoint is checked first: a missing chunk would read as zeros."""
+    damage(store_copy)
+    before = tree_snapshot(store_copy)
+    line = error_line(replay_cli("run", str(store_copy), "--from", "12", "--to", "14"))
+    assert named in line and "the store is corrupted there" in line, line
+    assert tree_snapshot(store_copy) == before
+
+
+def _flip_token(store) -> None:
+    """One byte of the embedded corpus changed, its chunk's checksum made to match (a copy from elsewhere)."""
+    tokens = RunStore.open(store, mode="a").root["data/tokens"]
+    data = np.asarray(tokens[:])
+    data[1000] ^= 1
+    tokens[:] = data
+
+
 def test_a_damaged_nearest_checkpoint_is_named_and_the_replay_starts_from_the_one_before(store_copy):
     commit = store_copy / "checkpoints" / "00000020" / "zarr.json"
     raw = bytearray(commit.read_bytes())
