@@ -53,4 +53,7 @@ class BackgroundWriter:
     def raise_if_failed(self) -> None:
         if self._error is not None:
             e = self._error
-            raise StoreError(f"writing to the run store failed: {type(e).__name__}: {e}") from e
+            if isinstance(e, StoreError):   # says what went wrong where, and what to do, itself
+                raise StoreError(f"writing to the run store failed: {e}") from e
+            first = (str(e).strip().splitlines() or [""])[0]   # an object store's error goes on with a debug dump
+            raise StoreError(f"writing to the run store failed: {type(e).__name__}: {first}") from e

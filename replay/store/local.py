@@ -75,6 +75,10 @@ class LocalBackend:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
+    def holds_anything(self, key: str) -> bool:
+        path = Path(key)
+        return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
     def sync(self, key: str) -> None:
         sync_filesystem(Path(key))
 

@@ -44,6 +44,7 @@ class Backend(Protocol):
     def exists(self, key: str) -> bool: ...
     def children(self, key: str) -> list[str]: ...
     def remove_tree(self, key: str) -> None: ...
+    def holds_anything(self, key: str) -> bool: ...
     def sync(self, key: str) -> None: ...
     def zarr_store(self, key: str, read_only: bool) -> Store: ...
     def write_chunks(self, key: str, segments: list[tuple[int, np.ndarray]], n: int, chunk: int,
@@ -161,6 +162,11 @@ class Location:
     def remove_tree(self) -> None:
         """Remove everything at and below this location."""
         self.backend.remove_tree(self.key)
+
+    def holds_anything(self) -> bool:
+        """A file or object is here or below (an object store's server may list a prefix emptied a moment ago,
+        or keep it as a folder, as SeaweedFS does)."""
+        return self.backend.holds_anything(self.key)
 
     def sync(self) -> None:
         """Everything written below this location so far is durable (a local filesystem's flush)."""

@@ -66,7 +66,8 @@ def check_empty(location: Location) -> None:
     """Refuse a store location that holds anything already (the lease of the command about to create a store
     there does not count: store/lease.py)."""
     local = location.local
-    if (local is not None and local.exists() and not local.is_dir()) or set(location.children()) - {"leases"}:
+    if (local is not None and local.exists() and not local.is_dir()) or any(
+            (location / name).holds_anything() for name in set(location.children()) - {"leases"}):
         raise StoreError(f"store {location} is not empty: pass --resume to continue the run recorded there, "
                          "or choose a new --store location")
 

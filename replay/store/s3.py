@@ -102,6 +102,11 @@ def _explain(e: BaseException, bucket: str, otherwise: str) -> str:
     if "169.254.169.254" in str(e):   # no key in the environment, so obstore asked for an instance's role
         return (f"no S3 credentials for bucket {bucket}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
                 "AWS_ENDPOINT_URL for a server other than AWS)")
+    if isinstance(e, ox.GenericError) and "retries" in str(e):
+        seconds = os.environ.get("REPLAY_S3_RETRY_SECONDS", "60")
+        return (f"{otherwise}: the server did not answer for {seconds} s (REPLAY_S3_RETRY_SECONDS) ({_first(e)}): "
+                "check that it is up; what was committed is intact: run the command again (`replay record` and "
+                "`replay run` with --resume)")
     return f"{otherwise}: {_first(e)}"
 
 
@@ -207,6 +212,11 @@ class S3Backend:
         names = [p[len(prefix):].strip("/") for p in listing["common_prefixes"]]
         names += [o["path"][len(prefix):] for o in listing["objects"]]
         return sorted(n for n in names if n)
+
+    def holds_anything(self, key: str) -> bool:
+        with errors(self.bucket, key):
+            first = next(iter(obstore.list(self.store, key + "/", chunk_size=1)), [])
+        return bool(first) or self.exists(key)
 
     def remove_tree(self, key: str) -> None:
         with errors(self.bucket, key):

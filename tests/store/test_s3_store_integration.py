@@ -230,3 +230,32 @@ def test_a_recording_sigkilled_at_a_random_moment_resumes_bit_for_bit(two_rank_s
     out, err = final.communicate(timeout=300)
     assert final.returncode == 0, err
     _same_run(RunStore.open(str(s3_store)), RunStore.open(two_rank_store))
+
+
+def test_a_server_that_dies_mid_replay_fails_it_in_one_line_per_process_and_the_replay_resumes(recorded, s3_server,
+                                                                                                tmp_path):
+    """Killed while rank 1 writes the replay's checkpoint 6 and kept down past REPLAY_S3_RETRY_SECONDS: each
+    process says what happened in one line (no debug dump of the S3 client's error), the last one what to do;
+    with the server back, the replay resumed from what it committed equals the record."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    window = ["run", str(recorded), "--from", "4", "--to", "11", "--checkpoint-every", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "replay", *window], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=child_env({**os.environ, "REPLAY_FAULT": "shard-pause:6:1",
+                                           "REPLAY_FAULT_ONCE": str(marks), "REPLAY_S3_RETRY_SECONDS": "3"}))
+    try:
+        _wait_for(lambda: (marks / "paused").exists() or proc.poll() is not None, what="rank 1 writing checkpoint 6")
+        assert proc.poll() is None, proc.communicate()
+        s3_server.kill()
+        (marks / "go").touch()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        s3_server.start()
+    assert proc.returncode != 0
+    assert "Debug source" not in err and "RetryError" not in err and "Traceback" not in err, err
+    said = [line for line in err.splitlines() if line.startswith(("rank ", "error:"))]
+    assert said and all("did not answer" in line or "writing to the run store failed" in line for line in said), err
+    assert said[-1].startswith("error:") and "--resume" in said[-1], said[-1]
+    resumed = replay_cli("run", *window[1:], "--resume", "--verify", process=True)
+    assert resumed.returncode == 0 and "bit for bit" in resumed.stdout, resumed.stderr
