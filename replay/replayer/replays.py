@@ -118,7 +118,8 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
     if req.overrides.drop:
         _check_drops(parent, req.overrides.drop, store_path)
     processes = _processes(req, caps, recorded)
-    for rank in range(recorded.world_size):   # a corrupted checkpoint is named before anything is written
+    parent.verify_records()   # a damaged step log or checkpoint is named before anything is written
+    for rank in range(recorded.world_size):
         parent.verify_shard(ckpt.step, rank)
 
     spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,
