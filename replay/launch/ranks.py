@@ -3,7 +3,8 @@
 Local ranks are fresh `python -m replay.launch.worker STORE` processes with torchrun's environment (env://
 rendezvous on loopback), started here so that each one dies with this process (lifeline.py).
 Under an outer `torchrun`/`deepspeed` launcher (multi-node), `replay record` is itself a rank: rank 0
-prepares the store and the other ranks wait for its go.
+prepares the store and the other ranks wait for its go. A rank's variables without their launcher (left in a
+shell by another job) are refused in one line (`outer_launcher`).
 """
 
 from __future__ import annotations
