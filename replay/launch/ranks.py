@@ -101,7 +101,7 @@ def outer_launcher(nproc: int | None = None) -> str | None:
     return launcher
 
 
-_UNSET = "unset them ({unset}) to record on this machine's ranks, or start `replay record` under torchrun"
+_UNSET = "unset them ({unset}) to record on this machine's ranks, or start the command under torchrun"
 
 
 def refuse_rank_variables() -> None:

@@ -86,7 +86,7 @@ def check_outside_stores(location: Location) -> None:
     inside = enclosing_store(location)
     if inside is not None:
         raise StoreError(f"{location} lies inside the run store {inside}: record a new run outside any store "
-                         "(`replay run` makes the replays inside one)")
+                         "(a store's replays are made in it by replay run)")
 
 
 def enclosing_store(location: Location) -> Location | None:
@@ -708,7 +708,7 @@ def _no_store(location: Location) -> str:
         what = "is not a replay run store" if there else "does not exist"
         return f"{location} {what}: it lies inside the run store {inside} (`replay info {inside}` lists its replays)"
     if there:
-        return f"{location} is not a replay run store (no zarr.json): give the folder `replay record --store` wrote"
+        return f"{location} is not a replay run store (no zarr.json): give the folder of a run store"
     return f"{location} does not exist; record a run first with `replay record --store {location}`"
 
 

@@ -67,7 +67,7 @@ def test_a_ranks_variables_without_their_launcher_are_refused_saying_how_to_unse
     with pytest.raises(UsageError, match=says) as e:
         outer_launcher()
     assert f"(`unset {' '.join(variables)}`)" in str(e.value)
-    assert str(e.value).endswith("to record on this machine's ranks, or start `replay record` under torchrun")
+    assert str(e.value).endswith("to record on this machine's ranks, or start the command under torchrun")
 
 
 def test_an_agent_that_has_gone_is_named(environment):
