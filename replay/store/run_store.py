@@ -20,10 +20,12 @@ Layout (all arrays plus JSON attributes; no pickle anywhere):
 Checkpoint <step> holds the state *before* step <step> runs (checkpoint 0 is the initial state).
 Integrity (store/integrity.py): every array chunk carries a CRC-32C; the manifest, the step log's and
 spikes' attributes and a commit record carry the CRC-32C of their own JSON; a commit record holds the
-CRC-32C of every other JSON file of its checkpoint. All are verified on read. A commit record is created
-last and only if there is none (an exclusive create: a hard link on disk, If-None-Match on an object
-store); with `durable` (the default) on disk, only once everything before it is on disk (fsync), so even a
-machine crash leaves every committed checkpoint readable. Where the store lives is a `Location`
+CRC-32C of every other JSON file of its checkpoint. All are verified on read; a member missing or
+unreadable is named with the store, and a resume, a replay or an analysis reads the record whole first
+(`verify_records`), so that nothing is written on a damaged one. A commit record is created last and only
+if there is none (an exclusive create: a hard link on disk, If-None-Match on an object store); with `durable`
+(the default) on disk, only once everything before it is on disk (fsync), so even a machine crash leaves
+every committed checkpoint readable. Where the store lives is a `Location`
 (store/location.py); docs/store.md says what is written in which order on each.
 Concurrency: every rank writes only its own `rank<r>` subtree; the step log, spikes, commits and the
 manifest have a single writer (the coordinator, rank 0), and a store has one writer command at a time
