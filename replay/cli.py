@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -20,7 +21,7 @@ from replay.bisect.narrow import BisectConfig
 from replay.bisect.narrow import bisect as run_bisect
 from replay.config import PRECISIONS, Launcher, build_config
 from replay.demo import run_demo
-from replay.errors import ReplayError
+from replay.errors import ReplayError, UsageError
 from replay.launch import ranks
 from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
@@ -32,6 +33,7 @@ from replay.store import RunStore
 from replay.store.lease import current_spec, writing
 from replay.store.location import Location
 from replay.store.overrides import Overrides
+from replay.store.run_store import check_outside_stores
 from replay.views import info_lines, sample_lines, step_batch, summarize
 
 
@@ -50,6 +52,7 @@ class LocationType(click.ParamType):
 
 
 STORE = LocationType()
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)   # what a write meets, not a bug
 
 
 def _main_errors(fn):
@@ -162,7 +165,7 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
     writes its shard of a checkpoint (model, optimizer, scheduler, RNG states) off the training thread;
     it becomes visible once committed. A spike detector flushes recent in-memory snapshots on a spike.
     """
-    if ranks.under_outer_launcher():
+    if ranks.outer_launcher(nproc) is not None:
         return _record_as_rank(store, resume, preset, config_file, data, steps, launcher, zero_stage, precision,
                                attention, checkpoint_every, seed, numerics, sets)
     if resume:
@@ -197,6 +200,8 @@ def _record_as_rank(store, resume, preset, config_file, data, steps, launcher, z
         ranks.wait_for_prepared(store, launch_id)
         train(store, current_spec(store), resume=resume and bool(RunStore.open(store).checkpoints()))
         return
+    if not resume:
+        check_outside_stores(store)   # before the lease: a location inside a store would take that store's
     with writing(store, f"replay record (rank 0 of {world})") as lease:
         if resume:
             prepared = ranks.prepare_resume(store, world_size=world)
@@ -385,7 +390,7 @@ def microbench(mode, precisions, seq_lens, tiles, head_dims, trials, out_dir) ->
         sweep = golden.run_sweep(golden.SweepConfig(**given), out / "sweep", progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(sweep.summary_lines()))
     if mode in ("mechanism", "all"):
-        bias = mechanism.run_mechanism(mechanism.MechanismConfig(**({"trials": trials} if trials else {})),
+        bias = mechanism.run_mechanism(mechanism.MechanismConfig(**({"trials": trials} if trials is not None else {})),
                                        out / "mechanism", progress=lambda m: click.echo(m, err=True))
         click.echo("\n".join(bias.summary_lines()))
     click.echo(f"wrote {out}/", err=True)
@@ -423,7 +428,8 @@ def _layout_option(value: str | None):
               help="Checkpoints replay did not record: a step to rank the heads before (besides their losses' spikes).")
 @click.option("--into", type=STORE, help="Checkpoints replay did not record: the store of their analysis "
               f"(default: {series.INTO} in their folder).")
-@click.option("--top", default=5, show_default=True, help="Rows of the localisation ranking to print.")
+@click.option("--top", default=5, show_default=True, type=click.IntRange(min=0),
+              help="Rows of the localisation ranking to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary and rankings as JSON.")
 @_main_errors
 def analyze(store, ray_address, workers, heads, layout, spikes, into, top, as_json) -> None:
@@ -438,6 +444,7 @@ def analyze(store, ray_address, workers, heads, layout, spikes, into, top, as_js
     STORE may also be a folder (or s3:// prefix) of checkpoints replay did not record: transformers
     Trainer checkpoint-* folders, torch.distributed.checkpoint folders or nanoGPT ckpt.pt files.
     """
+    _for_series_only(store, {"--heads": heads, "--layout": layout, "--spike": spikes, "--into": into})
     summary = run_analysis(store, ray_address, workers, progress=lambda m: click.echo(m, err=True), heads=heads,
                            layout=_layout_option(layout), spikes=spikes, into=into)
     store = into or series.analysis_store(store)
@@ -450,6 +457,14 @@ def analyze(store, ray_address, workers, heads, layout, spikes, into, top, as_js
     click.echo(f"analysed {store}: {summary.computed} work items computed on {len(summary.nodes)} node(s) in "
                f"{summary.seconds:.1f} s, {summary.skipped} already done")
     click.echo("\n".join(line for f in found for line in f.lines(top)) or "no spike recorded: nothing to localise")
+
+
+def _for_series_only(store: Location, options: dict[str, object]) -> None:
+    """Refuse the options of checkpoints replay did not record given with a store, which says them itself."""
+    given = [name for name, value in options.items() if value not in (None, ())]
+    if given and series.is_store(store):
+        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for folders of checkpoints replay "
+                         f"did not record; {store} is a store, whose run says them: leave them out")
 
 
 @main.command()
@@ -514,7 +529,14 @@ def report(store, out) -> None:
     """One self-contained HTML page: loss and grad norm with spikes and replays, the localisation
     ranking, per-head spectral-norm heatmaps and weight distances (PNGs embedded; no server needed)."""
     store = series.analysis_store(store)
-    click.echo(f"wrote {write_report(store, out, warn=lambda m: click.echo(f'warning: {m}', err=True))}")
+    try:
+        written = write_report(store, out, warn=lambda m: click.echo(f"warning: {m}", err=True))
+    except OSError as e:
+        if e.errno not in _UNWRITABLE:
+            raise
+        raise ReplayError(f"the report cannot be written to {e.filename} ({e.strerror}): write it elsewhere with "
+                          "-o FILE") from None
+    click.echo(f"wrote {written}")
 
 
 @main.command()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -93,35 +94,12 @@ class RunConfig:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
 
     def validate(self) -> None:
-        if self.steps < 1:
-            raise UsageError(f"steps must be >= 1, got {self.steps}")
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.launcher not in (Launcher.LOCAL, Launcher.DEEPSPEED):
-            raise UsageError(f"launcher must be local or deepspeed, got {str(self.launcher)!r}")
-        if self.zero_stage not in (0, 1, 2):
-            raise UsageError(f"zero stage must be 0, 1 or 2, got {self.zero_stage}")
-        if self.zero_stage and self.launcher is not Launcher.DEEPSPEED:
-            raise UsageError("--zero-stage needs --launcher deepspeed")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.nproc < 1:
-            raise UsageError(f"nproc must be >= 1, got {self.nproc}")
-        for key in ("checkpoint_every", "log_every", "batch_size", "micro_batch_size", "snapshot_ring"):
-            if getattr(self, key) < 1:
-                raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.snapshot_every < 0:
-            raise UsageError(f"snapshot_every must be >= 0 (0: no pre-spike snapshots), got {self.snapshot_every}")
-        per_pass = self.micro_batch_size * self.nproc
-        if self.batch_size % per_pass:
-            raise UsageError(
-                f"batch_size {self.batch_size} is not a multiple of micro_batch_size x nproc = {per_pass}; "
-                "change --set batch_size=... or --set micro_batch_size=..."
-            )
-        if self.model.n_embd % self.model.n_head:
-            raise UsageError(f"model.n_embd {self.model.n_embd} is not divisible by model.n_head {self.model.n_head}")
-        if self.data.dtype not in ("uint16", "uint32"):
-            raise UsageError(f"data.dtype must be uint16 or uint32, got {self.data.dtype!r}")
+        """Refuse, in one line naming the key and its value, what no run can train with: before any store is
+        made."""
+        _check_choices(self)
+        for key in all_keys(self):
+            _check_number(key, _value(self, key))
+        _check_shapes(self)
 
     @property
     def grad_accum(self) -> int:
@@ -135,6 +113,73 @@ class RunConfig:
         cfg = cls()
         _apply_mapping(cfg, d, prefix="")
         return cfg
+
+
+# Where each number of a config may lie: (lowest, highest), None for no bound. The keys of _BELOW_HIGHEST stop
+# short of their highest; every float must also be finite.
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "seed": (0, 2**63 - 1), "steps": (1, None), "batch_size": (1, None), "micro_batch_size": (1, None),
+    "threads": (0, None), "nproc": (1, None), "checkpoint_every": (1, None), "snapshot_every": (0, None),
+    "snapshot_ring": (1, None), "log_every": (1, None),
+    "model.n_layer": (1, None), "model.n_head": (1, None), "model.n_embd": (1, None), "model.block_size": (1, None),
+    "model.vocab_size": (0, None), "model.dropout": (0, 1),
+    "data.max_samples": (0, None), "data.corpus_bytes": (1, None),
+    "optim.lr": (0, None), "optim.min_lr": (0, None), "optim.warmup_steps": (0, None),
+    "optim.decay_steps": (0, None), "optim.beta1": (0, 1), "optim.beta2": (0, 1), "optim.eps": (0, None),
+    "optim.weight_decay": (0, None), "optim.grad_clip": (0, None),
+    "spike.window": (3, None),   # the detector needs 3 losses (recorder/spikes.py)
+    "spike.threshold": (0, None), "spike.min_rise": (0, None), "spike.min_delta": (0, None), "spike.warmup": (0, None),
+}
+_BELOW_HIGHEST = {"model.dropout", "optim.beta1", "optim.beta2"}
+_MEANING = {"threads": " (0: cores // local ranks)", "snapshot_every": " (0: no pre-spike snapshots)"}
+
+
+def _value(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check_number(key: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"{key} must be a finite number, got {value}")
+    if key not in _RANGES:
+        return
+    low, high = _RANGES[key]
+    if high is None:
+        if low is not None and value < low:
+            raise UsageError(f"{key} must be >= {low}{_MEANING.get(key, '')}, got {value}")
+    elif key in _BELOW_HIGHEST and not low <= value < high:
+        raise UsageError(f"{key} must be >= {low} and < {high}, got {value}")
+    elif not low <= value <= high:
+        raise UsageError(f"{key} must be between {low} and {high}, got {value}")
+
+
+def _check_choices(cfg: RunConfig) -> None:
+    if cfg.precision not in PRECISIONS:
+        raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    if cfg.launcher not in (Launcher.LOCAL, Launcher.DEEPSPEED):
+        raise UsageError(f"launcher must be local or deepspeed, got {str(cfg.launcher)!r}")
+    if cfg.zero_stage not in (0, 1, 2):
+        raise UsageError(f"zero stage must be 0, 1 or 2, got {cfg.zero_stage}")
+    if cfg.zero_stage and cfg.launcher is not Launcher.DEEPSPEED:
+        raise UsageError("--zero-stage needs --launcher deepspeed")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"device must be auto, cpu or cuda, got {cfg.device!r}")
+    if cfg.data.dtype not in ("uint16", "uint32"):
+        raise UsageError(f"data.dtype must be uint16 or uint32, got {cfg.data.dtype!r}")
+
+
+def _check_shapes(cfg: RunConfig) -> None:
+    """What the numbers must be together: a batch the ranks' passes fill, heads that split the width."""
+    per_pass = cfg.micro_batch_size * cfg.nproc
+    if cfg.batch_size % per_pass:
+        raise UsageError(
+            f"batch_size {cfg.batch_size} is not a multiple of micro_batch_size x nproc = {per_pass}; "
+            "change --set batch_size=... or --set micro_batch_size=..."
+        )
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise UsageError(f"model.n_embd {cfg.model.n_embd} is not divisible by model.n_head {cfg.model.n_head}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -257,14 +302,35 @@ def build_config(
     cfg = RunConfig(preset=preset)
     _apply_mapping(cfg, PRESETS[preset], prefix="")
     if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise UsageError(f"config file {config_file} does not exist")
-        try:
-            _apply_mapping(cfg, tomllib.loads(path.read_text()), prefix="")
-        except tomllib.TOMLDecodeError as e:
-            raise UsageError(f"config file {config_file} is not valid TOML: {e}") from None
+        _apply_mapping(cfg, read_toml(Path(config_file)), prefix="")
     _apply_mapping(cfg, {k: v for k, v in flags.items() if v is not None}, prefix="")
     _apply_mapping(cfg, parse_sets(sets or []), prefix="")
     cfg.validate()
     return cfg
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A config file's fields; what is not a readable UTF-8 TOML file is refused naming the file."""
+    if not path.is_file():
+        raise UsageError(f"config file {path} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+        return tomllib.loads(text)
+    except OSError as e:
+        raise UsageError(f"config file {path} cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {path} is not UTF-8 text, as TOML must be: save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def unknown_keys(mapping: dict[str, Any], obj: Any = None, prefix: str = "") -> list[str]:
+    """The keys of a config mapping (a stored one) that no field of this version's config has."""
+    obj = RunConfig() if obj is None else obj
+    fields = {f.name for f in dataclasses.fields(obj)}
+    unknown = [f"{prefix}{key}" for key in mapping if key not in fields]
+    for key in fields & set(mapping):
+        value = getattr(obj, key)
+        if dataclasses.is_dataclass(value) and isinstance(mapping[key], dict):
+            unknown += unknown_keys(mapping[key], value, prefix=f"{prefix}{key}.")
+    return unknown

@@ -208,7 +208,8 @@ def _series_lines(summary: dict[str, Any]) -> list[str]:
             f"layout {s['layout'].get('name', 'custom')}",
             f"losses      {len(s['losses'])} logged", *_spike_lines(summary["spikes"]),
             f"analysis    {len(analysed)} checkpoints analysed"
-            + (f" ({', '.join(map(str, analysed))}); `replay report` shows them" if analysed else "")]
+            + (f" ({', '.join(map(str, analysed))}); `replay report {summary['path']}` shows them" if analysed
+               else "")]
 
 
 def step_batch(path: Where, step: int, rank: int | None = None) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from replay.config import RunConfig, build_config, parse_sets
+from replay.config import RunConfig, build_config, parse_sets, unknown_keys
 from replay.errors import UsageError
 
 
@@ -24,6 +24,16 @@ from replay.errors import UsageError
     (["nproc=3"], r"batch_size 8 is not a multiple of micro_batch_size x nproc = 12"),
     (["model.n_head=3"], "model.n_embd 64 is not divisible by model.n_head 3"),
     (["data.dtype=int64"], "data.dtype must be uint16 or uint32, got 'int64'"),
+    (["threads=-1"], r"threads must be >= 0 \(0: cores // local ranks\), got -1"),
+    (["seed=-1"], "seed must be between 0 and 9223372036854775807, got -1"),
+    (["model.dropout=1"], "model.dropout must be >= 0 and < 1, got 1.0"),
+    (["optim.beta1=-0.1"], "optim.beta1 must be >= 0 and < 1, got -0.1"),
+    (["optim.lr=NaN"], "optim.lr must be a finite number, got nan"),
+    (["spike.threshold=-Infinity"], "spike.threshold must be a finite number, got -inf"),
+    (["model.n_head=0"], "model.n_head must be >= 1, got 0"),   # before the division by it
+    (["model.vocab_size=-1"], "model.vocab_size must be >= 0, got -1"),
+    (["spike.window=2"], "spike.window must be >= 3, got 2"),
+    (["optim.grad_clip=-1"], "optim.grad_clip must be >= 0, got -1.0"),
 ])
 def test_each_invalid_setting_is_named_with_its_value(sets, match):
     with pytest.raises(UsageError, match=match):
@@ -35,6 +45,7 @@ def test_each_invalid_setting_is_named_with_its_value(sets, match):
     ["launcher=deepspeed", "zero_stage=2"],
     ["nproc=2", "micro_batch_size=2", "batch_size=12"],   # 3 accumulation passes
     ["data.dtype=uint32", "precision=bf16", "device=cpu"],
+    ["threads=0", "seed=0", "model.dropout=0.99", "optim.lr=0", "optim.grad_clip=0", "spike.window=3"],
 ])
 def test_the_edges_of_what_is_valid_are_accepted(sets):
     build_config(sets=sets)
@@ -87,6 +98,26 @@ def test_a_config_file_that_is_missing_or_not_toml_is_named(tmp_path):
     bad.write_text("steps = = 3\n")
     with pytest.raises(UsageError, match=f"config file {bad} is not valid TOML"):
         build_config(config_file=str(bad))
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    utf16 = tmp_path / "run.toml"
+    utf16.write_text("steps = 5\n", encoding="utf-16")
+    with pytest.raises(UsageError, match=f"config file {utf16} is not UTF-8 text, as TOML must be: save it as UTF-8"):
+        build_config(config_file=str(utf16))
+
+
+def test_a_config_files_values_are_checked_as_the_command_lines_are(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[optim]\nlr = nan\n")
+    with pytest.raises(UsageError, match="optim.lr must be a finite number, got nan"):
+        build_config(config_file=str(toml))
+
+
+def test_the_keys_of_a_stored_config_this_version_does_not_know_are_listed():
+    assert unknown_keys({"steps": 3, "rope": 1, "model": {"n_head": 2, "rope_theta": 1e4}}) == ["rope",
+                                                                                               "model.rope_theta"]
+    assert unknown_keys(RunConfig().to_dict()) == []
 
 
 def test_flags_left_unset_change_nothing():

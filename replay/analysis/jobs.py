@@ -245,6 +245,7 @@ def analyze(where: Where, address: str | None = None, workers: int | None = None
         weight_layout(run)
         if not run.checkpoints():
             raise UsageError(f"{store_path} has no committed checkpoint to analyse")
+        run.verify_records()   # its probe batch is read from the step log and the data
     with writing(run.location, "replay analyze") as lease, ray_session(address, workers) as slots:
         items: list[Any] = []
         skipped = 0

@@ -118,6 +118,21 @@ def parse_counterfactual(text: str) -> Overrides:
     return o
 
 
+def _check_options(cfg: BisectConfig) -> None:
+    """The options that need no record, checked before it is read."""
+    if cfg.by not in PHASES:
+        raise UsageError(f"--by must be one of {', '.join(PHASES)}, got {cfg.by!r}")
+    if cfg.horizon < 1:
+        raise UsageError(f"--horizon must be >= 1, got {cfg.horizon}")
+    if cfg.workers is not None and cfg.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {cfg.workers}")
+    if cfg.max_probes < 1:
+        raise UsageError(f"--max-probes must be >= 1, got {cfg.max_probes}")
+    for option, value in (("--threshold", cfg.threshold), ("--min-delta", cfg.min_delta)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{option} must be a finite number >= 0, got {value}")
+
+
 class Bisect:
     def __init__(self, store_path: Location, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None):
         self.store_path, self.cfg, self.say = store_path, cfg, progress
@@ -129,14 +144,8 @@ class Bisect:
         if self.caps.relaunches_script and not cfg.allow_changed:
             assert self.record.manifest.command is not None
             check_unchanged(self.record.manifest.command, "bisecting it")
-        if cfg.by not in PHASES:
-            raise UsageError(f"--by must be one of {', '.join(PHASES)}, got {cfg.by!r}")
-        if cfg.horizon < 1:
-            raise UsageError(f"--horizon must be >= 1, got {cfg.horizon}")
-        if cfg.workers is not None and cfg.workers < 1:
-            raise UsageError(f"--workers must be >= 1, got {cfg.workers}")
-        if cfg.max_probes < 1:
-            raise UsageError(f"--max-probes must be >= 1, got {cfg.max_probes}")
+        _check_options(cfg)
+        self.fix = parse_counterfactual(cfg.fix)
         self.run_cfg = self.record.manifest.config
         self.spike = self._pick_spike()
         self.checkpoints = [c.step for c in self.record.checkpoints() if c.step <= self.spike]
@@ -148,7 +157,6 @@ class Bisect:
             raise UsageError(f"the spike at step {self.spike} is too close to the start: no committed checkpoint at "
                              f"or before it in {store_path}; record with a smaller --checkpoint-every")
         self.stop = min(self.spike + cfg.horizon, self.record.end_step - 1)
-        self.fix = parse_counterfactual(cfg.fix)
         self._check_counterfactual()
         spike_cfg = self.run_cfg.spike
         overrides = {k: v for k, v in (("threshold", cfg.threshold), ("min_delta", cfg.min_delta)) if v is not None}
@@ -176,8 +184,9 @@ class Bisect:
                 raise UsageError(f"--spike {self.cfg.spike} is outside the record: steps 0..{self.record.end_step - 1}")
             return self.cfg.spike
         if not spikes:
-            raise NoSpikeError(f"no spike recorded in {self.store_path}: nothing to bisect (`replay info` shows the "
-                               "detector's settings; pass --spike STEP to bisect a step it did not flag)")
+            raise NoSpikeError(f"no spike recorded in {self.store_path}: nothing to bisect (`replay info "
+                               f"{self.store_path}` shows the detector's settings; pass --spike STEP to bisect a step "
+                               "it did not flag)")
         scores = [e["score"] if isinstance(e["score"], (int, float)) else math.inf for e in spikes]
         return int(spikes[int(np.argmax(scores))]["step"])
 

@@ -3,12 +3,14 @@
 Local ranks are fresh `python -m replay.launch.worker STORE` processes with torchrun's environment (env://
 rendezvous on loopback), started here so that each one dies with this process (lifeline.py).
 Under an outer `torchrun`/`deepspeed` launcher (multi-node), `replay record` is itself a rank: rank 0
-prepares the store and the other ranks wait for its go.
+prepares the store and the other ranks wait for its go. A rank's variables without their launcher (left in a
+shell by another job) are refused in one line (`outer_launcher`).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -27,10 +29,10 @@ from replay.recorder.host import environment_notes
 from replay.store import RunStore
 from replay.store.holder import ENV as LEASE_ENV
 from replay.store.lease import writing
-from replay.store.lifecycle import create_run, resume_run
+from replay.store.lifecycle import continue_command, create_run, resume_run
 from replay.store.location import Location, Where
 from replay.store.manifest import DataInfo, Manifest
-from replay.store.run_store import check_empty
+from replay.store.run_store import check_empty, check_outside_stores
 from replay.train.data import (
     DataOrder,
     TokenData,
@@ -48,6 +50,7 @@ def record_new(store: Where, cfg: RunConfig, command: str = "replay record",
                progress: Callable[[str], None] = lambda m: None) -> None:
     """Record a new run on this machine's ranks, holding the store's lease throughout."""
     store = Location.parse(store)
+    check_outside_stores(store)   # before the lease: a location inside a store would take that store's
     with writing(store, command) as lease:
         prepare_new(store, cfg, world_size=cfg.nproc, local_world=cfg.nproc)
         zero = f", ZeRO-{cfg.zero_stage}" if cfg.launcher is Launcher.DEEPSPEED else ""
@@ -70,8 +73,66 @@ def record_resume(store: Where, world_size: int, command: str = "replay record -
         run_ranks(store, r.cfg, r.cfg.nproc, r.start is not None, lease.spec)
 
 
-def under_outer_launcher() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+# What each outer launcher sets in every rank's environment besides RANK and WORLD_SIZE
+LAUNCHERS = {"torchrun": ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT"),
+             "deepspeed": ("LOCAL_RANK", "CROSS_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID")
+
+
+def outer_launcher(nproc: int | None = None) -> str | None:
+    """The launcher that started this process as one of its ranks ("torchrun", "deepspeed"), or None where this
+    process starts the ranks itself (`nproc`: the --nproc it was given). A rank's variables left in the
+    environment without their launcher would make it wait for ranks that never come: refused in one line."""
+    if not any(name in os.environ for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")):
+        return None
+    if nproc is not None:
+        raise _stray_ranks(f"but --nproc {nproc} starts this machine's ranks", "leave out --nproc under a launcher "
+                           "(it says how many ranks), or unset them ({unset}) to start the ranks here")
+    launcher = next((name for name, markers in LAUNCHERS.items() if all(k in os.environ for k in markers)), None)
+    if launcher is None or not _rank_numbers_agree():
+        raise _stray_ranks("but no launcher started this process as one of its ranks (torchrun sets "
+                           f"{', '.join(LAUNCHERS['torchrun'][:3])} as well)", _UNSET)
+    if launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not _reachable(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])):
+        raise _stray_ranks(f"but no torchrun agent answers at {os.environ['MASTER_ADDR']}:"
+                           f"{os.environ['MASTER_PORT']} (its launch has ended)", _UNSET)
+    return launcher
+
+
+_UNSET = "unset them ({unset}) to record on this machine's ranks, or start the command under torchrun"
+
+
+def refuse_rank_variables() -> None:
+    """Refuse a rank's variables in a command that starts its ranks itself (or trains in this process)."""
+    if any(name in os.environ for name in ("RANK", "WORLD_SIZE")):
+        raise _stray_ranks("but this command starts its ranks itself", "unset them ({unset})")
+
+
+def _stray_ranks(why: str, remedy: str) -> UsageError:
+    """The rank variables set here, why they are wrong, and `remedy` (its {unset}: the command that unsets them)."""
+    names = [name for name in RANK_VARIABLES if name in os.environ]
+    found = " ".join(f"{name}={os.environ[name]}" for name in names)
+    return UsageError(f"{found} {'is' if len(names) == 1 else 'are'} set in the environment, {why}: "
+                      + remedy.format(unset=f"`unset {' '.join(names)}`"))
+
+
+def _rank_numbers_agree() -> bool:
+    try:
+        rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        port = int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return False
+    return 0 <= rank < world and 0 <= local <= rank and 0 < port < 65536
+
+
+def _reachable(host: str, port: int, timeout: float = 5.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def prepare_new(path: Location, cfg: RunConfig, world_size: int, local_world: int) -> RunStore:
@@ -89,6 +150,7 @@ def prepare_new(path: Location, cfg: RunConfig, world_size: int, local_world: in
         data = DataInfo(embedded=True, dtype="uint8", source="python stdlib *.py files (built-in corpus)",
                         **fingerprint_tokens(tokens))
     _check_deepspeed(cfg)
+    _check_device(cfg, local_world)
     cfg.model.attention = check_attention(cfg.model, cfg.numerics)
     store = create_run(path, cfg, world_size=world_size, launcher=cfg.launcher, data=data)
     if data.embedded:
@@ -110,10 +172,7 @@ def prepare_resume(path: Location, world_size: int) -> Resume:
     if not path.children():
         raise StoreError(f"--resume: {path} does not exist; record without --resume to start a run")
     store = RunStore.open(path, mode="a")
-    if store.kind != "run":
-        raise UsageError(f"{path} is a replay: continue it with `replay run` and its window, plus --resume")
-    store.check_rebuildable("replay record --resume")
-    store.check_writable()
+    _check_resumable(store)
     m = store.manifest
     cfg = m.config
     if world_size != m.world_size:
@@ -127,13 +186,28 @@ def prepare_resume(path: Location, world_size: int) -> Resume:
     notes = _environment_check(m)
     committed = store.checkpoints()
     start = committed[-1].step if committed else None
-    store.verify_steps(0, start or 0)   # the steps it keeps, each chunk present and checksummed
     data = _data(store, cfg, m.data, start)
     if start:
         _check_data_order(store, cfg, data, start)
     rewound = resume_run(store, world_size)
     assert rewound == start, "the lease keeps the store still while it is resumed"
     return Resume(store, cfg, start, notes)
+
+
+def _check_resumable(store: RunStore) -> None:
+    """Refuse, untouched, what `record --resume` does not continue: a replay, a run of the user's own or of an
+    older replay, or a run recorded to its end."""
+    m = store.manifest
+    if m.kind == "replay" and m.status != "complete":
+        raise UsageError(f"{store.location} is a replay: continue it with `{continue_command(store)}`")
+    if m.kind != "run":
+        raise UsageError(f"{store.location} is a {'complete replay' if m.kind == 'replay' else m.kind}, not a "
+                         "run: nothing to resume")
+    store.check_rebuildable("replay record --resume")
+    store.check_writable()
+    if m.status == "complete":
+        raise UsageError(f"{store.location} is complete: all {m.config.steps} steps are recorded and there is "
+                         "nothing to resume; to train longer, record a new run with more --steps in a new --store")
 
 
 def _environment_check(m: Manifest) -> list[str]:
@@ -186,6 +260,22 @@ def _check_deepspeed(cfg: RunConfig) -> None:
         raise UsageError(f"--launcher deepspeed needs DeepSpeed importable here: {e}") from None
 
 
+def _check_device(cfg: RunConfig, local_world: int) -> None:
+    """A run on CUDA needs a CUDA device for each of this node's ranks."""
+    if cfg.device != "cuda":
+        return
+    # lazy: torch (1 s), for a run that asks for CUDA only
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise UsageError(f"device cuda: this machine has no CUDA device (torch {torch.__version__}); record on the "
+                         "CPU with --set device=cpu (or device=auto, which takes CUDA where there is one)")
+    if have < local_world:
+        raise UsageError(f"device cuda: {local_world} ranks on this machine need a CUDA device each, and it has "
+                         f"{have}; record with --nproc {have} or fewer")
+
+
 def run_ranks(store: Location, cfg: RunConfig, nproc: int, resume: bool, lease: str,
               pool: RankPool | None = None) -> None:
     """Run the ranks on this machine, writing under `lease` (store/lease.py), and wait; a failing rank
@@ -195,7 +285,12 @@ def run_ranks(store: Location, cfg: RunConfig, nproc: int, resume: bool, lease: 
         # lazy: the launcher never loads torch and transformers (2 s); its one rank does, here
         from replay.train.trainer import train
 
-        train(store, lease, resume=resume)
+        refuse_rank_variables()   # the rank reads them
+        try:
+            train(store, lease, resume=resume)
+        except OSError as e:   # the disk filled up, the store's filesystem went away: as a rank process says it
+            raise ReplayError(f"rank 0 failed: {type(e).__name__}: {e} (committed checkpoints are intact"
+                              f"{_continued_by(store)})") from e
         return
     pool = pool or active_pool(nproc)
     if pool is not None and cfg.launcher is Launcher.LOCAL and pool.world_size == nproc:
@@ -207,8 +302,17 @@ def run_ranks(store: Location, cfg: RunConfig, nproc: int, resume: bool, lease: 
                                                                         else "cuda")
     failures = run_node(store, resume, lease, Node.local(nproc), extra)
     if failures:
-        raise ReplayError(f"{failures}; their own messages are above (committed checkpoints are intact: "
-                          f"`replay record --store {store} --resume` continues)")
+        raise ReplayError(f"{failures}; their own messages are above (committed checkpoints are intact"
+                          f"{_continued_by(store)})")
+
+
+def _continued_by(store: Location) -> str:
+    """How the stopped run or replay at `store` continues, for the line that says it stopped."""
+    try:
+        command = continue_command(RunStore.open(store))
+    except ReplayError:   # the store cannot be read now: the rank's own message says why
+        return ""
+    return f": `{command}` continues" if command else ""
 
 
 def run_node(store: Location, resume: bool, lease: str, node: Node, extra: dict[str, str] | None = None) -> str | None:

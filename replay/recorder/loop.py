@@ -181,7 +181,7 @@ class Loop:
         self.store = self.recorder.store
         sharding = getattr(state, "sharding", None)   # FSDP2's or ZeRO-3's pieces, against the record's, before any
         if sharding is not None:                      # checkpoint
-            recorded = self._mode.parent if isinstance(self._mode, Replaying) else self.store
+            recorded = self._record()
             note_sharding(self.store, recorded.manifest.sharding, sharding(self.world), self.rank)
         self._skipped_numerics, self._yield_skipped = skipped_numerics, yield_skipped
         self._current: _Step | None = None
@@ -369,7 +369,7 @@ class Loop:
                 raise ReplayError(f"the script trains step {step}'s micro-batch {micro} on the loader's batch of "
                                   f"step {draw.batch.scheduled[0]}'s micro-batch {draw.batch.scheduled[1]}: it does "
                                   "not take as many batches per step as it did in the record: run the script and "
-                                  "settings it was recorded with (`replay info` shows them)")
+                                  f"settings it was recorded with (`replay info {self._record().location}` shows them)")
             return None
         if where is None and self._restored is not None and not self.replaying:   # a resumed run's prefetch
             carried = self._restored.get("ahead", [])
@@ -382,6 +382,10 @@ class Loop:
         if recorded is not None:
             draw.ids = recorded
         return recorded
+
+    def _record(self) -> RunStore:
+        """The store of the run as recorded: a replay's parent, or this run's own."""
+        return self._mode.parent if isinstance(self._mode, Replaying) else self.store
 
     def _belongs(self, step: int | None, index: int, skipping: bool = True) -> tuple[int, int]:
         """A replay: the recorded (step, micro-batch) that the `index`-th draw of `step` (None: ahead of the

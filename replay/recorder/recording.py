@@ -24,7 +24,7 @@ from replay.recorder.run_options import RunOptions
 from replay.recorder.state import origin_of
 from replay.store import RunStore
 from replay.store.lease import Lease
-from replay.store.lifecycle import create_run, no_data, resume_run
+from replay.store.lifecycle import continue_command, create_run, no_data, resume_run
 from replay.store.location import Location
 from replay.store.manifest import PROBE_SAMPLES, PROBE_TOKENS, ReplaySpec
 from replay.store.object_lease import ObjectLease
@@ -90,8 +90,10 @@ class Recording:
         store = RunStore.open(path, mode="a")
         m = store.manifest
         if m.kind != "run" or store.capabilities.builtin or not store.capabilities.relaunches_script:
-            raise UsageError(f"Loop(resume=True): {path} was not recorded by a Loop: choose a new store, or resume "
-                            "a run of the built-in trainer with `replay record --resume`")
+            builtin = m.kind == "run" and store.capabilities.builtin and m.status != "complete"
+            raise UsageError(f"Loop(resume=True): {path} was not recorded by a Loop: choose a new store"
+                             + (f" (the built-in trainer's run continues with `{continue_command(store)}`)" if builtin
+                                else ""))
         assert m.command is not None, "a script's run keeps its command"
         if m.world_size != self.world:
             raise UsageError(f"Loop(resume=True) with {self.world} ranks, but {path} was recorded with "

@@ -84,7 +84,7 @@ class Replaying:
         if micro >= len(batches) or batches[micro].size != drawn.size:
             raise ReplayError(f"step {step}: the script draws micro-batch {micro} of {drawn.size} samples, the record "
                               f"has {len(batches)} of {[len(b) for b in batches]}: run the script and settings it was "
-                              "recorded with (`replay info` shows them)")
+                              f"recorded with (`replay info {self.parent.location}` shows them)")
         if drawn_as is not None and self._check_draws and drawn_as[0] <= self._spec.stop:
             as_drawn = self.recorded_batches(drawn_as[0])
             expected = as_drawn[drawn_as[1]] if drawn_as[1] < len(as_drawn) else np.zeros(0, np.int64)

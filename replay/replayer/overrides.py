@@ -11,6 +11,7 @@ steps keep their recorded learning rates.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 from replay.config import PRECISIONS, RunConfig
@@ -87,8 +88,8 @@ def apply(cfg: RunConfig, o: Overrides, window: tuple[int, int], caps: Capabilit
             raise UsageError(caps.precision_refusal)
         cfg.precision = o.precision
     _check_steps(o, window, caps)
-    if o.lr_scale is not None and not o.lr_scale > 0:
-        raise UsageError(f"--lr-scale must be > 0, got {o.lr_scale}")
+    if o.lr_scale is not None and not 0 < o.lr_scale < math.inf:
+        raise UsageError(f"--lr-scale must be > 0 and finite, got {o.lr_scale}")
     return cfg
 
 

@@ -117,13 +117,13 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
     if caps.relaunches_script and not req.allow_changed:
         assert recorded.command is not None
         check_unchanged(recorded.command, "replaying it")
+    parent.verify_records()   # a damaged step log or checkpoint is named before anything is written
     if req.overrides.drop:
         _check_drops(parent, req.overrides.drop, store_path)
     processes = _processes(req, caps, recorded)
-    for rank in range(recorded.world_size):   # a corrupted checkpoint is named before anything is written
+    for rank in range(recorded.world_size):
         parent.verify_shard(ckpt.step, rank)
-    parent.verify_steps(ckpt.step, req.stop + 1)   # and so are the step log and the data the replay reads
-    if caps.builtin:
+    if caps.builtin:   # and so is the data the replay reads
         _check_data(parent, recorded)
 
     spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,

@@ -123,11 +123,15 @@ class Lease(HeldLease):
             store = location.local
             created_dir = not store.exists()
             path = lease_file(store, scope)
-            _make_dirs(path.parent)
             holder = Holder(command=command, pid=os.getpid(), host=socket.gethostname(), since=time.time(),
                             token=uuid.uuid4().hex, start=start_time(os.getpid()))
             try:
+                _make_dirs(path.parent)
                 fd = cls._take(store, path, holder, report or _report)
+            except OSError as e:   # a read-only store, or one this user may not write
+                _remove_empty(store, created_dir)
+                where = "choose a location you may write" if created_dir else "copy the store where you may write"
+                raise StoreError(f"{store} cannot be written ({e.strerror}: {e.filename}): {where}") from None
             except BaseException:
                 _remove_empty(store, created_dir)
                 raise

@@ -14,13 +14,14 @@ The caller holds the store's lease throughout (store/lease.py) and checks what i
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from typing import Any
 
 from replay.config import Launcher, RunConfig
-from replay.store.location import Where
+from replay.store.location import Location, Where
 from replay.store.manifest import CommandInfo, DataInfo, Manifest, ModelInfo, ResumeInfo
-from replay.store.run_store import RunStore
+from replay.store.run_store import RunStore, check_outside_stores
 
 
 def no_data(source: str) -> DataInfo:
@@ -32,7 +33,9 @@ def no_data(source: str) -> DataInfo:
 def create_run(path: Where, config: RunConfig, *, world_size: int, launcher: Launcher, data: DataInfo,
                command: CommandInfo | None = None, layout: dict[str, Any] | None = None,
                model: ModelInfo | None = None, init_from: str | None = None) -> RunStore:
-    """A new run's store, "running" from now on; refused (untouched) where `path` holds anything already."""
+    """A new run's store, "running" from now on; refused (untouched) where `path` holds anything already, or
+    lies inside another store."""
+    check_outside_stores(Location.parse(path))
     return RunStore.create(path, Manifest(kind="run", config=config, world_size=world_size, launcher=launcher,
                                           data=data, created=time.time(), command=command, layout=layout,
                                           model=model, init_from=init_from))
@@ -59,3 +62,20 @@ def note_environment(store: RunStore, environment: dict[str, Any], resumed: bool
 def complete_run(store: RunStore) -> None:
     """Every step is recorded: the run (or replay) is complete."""
     store.update_manifest(status="complete", steps_recorded=store.n_steps)
+
+
+def continue_command(store: RunStore) -> str | None:
+    """The command that continues a stopped run or replay from its last committed checkpoint, as typed (None:
+    a run of the user's own script, which continues by running it again with Loop(..., resume=True))."""
+    m = store.manifest
+    if m.replay is not None:
+        spec = m.replay
+        options = [f"--from {spec.start} --to {spec.stop} --name {shlex.quote(store.location.name)}",
+                   spec.overrides.as_args()]
+        options += [f"--checkpoint-every {spec.checkpoint_every}"] if spec.checkpoint_every else []
+        options += [f"--ranks {spec.processes}"] if spec.processes else []
+        parent = shlex.quote(str(store.location.resolve(spec.parent)))
+        return f"replay run {parent} {' '.join(o for o in options if o)} --resume"
+    if store.capabilities.builtin:
+        return f"replay record --store {shlex.quote(str(store.location))} --resume"
+    return None

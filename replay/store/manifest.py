@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from replay.config import Launcher, RunConfig
+from replay.config import Launcher, RunConfig, unknown_keys
 from replay.store.overrides import Overrides, Reached
 from replay.store.sharding import Sharding
 from replay.store.verification import Verification
@@ -169,6 +169,10 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        """The manifest a store holds; a ValueError names a field this version does not know (a newer one's)."""
+        unknown = sorted(set(d) - _STORED_FIELDS) + [f"config.{key}" for key in unknown_keys(d.get("config", {}))]
+        if unknown:
+            raise ValueError(f"field {unknown[0]!r}, unknown to this version")
         meta = d["replay"]
         replay = None
         if meta["kind"] == "replay":
@@ -201,3 +205,8 @@ class Manifest:
     def last_environment(self) -> dict[str, Any]:
         """Where the run last ran: its latest resume's machine, else its recording's."""
         return next((r.environment for r in reversed(self.resumes) if r.environment), self.environment)
+
+
+# The top-level fields `Manifest.to_dict` writes (a replay's spec flattened into them, its window as one field)
+_STORED_FIELDS = ({f.name for f in dataclasses.fields(Manifest)} - {"kind", "schema"}
+                  | {"window"} | {f.name for f in dataclasses.fields(ReplaySpec)} - {"start", "stop"})

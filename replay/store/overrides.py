@@ -71,11 +71,11 @@ class Overrides:
         if self.precision:
             args.append(f"--precision {self.precision}")
         if self.fix is not None:
-            args.append(f"--fix safe-softmax:{self.fix:g}")
+            args.append(f"--fix safe-softmax:{_number(self.fix)}")
         if self.hp_delta:
             args.append("--hp-delta")
         if self.lr_scale is not None:
-            args.append(f"--lr-scale {self.lr_scale:g}")
+            args.append(f"--lr-scale {_number(self.lr_scale)}")
         if self.skip:
             args.append(f"--skip {format_steps(self.skip)}")
         if self.drop:
@@ -90,12 +90,18 @@ class Overrides:
     def from_dict(cls, d: dict[str, Any]) -> Overrides:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
-        assert not unknown, f"overrides this version does not know: {unknown}"
+        if unknown:   # a newer replay's (store/run_store.py names the store)
+            raise ValueError(f"field 'overrides.{unknown[0]}', unknown to this version")
         return cls(**d)
 
     def tag(self) -> str:
         """A short stable id of these overrides, for replay names."""
         return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _number(x: float) -> str:
+    """A float as an option gives it back exactly: short where that is exact."""
+    return f"{x:g}" if float(f"{x:g}") == x else repr(x)
 
 
 def format_steps(steps: list[int]) -> str:

@@ -20,10 +20,12 @@ Layout (all arrays plus JSON attributes; no pickle anywhere):
 Checkpoint <step> holds the state *before* step <step> runs (checkpoint 0 is the initial state).
 Integrity (store/integrity.py): every array chunk carries a CRC-32C; the manifest, the step log's and
 spikes' attributes and a commit record carry the CRC-32C of their own JSON; a commit record holds the
-CRC-32C of every other JSON file of its checkpoint. All are verified on read. A commit record is created
-last and only if there is none (an exclusive create: a hard link on disk, If-None-Match on an object
-store); with `durable` (the default) on disk, only once everything before it is on disk (fsync), so even a
-machine crash leaves every committed checkpoint readable. Where the store lives is a `Location`
+CRC-32C of every other JSON file of its checkpoint. All are verified on read; a member missing or
+unreadable is named with the store, and a resume, a replay or an analysis reads the record whole first
+(`verify_records`), so that nothing is written on a damaged one. A commit record is created last and only
+if there is none (an exclusive create: a hard link on disk, If-None-Match on an object store); with `durable`
+(the default) on disk, only once everything before it is on disk (fsync), so even a machine crash leaves
+every committed checkpoint readable. Where the store lives is a `Location`
 (store/location.py); docs/store.md says what is written in which order on each.
 Concurrency: every rank writes only its own `rank<r>` subtree; the step log, spikes, commits and the
 manifest have a single writer (the coordinator, rank 0), and a store has one writer command at a time
@@ -51,7 +53,7 @@ from replay.store.integrity import crc32c, group_attributes, group_json, seal, u
 from replay.store.layout import MODEL_KEYS, model_key
 from replay.store.location import Location, Where
 from replay.store.manifest import READABLE, SCHEMA, Manifest
-from replay.store.nodes import attributes, member
+from replay.store.nodes import Node, attributes, member
 from replay.store.sharding import assemble, local_key
 
 # The tensor codec (store/tensors.py, and with it torch) is imported by the methods that move tensors, so that
@@ -62,14 +64,56 @@ if TYPE_CHECKING:
 _COMPRESSORS = (ZstdCodec(), Crc32cCodec())   # the step log and embedded data: compressed, then checksummed
 
 
+DAMAGED = "restore the store from a copy, or record the run again"   # what to do about a store damaged there
+
+
+KINDS = ("run", "replay", "series")   # what a store's manifest says it is
+
+
 def check_empty(location: Location) -> None:
     """Refuse a store location that holds anything already (the lease of the command about to create a store
     there does not count: store/lease.py)."""
     local = location.local
-    if (local is not None and local.exists() and not local.is_dir()) or any(
-            (location / name).holds_anything() for name in set(location.children()) - {"leases"}):
-        raise StoreError(f"store {location} is not empty: pass --resume to continue the run recorded there, "
-                         "or choose a new --store location")
+    if local is not None and local.exists() and not local.is_dir():
+        raise StoreError(f"store {location} is a file: choose a new --store location (a directory)")
+    if any((location / name).holds_anything() for name in set(location.children()) - {"leases"}):
+        kind, status = _stored_kind(location)
+        holds = ("it holds a run: pass --resume to continue it, or" if kind == "run" and status != "complete" else
+                 f"it holds a {'complete run' if kind == 'run' else kind or 'folder of other files'}:")
+        raise StoreError(f"store {location} is not empty; {holds} choose a new --store location")
+
+
+def check_outside_stores(location: Location) -> None:
+    """Refuse a new run's location inside a store (a folder of a run store, or of a replay in it): the store
+    would hold a run it does not know, written without its lease."""
+    inside = enclosing_store(location)
+    if inside is not None:
+        raise StoreError(f"{location} lies inside the run store {inside}: record a new run outside any store "
+                         "(a store's replays are made in it by replay run)")
+
+
+def enclosing_store(location: Location) -> Location | None:
+    """The nearest store that `location` lies inside (a parent folder holding a store's zarr.json), if any."""
+    child, here = location, location.parent
+    while here != child:
+        if _stored_kind(here)[0] is not None:
+            return here
+        child, here = here, here.parent
+    return None
+
+
+def _stored_kind(location: Location) -> tuple[str | None, str | None]:
+    """What the store at `location` says it is, and its status, as far as its zarr.json tells (read without
+    checking anything else); (None, None) where no store's zarr.json is."""
+    raw = (location / "zarr.json").read()
+    try:
+        attrs = json.loads(raw)["attributes"] if raw is not None else {}
+        meta = attrs.get("replay")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, None
+    if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+        return None, None
+    return meta["kind"], attrs.get("status")
 
 
 def _ckpt_name(step: int) -> str:
@@ -156,7 +200,8 @@ class RunStore:
         # refuses to overwrite a group
         zarr.create_group(location.zarr_store(read_only=False), attributes=seal(manifest.to_dict()))
         store = cls(location, mode="a")
-        store.root.create_group("steps", attributes=seal({"n_steps": 0, "first_step": first_step}))
+        store.root.create_group("steps", attributes=seal({"n_steps": 0, "first_step": first_step,
+                                                           "every_chunk": True}))
         store.root.create_group("spikes", attributes=seal({"events": []}))
         store.root.create_group("checkpoints")
         return store
@@ -166,19 +211,22 @@ class RunStore:
         """The store at a location (a path or a URL, for the Python API: the command line parses them)."""
         location = Location.parse(where)
         if not (location / "zarr.json").exists():
-            there = location.children() or (location.local is not None and location.local.exists())
-            what = "is not a replay run store (no zarr.json)" if there else "does not exist"
-            raise StoreError(f"{location} {what}; record a run first with `replay record --store {location}`")
+            raise StoreError(_no_store(location))
         try:
             store = cls(location, mode=mode)
         except Exception as e:  # a damaged zarr.json: name it rather than show a zarr traceback
-            raise StoreError(f"{location} cannot be opened as a Zarr store: {str(e).splitlines()[0]}") from None
+            raise StoreError(f"{location} cannot be opened as a Zarr store: {str(e).splitlines()[0]}; {DAMAGED}") \
+                from None
         meta = store.root.attrs.get("replay")
-        if not isinstance(meta, dict) or meta.get("kind") not in ("run", "replay", "series"):
-            raise StoreError(f"{location} is a Zarr group but not a replay run store")
+        if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+            inside = enclosing_store(location)
+            part = f": it is part of the run store {inside}; give that store's location" if inside else ""
+            raise StoreError(f"{location} is a Zarr group but not a replay run store{part}")
         if meta.get("schema") not in READABLE:
-            raise StoreError(f"{location} has store schema {meta.get('schema')}, written by another version of replay; "
-                             f"this one reads schemas {', '.join(map(str, READABLE))}")
+            newer = isinstance(meta.get("schema"), int) and meta["schema"] > max(READABLE)
+            raise StoreError(f"{location} has store schema {meta.get('schema')}, written by "
+                             f"{'a newer' if newer else 'another'} version of replay; this one reads schemas "
+                             f"{', '.join(map(str, READABLE))}" + ("; upgrade replay to read it" if newer else ""))
         _ = store.manifest   # its checksum, verified
         return store
 
@@ -201,7 +249,12 @@ class RunStore:
 
     @property
     def manifest(self) -> Manifest:
-        return Manifest.from_dict(self._sealed(attributes(self.root), "the manifest (zarr.json)"))
+        doc = self._sealed(attributes(self.root), "the manifest (zarr.json)")
+        try:
+            return Manifest.from_dict(doc)
+        except (KeyError, TypeError, ValueError) as e:   # sealed, so written by a replay: a newer one
+            raise StoreError(f"{self.location} was written by a newer replay (its manifest, zarr.json, {_what(e)}): "
+                             "upgrade replay to read it") from None
 
     @property
     def kind(self) -> str:
@@ -233,7 +286,7 @@ class RunStore:
     def bisect_sessions(self) -> list[dict[str, Any]]:
         if "bisect" not in self.root:
             return []
-        docs = [attributes(group) for _, group in sorted(member(self.root, "bisect", zarr.Group).groups())]
+        docs = [attributes(group) for _, group in sorted(self._member("bisect", zarr.Group).groups())]
         return [d for d in docs if "id" in d]   # a group whose first write was cut short holds nothing yet
 
     def write_bisect_session(self, session_id: str, doc: dict[str, Any]) -> None:
@@ -252,9 +305,8 @@ class RunStore:
         arr[...] = tokens
 
     def read_tokens(self) -> np.ndarray:
-        """The embedded corpus, every chunk present and checksummed, and as a whole the bytes the recording
-        fingerprinted (a missing chunk would otherwise read as zeros)."""
-        self._check_chunks("data/tokens", None)
+        """The embedded corpus, every chunk checksummed, and as a whole the bytes the recording fingerprinted (a
+        missing chunk would otherwise read as zeros)."""
         tokens = self._read_array("data/tokens", slice(None))
         data = self.manifest.data
         if data.embedded and data.method == "sha256" and hashlib.sha256(tokens.tobytes()).hexdigest() != data.digest:
@@ -262,30 +314,20 @@ class RunStore:
                                 "recorded on (its SHA-256 differs from the manifest's): the store is corrupted there")
         return tokens
 
-    def verify_steps(self, start: int, stop: int) -> None:
-        """Every field of the step log holds all its rows and the rows of steps `start`..`stop - 1` match their
-        checksums: what a replay of those steps reads, checked before anything is written (a missing chunk
-        would otherwise read as zeros)."""
-        steps = self._steps()
-        lo, hi = start - self.first_step, stop - self.first_step
-        for name in STEP_FIELDS:
-            if name in steps:
-                self._check_chunks(f"steps/{name}", self.n_steps)
-                self._read_array(f"steps/{name}", slice(max(0, lo), max(0, hi)))
-
-    def _check_chunks(self, name: str, rows: int | None) -> None:
-        """Refuse an array missing any chunk its first `rows` rows (None: all of it) are stored in."""
-        arr = member(self.root, name, zarr.Array)
+    def _check_chunks(self, name: str, rows: int) -> None:
+        """Refuse an array missing any chunk its first `rows` rows are stored in."""
+        arr = self._member(name, zarr.Array)
         grid = arr.cdata_shape
-        needed = (grid[0] if rows is None else -(-rows // arr.chunks[0])) * int(np.prod(grid[1:], dtype=np.int64))
+        needed = -(-rows // arr.chunks[0]) * int(np.prod(grid[1:], dtype=np.int64))
         if arr.nchunks_initialized < needed:
             raise ChecksumError(f"{self.location}: {name} is missing {needed - arr.nchunks_initialized} of its "
                                 f"{needed} chunks: the store is corrupted there")
 
     def _read_array(self, name: str, rows: slice) -> np.ndarray:
         """Rows of an array, every chunk's checksum verified by Zarr's crc32c codec."""
+        array = self._member(name, zarr.Array)
         try:
-            return np.asarray(member(self.root, name, zarr.Array)[rows])
+            return np.asarray(array[rows])
         except Exception as e:   # the codec's mismatch, a truncated or missing chunk, undecodable bytes
             raise ChecksumError(f"{self.location}: {name} is damaged ({str(e).splitlines()[0]}); the store is "
                                 "corrupted there") from None
@@ -296,7 +338,14 @@ class RunStore:
         return self._sealed(attributes(self._steps()), "the step log's attributes (steps/zarr.json)")
 
     def _steps(self) -> zarr.Group:
-        return member(self.root, "steps", zarr.Group)
+        return self._member("steps", zarr.Group)
+
+    def _member(self, path: str, kind: type[Node]) -> Node:
+        """A group or array of the layout; one missing or unreadable is named, with the store."""
+        try:
+            return member(self.root, path, kind)
+        except StoreError as e:
+            raise ChecksumError(f"{self.location}: {e}: the store is damaged there; {DAMAGED}") from None
 
     @property
     def n_steps(self) -> int:
@@ -335,6 +384,11 @@ class RunStore:
         row = start - self.first_step
         k = len(records["loss"])
         steps = self._steps()
+        with zarr.config.set({"array.write_empty_chunks": True}):   # every chunk stored, its zeros too: one
+            self._append(steps, row, k, records)                       # missing is damage (verify_records)
+        self._set_n_steps(row + k)
+
+    def _append(self, steps: zarr.Group, row: int, k: int, records: dict[str, np.ndarray]) -> None:
         for name, (dtype, dims) in STEP_FIELDS.items():
             if name not in records and name in OPTIONAL_FIELDS:
                 continue
@@ -344,10 +398,9 @@ class RunStore:
                 chunks = (256, *rows.shape[1:])
                 steps.create_array(name, shape=(0, *rows.shape[1:]), dtype=dtype, chunks=chunks,
                                    dimension_names=dims, fill_value=0, compressors=_COMPRESSORS)
-            arr = member(steps, name, zarr.Array)
+            arr = self._member(f"steps/{name}", zarr.Array)
             arr.resize((row + k, *arr.shape[1:]))
             arr[row:row + k] = rows
-        self._set_n_steps(row + k)
 
     def read_steps(self, fields: list[str] | None = None, start: int | None = None,
                    stop: int | None = None) -> dict[str, np.ndarray]:
@@ -358,8 +411,29 @@ class RunStore:
         steps = self._steps()
         out: dict[str, np.ndarray] = {"step": np.arange(self.first_step + lo, self.first_step + hi)}
         for name in fields or list(STEP_FIELDS):
-            out[name] = self._read_array(f"steps/{name}", slice(lo, hi)) if name in steps else np.zeros((0,))
+            if name in steps:
+                out[name] = self._read_array(f"steps/{name}", slice(lo, hi))
+            elif name in OPTIONAL_FIELDS or n == 0:   # a store that never logged it, or no step yet
+                out[name] = np.zeros((0,))
+            else:
+                raise ChecksumError(f"{self.location}: the step log's {name} (steps/{name}) is missing: the store is "
+                                    f"damaged there; {DAMAGED}")
         return out
+
+    def verify_records(self) -> None:
+        """Read the step log's fields whole (every chunk present, every checksum verified: a missing chunk would
+        read as zeros), the spikes and the embedded data's metadata: one missing or damaged is named before a
+        command that needs them writes anything."""
+        steps = self._steps()
+        every_chunk = self._steps_attrs().get("every_chunk", False)   # stores made before: zeros were not stored
+        for name in STEP_FIELDS:
+            if name in steps and every_chunk:
+                self._check_chunks(f"steps/{name}", self.n_steps)
+        self.read_steps([name for name in STEP_FIELDS if name not in OPTIONAL_FIELDS or name in steps])
+        _ = self.spikes
+        m = self.manifest
+        if m.data.embedded and m.kind == "run":   # a replay reads its parent's
+            self._member("data/tokens", zarr.Array)
 
     def truncate_steps(self, end_step: int) -> None:
         """Keep steps before `end_step`."""
@@ -367,7 +441,7 @@ class RunStore:
         steps = self._steps()
         self._set_n_steps(min(n, self.n_steps))
         for name in STEP_FIELDS:
-            arr = member(steps, name, zarr.Array) if name in steps else None
+            arr = self._member(f"steps/{name}", zarr.Array) if name in steps else None
             if arr is not None and arr.shape[0] > n:
                 arr.resize((n, *arr.shape[1:]))
 
@@ -378,7 +452,7 @@ class RunStore:
         return list(self._sealed(attributes(self._spikes()), "the spikes (spikes/zarr.json)")["events"])
 
     def _spikes(self) -> zarr.Group:
-        return member(self.root, "spikes", zarr.Group)
+        return self._member("spikes", zarr.Group)
 
     def add_spike(self, event: dict[str, Any]) -> None:
         self.check_writable()
@@ -634,9 +708,10 @@ class RunStore:
         committed checkpoint (a run stopped while it started), back to nothing, and returns None.
 
         The shards are read and checksummed first, so a corrupted checkpoint is named before anything
-        changes (a damaged commit record too: resuming would discard that checkpoint). Then uncommitted
-        checkpoints go, and the step log and spikes are truncated to it."""
+        changes (a damaged commit record too: resuming would discard that checkpoint), and so are the step log
+        and the spikes. Then uncommitted checkpoints go, and the step log and spikes are truncated to it."""
         self.check_writable()
+        self.verify_records()
         scan = self._scan()
         for step, state, why in scan:
             if state == "damaged":
@@ -653,6 +728,25 @@ class RunStore:
         self.truncate_steps(last or 0)
         self.truncate_spikes(last or 0)
         return last
+
+
+def _no_store(location: Location) -> str:
+    """Why there is no store at `location` (which holds no zarr.json), and what to do."""
+    inside = enclosing_store(location)
+    there = location.children() or (location.local is not None and location.local.exists())
+    if inside is not None:
+        what = "is not a replay run store" if there else "does not exist"
+        return f"{location} {what}: it lies inside the run store {inside} (`replay info {inside}` lists its replays)"
+    if there:
+        return f"{location} is not a replay run store (no zarr.json): give the folder of a run store"
+    return f"{location} does not exist; record a run first with `replay record --store {location}`"
+
+
+def _what(e: Exception) -> str:
+    """What a manifest this version cannot read holds, from the error its reading raised."""
+    if isinstance(e, KeyError):
+        return f"has no field {e.args[0]!r}"
+    return f"has {e}" if str(e).startswith("field ") else f"cannot be read here: {e}"
 
 
 def _chunk_contents(index: dict[str, dict[str, Any]], lo: int, hi: int) -> str:

@@ -91,13 +91,23 @@ class TokenData:
 
 def open_token_file(cfg: RunConfig) -> np.ndarray:
     path = Path(cfg.data.path)
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"data file {path} does not exist; pass a nanoGPT-style train.bin with --data")
+    if not path.is_file():
+        raise UsageError(f"data file {path} is not a file; pass a nanoGPT-style train.bin with --data")
     itemsize = np.dtype(cfg.data.dtype).itemsize
-    if path.stat().st_size % itemsize:
+    size = path.stat().st_size
+    if size == 0:
+        raise UsageError(f"data file {path} is empty; pass a nanoGPT-style train.bin with --data")
+    if size % itemsize:
         raise UsageError(f"data file {path} is not a whole number of {cfg.data.dtype} tokens; "
                          "check --set data.dtype=uint16|uint32")
-    return np.memmap(path, dtype=cfg.data.dtype, mode="r")
+    try:
+        with path.open("rb") as f:
+            f.read(1)
+        return np.memmap(path, dtype=cfg.data.dtype, mode="r")
+    except OSError as e:
+        raise UsageError(f"data file {path} cannot be read ({e.strerror})") from None
 
 
 def make_data(cfg: RunConfig, tokens: np.ndarray) -> TokenData:

@@ -131,21 +131,6 @@ def test_resume_on_something_that_is_not_a_run_store(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
-def test_resume_with_another_world_size(store_copy):
-    before = tree_snapshot(store_copy)
-    line = error_line(replay_cli("record", "--store", str(store_copy), "--resume", "--nproc", "1"))
-    assert "recorded with 2" in line
-    assert tree_snapshot(store_copy) == before
-
-
-def test_resume_names_a_corrupted_checkpoint_tensor_and_changes_nothing(store_copy):
-    chunk = corrupt_tensor(store_copy, 30, 0, "/state/replicated/model/transformer.h.1.attn.c_attn.weight")
-    before = tree_snapshot(store_copy)
-    line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
-    assert "checkpoint 30 rank 0: array tensors chunk 0 (holding" in line and chunk in line
-    assert tree_snapshot(store_copy) == before
-
-
 def _edit_manifest(store_path, **fields) -> None:
     """A manifest as another machine would have written it (a legitimate, checksummed write)."""
     from replay.store.lease import Lease
@@ -154,27 +139,56 @@ def _edit_manifest(store_path, **fields) -> None:
         RunStore.open(store_path, mode="a").update_manifest(**fields)
 
 
-def test_resume_refuses_a_data_order_this_machine_does_not_recompute(store_copy):
+@pytest.fixture
+def killed_copy(store_copy):
+    """The reference run as a recording killed after its last commit leaves it: "running"."""
+    _edit_manifest(store_copy, status="running")
+    return store_copy
+
+
+def test_a_complete_run_is_not_resumed(store_copy):
+    before = tree_snapshot(store_copy)
+    line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
+    assert "is complete: all 30 steps are recorded and there is nothing to resume" in line
+    assert tree_snapshot(store_copy) == before
+
+
+def test_resume_with_another_world_size(killed_copy):
+    before = tree_snapshot(killed_copy)
+    line = error_line(replay_cli("record", "--store", str(killed_copy), "--resume", "--nproc", "1"))
+    assert "recorded with 2" in line
+    assert tree_snapshot(killed_copy) == before
+
+
+def test_resume_names_a_corrupted_checkpoint_tensor_and_changes_nothing(killed_copy):
+    chunk = corrupt_tensor(killed_copy, 30, 0, "/state/replicated/model/transformer.h.1.attn.c_attn.weight")
+    before = tree_snapshot(killed_copy)
+    line = error_line(replay_cli("record", "--store", str(killed_copy), "--resume"))
+    assert "checkpoint 30 rank 0: array tensors chunk 0 (holding" in line and chunk in line
+    assert tree_snapshot(killed_copy) == before
+
+
+def test_resume_refuses_a_data_order_this_machine_does_not_recompute(killed_copy):
     import zarr
 
-    ids = zarr.open_array(str(store_copy / "steps/sample_ids"), mode="r+")
+    ids = zarr.open_array(str(killed_copy / "steps/sample_ids"), mode="r+")
     ids[7, 1, 0, 2] = ids[7, 1, 0, 2] + 1        # as if another numpy had drawn the order
-    before = tree_snapshot(store_copy)
-    line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
+    before = tree_snapshot(killed_copy)
+    line = error_line(replay_cli("record", "--store", str(killed_copy), "--resume"))
     assert "the data order recomputed here differs from the recorded one at step 7 (rank 1" in line
-    assert tree_snapshot(store_copy) == before
+    assert tree_snapshot(killed_copy) == before
 
 
-def test_resume_names_what_differs_in_the_environment(store_copy):
-    env = RunStore.open(store_copy).manifest.environment
-    _edit_manifest(store_copy, environment={**env, "device": "cuda:0", "cuda": {"gpu": "NVIDIA H100"}})
-    before = tree_snapshot(store_copy)
-    line = error_line(replay_cli("record", "--store", str(store_copy), "--resume"))
+def test_resume_names_what_differs_in_the_environment(killed_copy):
+    env = RunStore.open(killed_copy).manifest.environment
+    _edit_manifest(killed_copy, environment={**env, "device": "cuda:0", "cuda": {"gpu": "NVIDIA H100"}})
+    before = tree_snapshot(killed_copy)
+    line = error_line(replay_cli("record", "--store", str(killed_copy), "--resume"))
     assert "recorded on cuda:0 (NVIDIA H100) and this machine has no CUDA device" in line
-    assert tree_snapshot(store_copy) == before
+    assert tree_snapshot(killed_copy) == before
 
-    _edit_manifest(store_copy, environment={**env, "packages": {**env["packages"], "numpy": "1.0.0"}})
-    result = replay_cli("record", "--store", str(store_copy), "--resume")   # a complete run: nothing to train
+    _edit_manifest(killed_copy, environment={**env, "packages": {**env["packages"], "numpy": "1.0.0"}})
+    result = replay_cli("record", "--store", str(killed_copy), "--resume")   # killed after its last step: none left
     assert result.returncode == 0, result.stderr
     assert "warning: the environment differs from the recording's: numpy: recorded 1.0.0" in result.stderr
 

@@ -10,8 +10,18 @@ import torch
 from replay.config import RunConfig
 from replay.errors import StoreError
 from replay.store import RunStore
-from replay.store.lifecycle import complete_run, create_run, no_data, note_environment, resume_run
+from replay.store.lifecycle import (
+    complete_run,
+    continue_command,
+    create_run,
+    no_data,
+    note_environment,
+    resume_run,
+)
 from replay.store.location import Location
+from replay.store.manifest import ReplaySpec
+from replay.store.overrides import Overrides
+from tests.conftest import new_store
 
 
 def _rows(start: int, k: int) -> dict[str, np.ndarray]:
@@ -76,3 +86,23 @@ def test_the_environment_is_the_runs_or_its_last_resumes_and_completion_counts_t
     m = RunStore.open(tmp_path / "run").manifest
     assert m.environment == {"host": "a"} and [r.environment for r in m.resumes] == [{"host": "b"}]
     assert (m.status, m.steps_recorded) == ("complete", 3)
+
+
+def test_a_run_is_not_created_inside_another_store(tmp_path):
+    create_run(tmp_path / "run", RunConfig(), world_size=1, launcher="local", data=no_data("-"))
+    with pytest.raises(StoreError, match="lies inside the run store"):
+        create_run(tmp_path / "run" / "replays" / "mine", RunConfig(), world_size=1, launcher="local",
+                   data=no_data("-"))
+    assert not (tmp_path / "run" / "replays").exists()
+
+
+def test_the_command_that_continues_a_run_or_a_replay_is_the_one_for_its_kind(tmp_path):
+    run = create_run(tmp_path / "my run", RunConfig(), world_size=2, launcher="local", data=no_data("-"))
+    assert continue_command(run) == f"replay record --store '{tmp_path / 'my run'}' --resume"
+    own = create_run(tmp_path / "own", RunConfig(), world_size=1, launcher="custom", data=no_data("-"))
+    assert continue_command(own) is None   # a script of the user's own: run it again with Loop(..., resume=True)
+    spec = ReplaySpec(parent="../..", start=12, stop=18, start_checkpoint=10, start_checkpoint_kind="regular",
+                      checkpoint_every=2, overrides=Overrides(lr_scale=0.1 + 0.2, layers=[0, 1]), processes=1)
+    replay = new_store(tmp_path / "my run" / "replays" / "x", replay=spec, first_step=10)
+    assert continue_command(replay) == (f"replay run '{tmp_path / 'my run'}' --from 12 --to 18 --name x --layers 0-1 "
+                                        "--lr-scale 0.30000000000000004 --checkpoint-every 2 --ranks 1 --resume")

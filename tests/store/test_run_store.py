@@ -9,6 +9,9 @@ import zarr
 from replay.config import RunConfig
 from replay.errors import ChecksumError, StoreError
 from replay.store import STEP_FIELDS, RunStore, chunks
+from replay.store.integrity import seal
+from replay.store.location import Location
+from replay.store.run_store import check_empty, check_outside_stores, enclosing_store
 from tests.conftest import new_store, tensors_equal
 
 
@@ -180,3 +183,74 @@ def test_tensors_read_are_private_copies_on_write_of_the_files(tmp_path):
     second = store.read_shard(1, 0)
     shutil.rmtree(tmp_path / "s/checkpoints")            # a rewind or a discarded replay removes files
     assert torch.equal(second["w"], tree["w"]) and torch.equal(first["w"], tree["w"] * 2)
+
+
+def test_a_missing_part_of_the_record_is_named_with_the_store_before_anything_is_written(tmp_path):
+    store = new_store(tmp_path / "s")
+    store.append_steps(0, _rows(3))
+    shutil.rmtree(tmp_path / "s" / "steps" / "sample_ids")
+    for read in (lambda: store.read_steps(["sample_ids"]), store.verify_records, lambda: store.rewind(1)):
+        with pytest.raises(ChecksumError, match=r"s: the step log's sample_ids \(steps/sample_ids\) is missing: the "
+                                                "store is damaged there; restore the store from a copy"):
+            read()
+    assert store.read_steps(["state_digest"])["state_digest"].size == 0   # optional: older stores lack it
+    shutil.rmtree(tmp_path / "s" / "spikes")
+    with pytest.raises(ChecksumError, match="s: spikes is missing"):
+        _ = store.spikes
+    (tmp_path / "s" / "steps" / "zarr.json").write_text("{not json")
+    with pytest.raises(ChecksumError, match=r"steps/zarr.json is damaged \(Expecting"):
+        _ = store.n_steps
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda a: a["config"]["model"].update(rope=True), "has field 'config.model.rope', unknown to this version"),
+    (lambda a: a.update(rope_scaling=2), "has field 'rope_scaling', unknown to this version"),
+    (lambda a: a.update(resumes=[{"from_step": 0, "time": 0, "node": "b"}]), "unexpected keyword argument 'node'"),
+    (lambda a: a.pop("world_size"), "has no field 'world_size'"),
+])
+def test_a_manifest_this_version_cannot_read_says_to_upgrade(tmp_path, change, says):
+    new_store(tmp_path / "s")
+    doc = json.loads((tmp_path / "s" / "zarr.json").read_text())
+    change(doc["attributes"])
+    doc["attributes"] = seal({k: v for k, v in doc["attributes"].items() if k != "crc32c"})   # as a replay wrote it
+    (tmp_path / "s" / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(StoreError, match="s was written by a newer replay") as e:
+        RunStore.open(tmp_path / "s")
+    assert says in str(e.value) and str(e.value).endswith("upgrade replay to read it")
+
+
+def test_a_new_runs_location_inside_a_store_is_refused(tmp_path):
+    new_store(tmp_path / "s")
+    for inside in ("s/replays/mine", "s/checkpoints", "s/a/b/c"):
+        with pytest.raises(StoreError, match=f"lies inside the run store {tmp_path / 's'}"):
+            check_outside_stores(Location.parse(tmp_path / inside))
+    check_outside_stores(Location.parse(tmp_path / "t"))
+    assert enclosing_store(Location.parse(tmp_path / "s")) is None
+
+
+def test_a_used_location_says_what_it_holds(tmp_path):
+    store = new_store(tmp_path / "s")
+    with pytest.raises(StoreError, match="it holds a run: pass --resume to continue it, or choose a new --store"):
+        check_empty(Location.parse(tmp_path / "s"))
+    store.update_manifest(status="complete")
+    with pytest.raises(StoreError, match="it holds a complete run: choose a new --store"):
+        check_empty(Location.parse(tmp_path / "s"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("")
+    with pytest.raises(StoreError, match="it holds a folder of other files: choose a new --store"):
+        check_empty(Location.parse(tmp_path / "other"))
+    with pytest.raises(StoreError, match="is a file: choose a new --store"):
+        check_empty(Location.parse(tmp_path / "other" / "notes.txt"))
+
+
+def test_a_step_logs_chunk_of_zeros_is_stored_so_that_a_missing_one_is_damage(tmp_path):
+    """Zarr leaves out a chunk that holds only its fill value, and reads a missing one as that value: the step
+    log stores every chunk (a loop that logs no tokens writes zeros), so one gone is refused, not read as zeros."""
+    store = new_store(tmp_path / "run")
+    rows = _rows(3)
+    rows["tokens"] = np.zeros(3, dtype=np.int64)
+    store.append_steps(0, rows)
+    store.verify_records()
+    (tmp_path / "run/steps/tokens/c/0").unlink()
+    with pytest.raises(ChecksumError, match=r"steps/tokens is missing 1 of its 1 chunks: the store is corrupted"):
+        store.verify_records()
