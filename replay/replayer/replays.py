@@ -201,8 +201,9 @@ def _existing(path: Location, spec: ReplaySpec, req: ReplayRequest, store_path: 
         assert resumed_from is not None, "it has a committed checkpoint"
         return True, True
     if not (req.resume or req.discard):
-        raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted (it reached step "
-                         f"{existing.end_step - 1}): pass --resume to continue it or --discard to start it anew")
+        reached = (f"it reached step {existing.end_step - 1}" if existing.n_steps else "before its first step")
+        raise UsageError(f"replay {replay_id(req)!r} in {store_path} was interrupted ({reached}): pass --resume to "
+                         "continue it or --discard to start it anew")
     path.remove_tree()
     return None
 
