@@ -11,7 +11,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from replay.errors import StoreError
+from replay.errors import StoreError, disk_error
 
 
 class BackgroundWriter:
@@ -53,4 +53,7 @@ class BackgroundWriter:
     def raise_if_failed(self) -> None:
         if self._error is not None:
             e = self._error
+            said = disk_error(e, "to the run store", "the run store")
+            if said is not None:
+                raise said from e
             raise StoreError(f"writing to the run store failed: {type(e).__name__}: {e}") from e

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from replay.errors import StoreError
+from replay.errors import StoreError, disk_errors
 from replay.processes import start_time
 from replay.store import object_lease
 from replay.store.holder import HELD, HeldLease, Holder, lease_timeout
@@ -123,11 +123,12 @@ class Lease(HeldLease):
             store = location.local
             created_dir = not store.exists()
             path = lease_file(store, scope)
-            path.parent.mkdir(parents=True, exist_ok=True)
             holder = Holder(command=command, pid=os.getpid(), host=socket.gethostname(), since=time.time(),
                             token=uuid.uuid4().hex, start=start_time(os.getpid()))
             try:
-                fd = cls._take(store, path, holder, report or _report)
+                with disk_errors(f"the lease of {store} (for `{command}`)", path.parent):
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    fd = cls._take(store, path, holder, report or _report)
             except BaseException:
                 _remove_empty(store, created_dir)
                 raise
