@@ -15,6 +15,7 @@ that directory), so a retry succeeds.
     analysis-io:STEP           an analysis task reading checkpoint STEP                    OSError
     analysis-unfinished        the analysis driver: a table's arrays made, not its attributes SIGKILL
     analysis-rows              the analysis driver: arrays sized for new rows, not yet listed SIGKILL
+    report-written             `replay report`: its page in the temporary file, not renamed SIGKILL
 """
 
 from __future__ import annotations
