@@ -180,3 +180,18 @@ def test_tensors_read_are_private_copies_on_write_of_the_files(tmp_path):
     second = store.read_shard(1, 0)
     shutil.rmtree(tmp_path / "s/checkpoints")            # a rewind or a discarded replay removes files
     assert torch.equal(second["w"], tree["w"]) and torch.equal(first["w"], tree["w"] * 2)
+
+
+def test_bisect_sessions_cut_short_or_damaged_are_left_out_and_written_over(tmp_path):
+    """A session group whose first write was cut short (no document yet) or whose document is damaged is left
+    out, not a KeyError; the bisect that runs it again writes it whole."""
+    store = new_store(tmp_path / "run")
+    store.write_bisect_session("spike-5-steps-a", {"id": "spike-5-steps-a", "status": "complete"})
+    store.root.create_group("bisect/spike-5-steps-b")                      # made, its document never written
+    damaged = tmp_path / "run/bisect/spike-5-steps-c/zarr.json"
+    damaged.parent.mkdir()
+    damaged.write_text('{"zarr_format": 3, "node_type": "group", "attributes": {"id": "spike-5-st')
+    assert [d["id"] for d in store.bisect_sessions()] == ["spike-5-steps-a"]
+    store.write_bisect_session("spike-5-steps-c", {"id": "spike-5-steps-c", "status": "running"})
+    again = RunStore.open(tmp_path / "run").bisect_sessions()
+    assert [d["id"] for d in again] == ["spike-5-steps-a", "spike-5-steps-c"]
