@@ -61,16 +61,16 @@ def refused(e: BaseException) -> OSError | None:
 def disk_error(e: BaseException, what: str, where: object, elsewhere: str = "choose another place"
                ) -> DiskError | None:
     """`e` as the one line a user reads, if a full, read-only or forbidden filesystem caused it: `what` was
-    being written (e.g. "the analysis of runs/a"), at `where` (a path or Location) unless the error names
-    the file; `elsewhere` says how to write it somewhere else."""
+    being written (e.g. "the analysis of runs/a"), at `where` (a path or Location; None: not known) unless
+    the error names the file; `elsewhere` says how to write it somewhere else."""
     cause = refused(e)
     if cause is None:
         return None
     assert cause.errno is not None, "refused() finds only errors with a refusal's errno"
     problem, fix = _REFUSALS[cause.errno]
-    place = _shown(os.fsdecode(cause.filename)) if cause.filename else str(where)
-    return DiskError(f"cannot write {what}: {problem} ({place}): {fix.format(elsewhere=elsewhere)}, then run the "
-                     "command again")
+    place = _shown(os.fsdecode(cause.filename)) if cause.filename else where
+    return DiskError(f"cannot write {what}: {problem}" + (f" ({place})" if place is not None else "")
+                     + f": {fix.format(elsewhere=elsewhere)}, then run the command again")
 
 
 @contextlib.contextmanager

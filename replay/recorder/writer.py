@@ -53,7 +53,7 @@ class BackgroundWriter:
     def raise_if_failed(self) -> None:
         if self._error is not None:
             e = self._error
-            said = disk_error(e, "to the run store", "the run store")
+            said = disk_error(e, "to the run store", None)
             if said is not None:
                 raise said from e
             raise StoreError(f"writing to the run store failed: {type(e).__name__}: {e}") from e
