@@ -63,9 +63,11 @@ _COMPRESSORS = (ZstdCodec(), Crc32cCodec())   # the step log and embedded data: 
 
 def check_empty(location: Location) -> None:
     """Refuse a store location that holds anything already (the lease of the command about to create a store
-    there does not count: store/lease.py)."""
+    there does not count: store/lease.py; nor does a temporary file of Zarr's that a kill left, as one
+    creating a replay's store can)."""
     local = location.local
-    if (local is not None and local.exists() and not local.is_dir()) or set(location.children()) - {"leases"}:
+    held = {name for name in location.children() if not name.endswith(".partial")} - {"leases"}
+    if (local is not None and local.exists() and not local.is_dir()) or held:
         raise StoreError(f"store {location} is not empty: pass --resume to continue the run recorded there, "
                          "or choose a new --store location")
 

@@ -195,3 +195,11 @@ def test_bisect_sessions_cut_short_or_damaged_are_left_out_and_written_over(tmp_
     store.write_bisect_session("spike-5-steps-c", {"id": "spike-5-steps-c", "status": "running"})
     again = RunStore.open(tmp_path / "run").bisect_sessions()
     assert [d["id"] for d in again] == ["spike-5-steps-a", "spike-5-steps-c"]
+
+
+def test_a_store_is_created_over_the_temporary_file_of_a_creation_killed_before_its_manifest(tmp_path):
+    """A kill inside the first write of a store (a bisect's probe replay, say) leaves Zarr's temporary file."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "zarr.0123abcd.partial").write_text('{"zarr_fo')
+    new_store(tmp_path / "run")
+    assert RunStore.open(tmp_path / "run").n_steps == 0
