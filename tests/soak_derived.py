@@ -22,9 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -58,12 +59,10 @@ def replay(*args: str | Location | Path, stderr: Any = subprocess.PIPE) -> subpr
                           stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
-def checked(*args: str | Location | Path) -> float:
-    """Run `replay ARGS`, which must succeed; its seconds."""
-    t0 = time.perf_counter()
+def checked(*args: str | Location | Path) -> None:
+    """Run `replay ARGS`, which must succeed."""
     done = replay(*args)
     assert done.returncode == 0, f"replay {' '.join(map(str, args))}: {done.stderr}"
-    return time.perf_counter() - t0
 
 
 # -- stores as trees of files or objects ---------------------------------------------------------------
@@ -121,10 +120,11 @@ class Command:
 
     name = ""
     derived: frozenset[str] = frozenset({"leases"})
+    begins = ""          # what it says on stderr once its start-up is over and its work begins, if anything
 
     def __init__(self, source: Location):
         self.source = source
-        self.seconds, self.written_kib, self.reference = 0.0, 0, None
+        self.seconds, self.work_begins, self.written_kib, self.reference = 0.0, 0.0, 0, None
 
     def prepare(self, store: Location, out: Path) -> None:
         copy_tree(self.source, store, self.derived)
@@ -148,9 +148,12 @@ class Command:
         return False
 
     def measure(self, store: Location, out: Path) -> None:
-        """An uninterrupted run: its seconds, what it wrote, its answer."""
+        """An uninterrupted run: its seconds (and when its work began), what it wrote, its answer."""
         self.prepare(store, out)
-        self.seconds = checked(*self.args(store, out))
+        with started(self.args(store, out)) as run:
+            self.work_begins = run.until_said(self.begins) if self.begins else 0.0
+            assert run.proc.wait() == 0, f"{self.name}: {run.said()}"
+            self.seconds = run.elapsed()
         self.written_kib = self.output_kib(store, out)
         self.reference = self.answer(store, out)
 
@@ -177,6 +180,7 @@ class Analyze(Command):
 
     name = "analyze"
     derived = frozenset({"analysis", "leases"})
+    begins = "work items on"
 
     def args(self, store: Location, out: Path) -> list[str | Location | Path]:
         return ["analyze", store]
@@ -275,6 +279,7 @@ class Bisect(Command):
 
     name = "bisect"
     derived = frozenset({"bisect", "replays", "analysis", "leases"})
+    begins = "probes run on"
 
     def args(self, store: Location, out: Path) -> list[str | Location | Path]:
         return ["bisect", store, *BISECT]
@@ -295,12 +300,49 @@ class Bisect(Command):
 # -- trials ----------------------------------------------------------------------------------------------
 
 
-def _ended(proc: subprocess.Popen, seconds: float) -> bool:
-    try:
-        proc.wait(timeout=seconds)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
+@dataclass
+class Running:
+    """A `replay` command running in a process group of its own, its stderr going to a file (a pipe nobody
+    reads could fill and stall it)."""
+
+    proc: subprocess.Popen
+    err: IO[str]
+    t0: float
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def said(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
+
+    def until_said(self, words: str) -> float:
+        """Wait until it says `words` on stderr (or ends); the seconds since it started."""
+        while words not in self.said() and self.proc.poll() is None:
+            time.sleep(0.02)
+        return self.elapsed()
+
+    def ends_within(self, seconds: float) -> bool:
+        try:
+            self.proc.wait(timeout=max(seconds, 0.0))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+@contextlib.contextmanager
+def started(args: list[str | Location | Path]) -> Iterator[Running]:
+    """`replay ARGS` started; killed, with its group, if still running at the end of the block."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "replay", *map(str, args)], cwd=REPO, env=child_env(),
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            yield Running(proc, err, time.monotonic())
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _gone(procs: dict[int, int], within: float = 2.0) -> list[str]:
@@ -316,22 +358,22 @@ def _gone(procs: dict[int, int], within: float = 2.0) -> list[str]:
     return [f"{len(left)} of its processes still ran {within:g} s after the kill"] if left else []
 
 
-def kill_trial(cmd: Command, store: Location, out: Path, rng: random.Random, how: str) -> Trial:
+def kill_trial(cmd: Command, store: Location, out: Path, rng: random.Random, how: str, in_work: bool) -> Trial:
     """The command on a fresh input, SIGKILLed (its process group, or itself alone) at a random moment of an
-    uninterrupted run's duration, then run again."""
+    uninterrupted run's duration, or (`in_work`) of its work, once its start-up is over; then run again."""
     cmd.prepare(store, out)
     own = own_data(store, cmd.derived)
-    at = rng.uniform(0, cmd.seconds)
-    with tempfile.TemporaryFile("w+") as err:   # a file: a pipe nobody reads could fill and stall it
-        proc = subprocess.Popen([sys.executable, "-m", "replay", *map(str, cmd.args(store, out))], cwd=REPO,
-                                env=child_env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        ended = _ended(proc, at)
-        launched = descendants(proc.pid)
+    with started(cmd.args(store, out)) as run:
+        begun = run.until_said(cmd.begins) if in_work else 0.0
+        ended = run.ends_within(rng.uniform(0, cmd.seconds - (cmd.work_begins if in_work else 0.0)))
+        at = run.elapsed()
+        launched = descendants(run.proc.pid)
         if not ended:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL) if how == "group" else os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    trial = Trial(cmd.name, f"SIGKILL of the {how} at {at:.1f} s", "it had ended" if ended else cmd.stage(store, out),
+                os.killpg(run.proc.pid, signal.SIGKILL) if how == "group" else os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+    when = f"at {at:.1f} s" + (f", {at - begun:.1f} s into its work" if in_work else "")
+    trial = Trial(cmd.name, f"SIGKILL of the {how} {when}", "it had ended" if ended else cmd.stage(store, out),
                   _gone(launched))
     if not cmd.finished(store, out):
         return again(cmd, store, out, own, trial)
@@ -400,9 +442,10 @@ def run(reference: Location, base: Location, local: Path, kills: int, disks: int
         cmd = commands[name]
         cmd.measure(*cmd.places(base, local, f"measure-{name}"))
         say(f"{name}: an uninterrupted run takes {cmd.seconds:.1f} s and writes {cmd.written_kib} KiB", flush=True)
-        for i in range(kills):
+        for i in range(kills):   # the group, the command alone; anywhere, in its work (once its start-up is over)
             store, out = cmd.places(base, local, f"{name}-kill-{i}")
-            trials.append(kill_trial(cmd, store, out, rng, ("group", "process")[i % 2]))
+            in_work = bool(cmd.begins) and i // 2 % 2 == 1
+            trials.append(kill_trial(cmd, store, out, rng, ("group", "process")[i % 2], in_work))
             _say(say, trials[-1])
         trials += full_disks(cmd, base, local, disks, rng, say)
     return trials
