@@ -63,13 +63,24 @@ _COMPRESSORS = (ZstdCodec(), Crc32cCodec())   # the step log and embedded data: 
 
 def check_empty(location: Location) -> None:
     """Refuse a store location that holds anything already (the lease of the command about to create a store
-    there does not count: store/lease.py; nor does a temporary file of Zarr's that a kill left, as one
-    creating a replay's store can)."""
+    there does not count: store/lease.py)."""
     local = location.local
-    held = {name for name in location.children() if not name.endswith(".partial")} - {"leases"}
-    if (local is not None and local.exists() and not local.is_dir()) or held:
+    if (local is not None and local.exists() and not local.is_dir()) or _holds_files(location, skip={"leases"}):
         raise StoreError(f"store {location} is not empty: pass --resume to continue the run recorded there, "
                          "or choose a new --store location")
+
+
+def _holds_files(where: Location, skip: set[str]) -> bool:
+    """Whether a file or object is below `where` (those named in `skip` aside). Empty folders do not count (an
+    object store's server may list a removed tree's prefixes for a while: SeaweedFS does), nor do the
+    temporary files of Zarr's that a kill inside a write leaves (one creating a replay's store can)."""
+    for name in where.children():
+        if name in skip or name.endswith(".partial"):
+            continue
+        child = where / name
+        if child.exists() or _holds_files(child, set()):
+            return True
+    return False
 
 
 def _ckpt_name(step: int) -> str:

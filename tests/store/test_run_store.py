@@ -203,3 +203,10 @@ def test_a_store_is_created_over_the_temporary_file_of_a_creation_killed_before_
     (tmp_path / "run" / "zarr.0123abcd.partial").write_text('{"zarr_fo')
     new_store(tmp_path / "run")
     assert RunStore.open(tmp_path / "run").n_steps == 0
+
+
+def test_a_store_is_created_where_only_empty_folders_are_left(tmp_path):
+    """What a removed store can leave (an object store's server may list its prefixes for a while)."""
+    (tmp_path / "run" / "steps" / "loss").mkdir(parents=True)
+    new_store(tmp_path / "run")
+    assert RunStore.open(tmp_path / "run").n_steps == 0
