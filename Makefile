@@ -49,7 +49,9 @@ results: setup
 	$(PY) -m results.make_results
 
 # The fault soak: 30 SIGKILLs of a 2-rank recording at random moments (each resumed and compared bit for bit
-# with an uninterrupted run), then single-bit flips all over every file of a checkpoint; prints the counts.
+# with an uninterrupted run), then single-bit flips all over every file of a checkpoint, then analyze, report,
+# export and bisect each SIGKILLed at random moments and run on a full disk (a tmpfs it mounts: root), each
+# run again after and compared with an uninterrupted run; prints the counts.
 soak: setup
 	$(PY) -m tests.soak
 

@@ -13,6 +13,10 @@ that directory), so a retry succeeds.
     analysis-driver-kill:N     the analysis driver after N work items                      SIGKILL
     analysis-kill:STEP         an analysis task reading checkpoint STEP                    SIGKILL
     analysis-io:STEP           an analysis task reading checkpoint STEP                    OSError
+    analysis-unfinished        the analysis driver: a table's arrays made, not its attributes SIGKILL
+    analysis-rows              the analysis driver: arrays sized for new rows, not yet listed SIGKILL
+    report-written             `replay report`: its page in the temporary file, not renamed SIGKILL
+    export-written             `replay export`: DCP's files written, still marked unfinished SIGKILL
 """
 
 from __future__ import annotations

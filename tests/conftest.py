@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,8 @@ from replay.launch.pool import RankPool
 from replay.lifeline import child_env, guarded
 from replay.processes import alive, descendants
 from replay.store.location import Location
+from tests import disks
+from tests.disks import Tmpfs, Unavailable
 from tests.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +64,7 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, proces
 INTEGRATION_FIXTURES = {"two_rank_store", "spike_store", "zero1_store", "reported_spike", "ray_local",
                         "planted_data", "planted_layer", "two_node_cluster", "other_seed", "interpreted",
                         "token_file", "replayed_store", "analysed_store", "rank_pool", "on_rank_pool",
-                        "s3_server", "s3_store"}
+                        "s3_server", "s3_store", "small_disk", "read_only"}
 
 
 def pytest_collection_modifyitems(items):
@@ -185,6 +188,32 @@ def s3_store(s3_server, monkeypatch, request) -> Location:
         monkeypatch.delenv(name, raising=False)
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
     return Location.parse(f"s3://{s3_server.bucket}/{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Callable[[int], Tmpfs]]:
+    """`small_disk(size_kib)`: a tmpfs of that size mounted for the test (tests/disks.py: `fill` it, `free`
+    it); the test is skipped, saying why, where this machine or user cannot mount one."""
+    with contextlib.ExitStack() as mounted:
+        def mount(size_kib: int) -> Tmpfs:
+            try:
+                return mounted.enter_context(Tmpfs(tmp_path / f"disk-{uuid.uuid4().hex[:6]}", size_kib))
+            except Unavailable as e:
+                pytest.skip(f"no disk to fill: {e}")
+        yield mount
+
+
+@pytest.fixture
+def read_only() -> Iterator[Callable[[Path], Path]]:
+    """`read_only(path)`: where to find `path` made read-only for the test's processes, for real (tests/disks.py:
+    a read-only bind mount as root, chmod a-w otherwise); skipped, saying why, where neither can be made."""
+    with contextlib.ExitStack() as made:
+        def make(path: Path) -> Path:
+            try:
+                return made.enter_context(disks.read_only(path))
+            except Unavailable as e:
+                pytest.skip(f"no read-only folder: {e}")
+        yield make
 
 
 BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))

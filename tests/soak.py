@@ -1,12 +1,16 @@
 """The fault soak: real SIGKILLs of a 2-rank recording at random moments, each resumed to completion and
-compared bit for bit with an uninterrupted run; and flipped bits in a committed checkpoint, each refused
-on read with one line naming the checkpoint and the file or array.
+compared bit for bit with an uninterrupted run; flipped bits in a committed checkpoint, each refused
+on read with one line naming the checkpoint and the file or array; and the derived commands (`analyze`,
+`report`, `export`, `bisect`) SIGKILLed at random moments and run on a full disk, each run again after
+(tests/soak_derived.py).
 
-The suite runs a few trials of each (tests/launch/test_soak_integration.py); `make soak` runs 30 kills and flips bits
-all over every file of a checkpoint, and prints the counts; with --s3, every store is in the bucket of a
-SeaweedFS server started for it on 127.0.0.1 (tests/s3server.py):
+The suite runs a few trials of each (tests/launch/test_soak_integration.py, and the derived commands' own tests);
+`make soak` runs 30 kills, flips bits all over every file of a checkpoint, kills and fills the disk of each
+derived command, and prints the counts; with --s3, every store is in the bucket of a SeaweedFS server started
+for it on 127.0.0.1 (tests/s3server.py):
 
-    .venv/bin/python -m tests.soak [--kills 30] [--flips-per-file 20] [--seed S] [--s3]
+    .venv/bin/python -m tests.soak [--kills 30] [--flips-per-file 40] [--derived-kills 4] [--full-disks 2]
+                                   [--seed S] [--s3]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from replay.lifeline import child_env
 from replay.processes import descendants
 from replay.store import RunStore
 from replay.store.location import Location, Where
+from tests import soak_derived
 from tests.conftest import TWO_RANK_ARGS, assert_gone, tensors_equal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,6 +286,8 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=30)
     ap.add_argument("--flips-per-file", type=int, default=40)
     ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--derived-kills", type=int, default=4, help="SIGKILLs of each derived command")
+    ap.add_argument("--full-disks", type=int, default=2, help="full disks met by each derived command")
     ap.add_argument("--s3", action="store_true", help="every store in a local S3 server's bucket")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -314,6 +321,19 @@ def main() -> None:
         for f in flips:
             if not f.one_line:
                 print(f"  not caught as it should be: {f.file} byte {f.byte} bit {f.bit}: {f.message or 'accepted'}")
+        if args.derived_kills or args.full_disks:
+            derived(reference, base / "derived", Path(tmp) / "derived", args, rng)
+
+
+def derived(reference: Location, base: Location, local: Path, args: argparse.Namespace, rng: random.Random) -> None:
+    print(f"derived commands: {args.derived_kills} SIGKILLs of each of {', '.join(soak_derived.COMMANDS)} at random "
+          f"moments (its process group or itself alone), and {args.full_disks} full disks each (a tmpfs mounted "
+          "here), each run again after", flush=True)
+    t0 = time.perf_counter()
+    trials = soak_derived.run(reference, base, local, args.derived_kills, args.full_disks, rng)
+    for line in soak_derived.summary(trials):
+        print(line)
+    print(f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

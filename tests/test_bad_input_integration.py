@@ -271,10 +271,10 @@ def _cases() -> list[Case]:
         # the command itself
         Case("recrod --store NEW", "No such command 'recrod'"),
         # a read-only store: its readers read it, its writers say so
-        Case("record --store STORE --resume", "cannot be written", read_only=True),
-        Case("run STORE --from 20 --to 22", "cannot be written", read_only=True),
-        Case("bisect STORE --spike 20 --fix lr-scale=0.5", "cannot be written", read_only=True),
-        Case("analyze STORE", "cannot be written", read_only=True),
+        Case("record --store STORE --resume", "the filesystem is read-only", read_only=True),
+        Case("run STORE --from 20 --to 22", "the filesystem is read-only", read_only=True),
+        Case("bisect STORE --spike 20 --fix lr-scale=0.5", "the filesystem is read-only", read_only=True),
+        Case("analyze STORE", "the filesystem is read-only", read_only=True),
         Case("report STORE", "write it elsewhere with -o FILE", read_only=True),
     ]
 

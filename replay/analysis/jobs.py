@@ -23,7 +23,7 @@ from replay.analysis.items import DistanceItem, MetricItem, Source, weight_layou
 from replay.analysis.names import DISTANCES
 from replay.analysis.series import is_store, series_of
 from replay.analysis.series import prepare as prepare_series
-from replay.errors import ReplayError, StoreError, UsageError
+from replay.errors import ReplayError, StoreError, UsageError, disk_errors
 from replay.launch.ray_cluster import ray_session, run_tasks, worker_options
 from replay.replayer.listing import replays
 from replay.store import RunStore
@@ -237,6 +237,13 @@ def analyze(where: Where, address: str | None = None, workers: int | None = None
     not record (analysis/series.py: `heads`, `layout` where they do not say, `spikes` to look before,
     `into` for the store of their results)."""
     store_path = Location.parse(where)
+    with disk_errors(f"the analysis of {store_path}", store_path):
+        return _analyze(store_path, address, workers, progress, every, heads, layout, spikes, into)
+
+
+def _analyze(store_path: Location, address: str | None, workers: int | None, progress: Callable[[str], None],
+             every: int, heads: int | None, layout: str | dict[str, Any] | None, spikes: Sequence[int],
+             into: Location | None) -> Summary:
     run = RunStore.open(store_path) if is_store(store_path) else \
         prepare_series(store_path, into, heads, layout, list(spikes))
     if run.kind == "replay":
@@ -279,7 +286,8 @@ def compare(a_where: Where, b_where: Where, address: str | None = None, workers:
                          "same --checkpoint-every")
     a = RunStore.open(a_path) if is_store(a_path) else prepare_series(a_path, None, heads, layout, [])
     table = compare_table_name(a.location, b_path)
-    with writing(a.location, "replay compare") as lease, ray_session(address, workers) as slots:
+    with disk_errors(f"the distances of {b_path} in {a.location}", a.location), \
+            writing(a.location, "replay compare") as lease, ray_session(address, workers) as slots:
         items, skipped, steps = plan_distances(a, table, reference, other)
         for item in items:
             item.lease = lease.spec

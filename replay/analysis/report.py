@@ -8,6 +8,7 @@ the browser decoded (`data-figures-rendered` on <body>): a check any browser can
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import io
 import time
@@ -17,11 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from replay import faults
 from replay.analysis.localise import WARN_Z, Localisation, localise_store
 from replay.analysis.names import HEAD_MATRICES
 from replay.analysis.results import read_distances, read_metrics
 from replay.bisect.session import Session
 from replay.config import Launcher
+from replay.errors import disk_errors
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.location import Location, Where
@@ -304,8 +307,21 @@ def write_report(store_path: Where, out: str | Path | None = None, top: int = 10
         parts.append("</table>")
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>replay report</title><style>{_STYLE}</style>"
             f"</head><body data-figures='{len(figures)}'>" + "\n".join(parts) + _CHECK + "</body></html>")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(page)
-    tmp.replace(out)
+    _write_page(out, page)
     return out
+
+
+def _write_page(out: Path, page: str) -> None:
+    """`out` replaced whole or not at all: the page goes to a temporary file beside it, renamed over it; a
+    failed write removes it (a killed one leaves it, to be written over by the next report)."""
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with disk_errors(f"the report {out}", out.parent, elsewhere="write it elsewhere with -o FILE"):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(page)
+            faults.hit("report-written")
+            tmp.replace(out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

@@ -16,7 +16,7 @@ from replay.analysis import metrics as M
 from replay.analysis import results as R
 from replay.analysis.items import DistanceItem, MetricItem, Source
 from replay.analysis.names import DISTANCES
-from replay.errors import StoreError
+from replay.errors import StoreError, disk_errors
 from replay.kernels.registry import hf_attention_modules, per_query_head, register
 from replay.store import RunStore
 from replay.store.layout import MODEL_KEYS, model_key
@@ -32,10 +32,12 @@ def run(item: MetricItem | DistanceItem) -> str:
     faults.hit("analysis-kill", step)
     result = compute_metrics(item) if isinstance(item, MetricItem) else compute_distances(item)
     require(item.lease)   # a task of a driver that lost the store (it died, another took over) writes nothing
-    if isinstance(item, MetricItem):
-        R.write_metrics(item.store, item.row, item.block, item.block_index, result)
-    else:
-        R.write_distances(item.store, item.table, item.row, result)
+    # a full or read-only disk is no transient error to retry (OSErrors are): the driver says it in one line
+    with disk_errors(f"the analysis of {item.store}", item.store):
+        if isinstance(item, MetricItem):
+            R.write_metrics(item.store, item.row, item.block, item.block_index, result)
+        else:
+            R.write_distances(item.store, item.table, item.row, result)
     return ray.get_runtime_context().get_node_id()
 
 

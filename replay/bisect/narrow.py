@@ -19,6 +19,7 @@ after every probe, so running the same command again resumes it without re-runni
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -266,8 +267,9 @@ class Bisect:
             try:
                 return self._run()
             except BaseException as e:   # an interrupt too: the session is not left "running"
-                if self.started:
-                    self.save(status="failed", error=str(e) or type(e).__name__)
+                if self.started:   # unless the store refuses this write too (a full disk): `e` is what to say
+                    with contextlib.suppress(ReplayError, OSError):
+                        self.save(status="failed", error=str(e) or type(e).__name__)
                 raise
 
     def _run(self) -> Session:

@@ -13,7 +13,7 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
-from replay.errors import ReplayError
+from replay.errors import ReplayError, disk_error
 from replay.lifeline import follow_parent
 
 if TYPE_CHECKING:
@@ -71,12 +71,21 @@ def _attempt(train, store: Location, resume: bool, lease: str, **kwargs) -> tupl
         train(store, lease, resume=resume, **kwargs)
     except ReplayError as e:
         return (_SAID if e.said_by_launcher else "") + str(e), e.exit_code
+    except OSError as e:   # a full or read-only disk is said as such; other OSErrors as below
+        said = disk_error(e, f"the run store {store}", store)
+        if said is None:
+            return _unexpected(e)
+        return str(said), said.exit_code
     except Exception as e:  # e.g. a peer rank died and the collective broke
-        if os.environ.get("REPLAY_DEBUG"):
-            traceback.print_exc()
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        return f"{type(e).__name__}: {first_line}", 1
+        return _unexpected(e)
     return None, 0
+
+
+def _unexpected(e: Exception) -> tuple[str, int]:
+    if os.environ.get("REPLAY_DEBUG"):
+        traceback.print_exc()
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first_line}", 1
 
 
 if __name__ == "__main__":

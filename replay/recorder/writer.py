@@ -11,7 +11,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from replay.errors import StoreError
+from replay.errors import StoreError, disk_error
 
 
 class BackgroundWriter:
@@ -53,6 +53,9 @@ class BackgroundWriter:
     def raise_if_failed(self) -> None:
         if self._error is not None:
             e = self._error
+            said = disk_error(e, "to the run store", None)
+            if said is not None:
+                raise said from e
             if isinstance(e, StoreError):   # says what went wrong where, and what to do, itself
                 raise StoreError(f"writing to the run store failed: {e}") from e
             first = (str(e).strip().splitlines() or [""])[0]   # an object store's error goes on with a debug dump

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import shutil
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,17 +31,20 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from replay import faults
 from replay.config import Launcher
-from replay.errors import StoreError, UsageError
+from replay.errors import StoreError, UsageError, disk_error, disk_errors
 from replay.store.layout import MODEL_KEYS
 from replay.store.location import Where
 from replay.store.run_store import RunStore
 
 MODEL, OPTIMIZER = "model", "optimizer"   # the top-level keys of an exported directory
 METADATA = ".metadata"
+PARTIAL = ".replay-export-unfinished"   # in an export's folder until DCP has written all of it
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
             ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
@@ -73,9 +77,7 @@ def export(store_path: Where, step: int, out: str | Path, model: torch.nn.Module
     """Write checkpoint `step` of the run in `store_path` to the DCP directory `out` (new or empty). With
     `model` and `optimizer` (the run's kinds, any weights: the checkpoint is loaded into them), the optimizer
     state goes in too."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out} exists and is not an empty directory: export to a new one")
+    out = _target(out)
     store = RunStore.open(store_path)
     committed = [c.step for c in store.checkpoints()]
     if step not in committed:
@@ -92,9 +94,66 @@ def export(store_path: Where, step: int, out: str | Path, model: torch.nn.Module
         model.load_state_dict(replicated["model"])
         optimizer.load_state_dict(replicated["optimizer"])
         state = {MODEL: replicated["model"], OPTIMIZER: get_state_dict(model, optimizer)[1]}
-    with quiet_single_process():
-        dcp.save(state, checkpoint_id=out, no_dist=True)
+    _save(state, out)
     return Exported(out, step, len(state[MODEL]), not why_not, why_not)
+
+
+def _target(out: str | Path) -> Path:
+    """The directory to export to: new, empty, or an export cut short (which is written over)."""
+    if "://" in str(out):
+        raise UsageError(f"--to {out}: an export is written to a local directory (DCP's file system writer); "
+                         "export to a local folder, then copy it to the object store (e.g. `aws s3 cp --recursive`)")
+    path = Path(out)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not (path / PARTIAL).exists():
+        raise UsageError(f"{path} exists and is not an empty directory: export to a new one")
+    return path
+
+
+def _save(state: dict[str, Any], out: Path) -> None:
+    """`state` as a DCP directory at `out`, marked unfinished (PARTIAL) until DCP has written all of it; a
+    failure removes what it wrote, a kill leaves the mark, and the next export over it starts again."""
+    created = not out.exists()
+    try:
+        with disk_errors(f"the export to {out}", out, elsewhere="export to another folder"):
+            out.mkdir(parents=True, exist_ok=True)
+            _clear(out)
+            (out / PARTIAL).write_bytes(b"")
+            with quiet_single_process():
+                dcp.save(state, checkpoint_id=out, no_dist=True)
+            faults.hit("export-written")
+            (out / PARTIAL).unlink()
+    except CheckpointException as e:   # DCP's own, a BaseException: what went wrong is inside it
+        _discard(out, created)
+        raise _failed(e, out) from None
+    except BaseException:
+        _discard(out, created)
+        raise
+
+
+def _clear(out: Path) -> None:
+    """What an export cut short left in `out` (`_target` let only such a folder through, or an empty one)."""
+    for child in out.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def _discard(out: Path, created: bool) -> None:
+    """Remove a failed export's files (and its folder, if it made it); as much as the filesystem allows."""
+    with contextlib.suppress(OSError):
+        if created:
+            shutil.rmtree(out)
+        elif out.is_dir():
+            _clear(out)
+
+
+def _failed(e: CheckpointException, out: Path) -> StoreError:
+    """DCP's failure as one line: a full or read-only disk as such, else its first error's first line."""
+    errors = [exc for exc, _ in e.failures.values()] or [e]
+    for exc in errors:
+        found = disk_error(exc, f"the export to {out}", out, elsewhere="export to another folder")
+        if found is not None:
+            return found
+    why = (str(errors[0]).strip().splitlines() or [type(errors[0]).__name__])[0]
+    return StoreError(f"the export to {out} failed ({type(errors[0]).__name__}: {why}); nothing was left there")
 
 
 class _MetadataUnpickler(pickle.Unpickler):

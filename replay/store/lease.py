@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from replay.errors import StoreError
+from replay.errors import StoreError, disk_errors
 from replay.processes import start_time
 from replay.store import object_lease
 from replay.store.holder import HELD, HeldLease, Holder, lease_timeout
@@ -126,12 +126,13 @@ class Lease(HeldLease):
             holder = Holder(command=command, pid=os.getpid(), host=socket.gethostname(), since=time.time(),
                             token=uuid.uuid4().hex, start=start_time(os.getpid()))
             try:
-                _make_dirs(path.parent)
-                fd = cls._take(store, path, holder, report or _report)
-            except OSError as e:   # a read-only store, or one this user may not write
+                elsewhere = "choose a location you may write" if created_dir else "copy the store where you may write"
+                with disk_errors(f"the lease of {store} (for `{command}`)", path.parent, elsewhere):
+                    _make_dirs(path.parent)
+                    fd = cls._take(store, path, holder, report or _report)
+            except OSError as e:   # refused otherwise than a full, read-only or forbidden filesystem
                 _remove_empty(store, created_dir)
-                where = "choose a location you may write" if created_dir else "copy the store where you may write"
-                raise StoreError(f"{store} cannot be written ({e.strerror}: {e.filename}): {where}") from None
+                raise StoreError(f"{store} cannot be written ({e.strerror}: {e.filename}): {elsewhere}") from None
             except BaseException:
                 _remove_empty(store, created_dir)
                 raise

@@ -76,8 +76,8 @@ class LocalBackend:
                 path.unlink()
 
     def holds_anything(self, key: str) -> bool:
-        path = Path(key)
-        return path.is_file() or (path.is_dir() and any(path.iterdir()))
+        path = Path(key)   # empty folders, as a kill inside a write can leave, hold nothing
+        return path.is_file() or any(not p.is_dir() for p in path.rglob("*"))
 
     def sync(self, key: str) -> None:
         sync_filesystem(Path(key))

@@ -46,7 +46,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from replay.errors import ChecksumError, StoreError, UsageError
+from replay.errors import ChecksumError, StoreError, UsageError, disk_errors
 from replay.store.capabilities import Capabilities
 from replay.store.chunks import chunking
 from replay.store.integrity import crc32c, group_attributes, group_json, seal, unseal
@@ -76,7 +76,9 @@ def check_empty(location: Location) -> None:
     local = location.local
     if local is not None and local.exists() and not local.is_dir():
         raise StoreError(f"store {location} is a file: choose a new --store location (a directory)")
-    if any((location / name).holds_anything() for name in set(location.children()) - {"leases"}):
+    # a temporary file of Zarr's that a kill left does not count, nor does the lease
+    names = {name for name in location.children() if not name.endswith(".partial")} - {"leases"}
+    if any((location / name).holds_anything() for name in names):
         kind, status = _stored_kind(location)
         holds = ("it holds a run: pass --resume to continue it, or" if kind == "run" and status != "complete" else
                  f"it holds a {'complete run' if kind == 'run' else kind or 'folder of other files'}:")
@@ -114,6 +116,7 @@ def _stored_kind(location: Location) -> tuple[str | None, str | None]:
     if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
         return None, None
     return meta["kind"], attrs.get("status")
+
 
 
 def _ckpt_name(step: int) -> str:
@@ -284,15 +287,25 @@ class RunStore:
     # -- bisect sessions (replay/bisect) ------------------------------------------------------------
 
     def bisect_sessions(self) -> list[dict[str, Any]]:
-        if "bisect" not in self.root:
-            return []
-        docs = [attributes(group) for _, group in sorted(self._member("bisect", zarr.Group).groups())]
-        return [d for d in docs if "id" in d]   # a group whose first write was cut short holds nothing yet
+        """Every session's document; a group whose first write was cut short holds none yet, and one whose
+        document cannot be read is left out (its bisect, run again, starts it over)."""
+        docs = []
+        for name in (self.location / "bisect").children():
+            path = self.location / "bisect" / name / "zarr.json"
+            raw = path.read()
+            try:
+                doc = group_attributes(raw, str(path)) if raw is not None else {}
+            except ChecksumError:
+                continue
+            if "id" in doc:
+                docs.append(doc)
+        return docs
 
     def write_bisect_session(self, session_id: str, doc: dict[str, Any]) -> None:
-        """One write of the whole document (a crash leaves the previous one)."""
-        group = self.root.require_group(f"bisect/{session_id}")
-        group.update_attributes(doc)
+        """One write of the whole document, replacing the last (a crash leaves it, whole)."""
+        with disk_errors(f"the bisect session {session_id} in {self.location}", self.location / "bisect"):
+            self.root.require_group("bisect")
+            (self.location / "bisect" / session_id / "zarr.json").write(group_json(doc))
 
     # -- embedded data -----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from replay.analysis.results import analysis_status, read_distances
 from replay.store import RunStore
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
@@ -59,3 +60,14 @@ def test_compare_refuses_different_models(store_copy, tmp_path):
     assert "hold different models" in error_line(replay_cli("compare", str(store_copy), str(small)))
     assert "two different stores" in error_line(replay_cli("compare", str(store_copy), str(store_copy)))
     assert tree_snapshot(store_copy) == before
+
+
+def test_a_store_compared_before_it_is_analysed_is_analysed_and_keeps_its_distances(store_copy, other_seed,
+                                                                                     ray_local):
+    """`compare` makes the analysis group for its distances; `analyze` then makes its metrics table in it (it
+    once took the group for a finished table and failed with KeyError: 'n_layer')."""
+    compared = json.loads(replay_cli("compare", str(store_copy), str(other_seed), "--json").stdout)
+    result = replay_cli("analyze", str(store_copy), "--json")
+    assert result.returncode == 0, result.stderr
+    assert analysis_status(store_copy)["checkpoints"] == [0, 10, 20, 30]
+    assert read_distances(store_copy)[compared["table"].split("/")[-1]]["step"].tolist() == [0, 10, 20]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 from replay.analysis.jobs import analyze
-from replay.analysis.results import METRICS, read_distances, read_metrics
+from replay.analysis.results import METRICS, analysis_status, read_distances, read_metrics
 from tests.conftest import error_line, killed_by_fault, replay_cli, tree_snapshot
 
 # Its in-process 2-rank runs use the worker's warm ranks (tests/conftest.py): its subject is
@@ -81,6 +82,45 @@ def test_an_analysis_from_before_a_metric_existed_is_completed(analysed_store, r
     summary = analyze(store)
     assert (summary.computed, summary.skipped) == (6, 1)   # every checkpoint again; the distances were whole
     _same_results(store, analysed_store)
+
+
+def _own_data(store) -> dict:
+    """The store's files that the analysis does not write."""
+    return {k: v for k, v in tree_snapshot(store).items()
+            if not k.startswith(("analysis/", "leases/")) and "/analysis/" not in k}
+
+
+def test_a_full_disk_stops_the_analysis_in_one_line_and_the_next_one_completes_it(replayed_store, analysed_store,
+                                                                                 ray_local, small_disk):
+    """100 KiB free (a tmpfs): one line naming the problem and what to do, the run's own data as it was; once
+    space is freed, `replay analyze` completes it, equal to an undisturbed analysis."""
+    disk = small_disk(16384)
+    store = disk.path / "run"
+    shutil.copytree(replayed_store, store)
+    own = _own_data(store)
+    disk.fill(leave_kib=100)
+    result = replay_cli("analyze", str(store))
+    line = error_line(result)
+    assert result.returncode == 2 and "no space left on the device" in line and "free space there" in line, line
+    assert _own_data(store) == own
+    disk.free()
+    again = replay_cli("analyze", str(store))
+    assert again.returncode == 0, again.stderr
+    _same_results(store, analysed_store)
+
+
+@pytest.mark.parametrize("fault", ["analysis-unfinished", "analysis-rows"])
+def test_an_analysis_killed_while_making_its_tables_is_made_whole_by_the_next(replayed_copy, analysed_store,
+                                                                            ray_local, fault):
+    """SIGKILLed after the metrics table's arrays are made but before its attributes say so, or after its arrays
+    are sized for the new rows but before they are listed: nothing is read of it, and the next analysis
+    computes every item, equal to an undisturbed analysis."""
+    killed_by_fault(fault, "analyze", str(replayed_copy), env={"RAY_ADDRESS": ray_local})
+    assert (replayed_copy / "analysis/zarr.json").exists()
+    assert analysis_status(replayed_copy)["checkpoints"] == []
+    summary = analyze(replayed_copy)
+    assert (summary.computed, summary.skipped) == (7, 0)
+    _same_results(replayed_copy, analysed_store)
 
 
 def test_rerunning_computes_only_what_is_new(replayed_copy, ray_local):

@@ -1,4 +1,5 @@
-"""`replay report` on a real spike, rendered by a real headless browser (Debian's chromium)."""
+"""`replay report` on a real spike, rendered by a real headless browser (Debian's chromium); a report that
+cannot be written (a read-only store, a full disk) or is killed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from replay.analysis.localise import localise_store
+from tests.conftest import error_line, killed_by_fault, replay_cli, tree_snapshot
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -46,3 +48,43 @@ def test_report_renders_in_a_browser_with_its_plots(reported_spike, tmp_path):
     assert pixels.shape[:2] == (3000, 1200)
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 1000   # plots drawn, not a blank or broken page
 
+
+
+def _without_report(store: Path) -> dict:
+    return {k: v for k, v in tree_snapshot(store).items() if not k.startswith("report.html")}
+
+
+def test_a_report_on_a_read_only_store_is_one_line_and_writes_nothing(analysed_store, read_only, tmp_path):
+    store = tmp_path / "run"
+    shutil.copytree(analysed_store, store, ignore=shutil.ignore_patterns("report.html*"))
+    before = tree_snapshot(store)
+    result = replay_cli("report", str(read_only(store)))
+    line = error_line(result)
+    assert result.returncode == 2 and ("read-only" in line or "permission denied" in line) and "-o FILE" in line, line
+    assert tree_snapshot(store) == before        # no report.html.tmp, nothing else
+
+
+def test_a_report_on_a_full_disk_is_one_line_leaves_no_temporary_file_and_is_written_once_space_is_freed(
+        analysed_store, small_disk):
+    disk = small_disk(16384)
+    store = disk.path / "run"
+    shutil.copytree(analysed_store, store, ignore=shutil.ignore_patterns("report.html*"))
+    own = _without_report(store)
+    disk.fill(leave_kib=64)                       # the page is about 150 KiB
+    result = replay_cli("report", str(store))
+    line = error_line(result)
+    assert result.returncode == 2 and "no space left on the device" in line and "free space there" in line, line
+    assert not (store / "report.html.tmp").exists() and not (store / "report.html").exists()
+    disk.free()
+    assert replay_cli("report", str(store)).returncode == 0
+    assert (store / "report.html").stat().st_size > 64 * 1024 and not (store / "report.html.tmp").exists()
+    assert _without_report(store) == own
+
+
+def test_a_report_killed_before_its_page_is_in_place_is_written_by_the_next(analysed_store, tmp_path):
+    store = tmp_path / "run"
+    shutil.copytree(analysed_store, store, ignore=shutil.ignore_patterns("report.html*"))
+    killed_by_fault("report-written", "report", str(store))
+    assert (store / "report.html.tmp").exists() and not (store / "report.html").exists()
+    assert replay_cli("report", str(store)).returncode == 0
+    assert (store / "report.html").exists() and not (store / "report.html.tmp").exists()

@@ -254,3 +254,33 @@ def test_a_step_logs_chunk_of_zeros_is_stored_so_that_a_missing_one_is_damage(tm
     (tmp_path / "run/steps/tokens/c/0").unlink()
     with pytest.raises(ChecksumError, match=r"steps/tokens is missing 1 of its 1 chunks: the store is corrupted"):
         store.verify_records()
+
+
+def test_bisect_sessions_cut_short_or_damaged_are_left_out_and_written_over(tmp_path):
+    """A session group whose first write was cut short (no document yet) or whose document is damaged is left
+    out, not a KeyError; the bisect that runs it again writes it whole."""
+    store = new_store(tmp_path / "run")
+    store.write_bisect_session("spike-5-steps-a", {"id": "spike-5-steps-a", "status": "complete"})
+    store.root.create_group("bisect/spike-5-steps-b")                      # made, its document never written
+    damaged = tmp_path / "run/bisect/spike-5-steps-c/zarr.json"
+    damaged.parent.mkdir()
+    damaged.write_text('{"zarr_format": 3, "node_type": "group", "attributes": {"id": "spike-5-st')
+    assert [d["id"] for d in store.bisect_sessions()] == ["spike-5-steps-a"]
+    store.write_bisect_session("spike-5-steps-c", {"id": "spike-5-steps-c", "status": "running"})
+    again = RunStore.open(tmp_path / "run").bisect_sessions()
+    assert [d["id"] for d in again] == ["spike-5-steps-a", "spike-5-steps-c"]
+
+
+def test_a_store_is_created_over_the_temporary_file_of_a_creation_killed_before_its_manifest(tmp_path):
+    """A kill inside the first write of a store (a bisect's probe replay, say) leaves Zarr's temporary file."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "zarr.0123abcd.partial").write_text('{"zarr_fo')
+    new_store(tmp_path / "run")
+    assert RunStore.open(tmp_path / "run").n_steps == 0
+
+
+def test_a_store_is_created_where_only_empty_folders_are_left(tmp_path):
+    """What a removed store can leave (an object store's server may list its prefixes for a while)."""
+    (tmp_path / "run" / "steps" / "loss").mkdir(parents=True)
+    new_store(tmp_path / "run")
+    assert RunStore.open(tmp_path / "run").n_steps == 0

@@ -22,7 +22,7 @@ from replay.lifeline import child_env
 from replay.store import RunStore
 from replay.store.lease import Lease
 from replay.store.location import Location
-from tests.conftest import REPO, TWO_RANK_ARGS, error_line, replay_cli
+from tests.conftest import REPO, TWO_RANK_ARGS, error_line, new_store, replay_cli
 from tests.head_norms import assert_fused_head_norms
 
 MODEL = "/state/replicated/model/"
@@ -87,6 +87,15 @@ def test_compare_reads_a_store_in_a_bucket_against_one_on_disk(two_rank_store, s
     column = distances["tensors"].index(MODEL + key)
     expected = (a.read_model(30, [key])[key] - b.read_model(30, [key])[key]).abs().max().item()
     assert distances["max_abs"][3][column] == pytest.approx(expected, rel=1e-6) and expected > 0
+
+
+def test_a_store_removed_from_the_bucket_is_created_again_there(s3_store):
+    """SeaweedFS lists a removed tree's prefixes for a while: a probe replay that a killed bisect left without a
+    commit is removed and made again by the next bisect, and must not be refused as "not empty"."""
+    new_store(s3_store)
+    s3_store.remove_tree()
+    new_store(s3_store)
+    assert RunStore.open(s3_store).n_steps == 0
 
 
 def test_one_writer_a_living_one_refuses_a_second_and_a_dead_ones_lease_is_taken_over(s3_store):
