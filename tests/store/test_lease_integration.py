@@ -96,14 +96,33 @@ print("done", flush=True)
 """
 
 
+ANALYSE = """
+import sys
+from replay.store.lease import require
+from replay.store.location import Location
+store, spec, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(rounds):   # as an analysis task does: its lease checked before each write, a retried item redone
+    require(spec)
+    item = Location.parse(store) / "analysis" / f"item-{i % 5}"
+    item.remove_tree()
+    (item / "done").write(b"1")
+print("done", flush=True)
+"""
+
+
 def test_writers_of_replays_racing_their_leases_and_removals_never_trip_over_each_other(tmp_path):
     """Three processes take and release replay leases and make and remove replays side by side in one store (a
     released lease removes the shared lease folder once empty, while another writer is about to create its
-    lease in it): every one of them finishes, and the store holds no lease afterwards."""
+    lease in it), while an analysis task writes and redoes items under the run's lease, checking it before
+    each write: every one of them finishes, and the store holds no lease afterwards."""
     (tmp_path / "zarr.json").write_text("{}")
-    procs = [subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), f"w{n}", "150"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for n in range(3)]
-    outcomes = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outcomes]
+    with Lease.acquire(tmp_path, "replay analyze (a test)") as run_lease:
+        procs = [subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), f"w{n}", "150"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(3)]
+        procs.append(subprocess.Popen([sys.executable, "-c", ANALYSE, str(tmp_path), run_lease.spec, "300"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outcomes = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-2000:] for _, err in outcomes]
     assert all(out.strip() == "done" for out, _ in outcomes)
+    assert sorted(p.name for p in (tmp_path / "analysis").iterdir()) == [f"item-{i}" for i in range(5)]
     assert not (tmp_path / "leases").exists() or not any((tmp_path / "leases").rglob("*.json"))
