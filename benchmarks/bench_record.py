@@ -1,15 +1,13 @@
 """Benchmark the recorder: what recording costs a training step, and how fast the store moves checkpoints.
 
 1. Recording overhead. Two identical GPT-2 models (same seed, same data order; 4 layers x 128, seq 128,
-   batch 16) train side by side with the built-in trainer's step (`_torch_step`): one plain, one followed
-   by `Recorder.record_step` with a checkpoint every 50 steps and a snapshot every 10. After 10 warm-up
-   steps the variants alternate step by step (A B, B A, A B, ...) so machine noise hits both alike.
-   A step time is the median over 10-step windows of the window's mean: each window holds exactly one
-   in-memory copy of the state (a snapshot or a checkpoint), so its cost counts at the real cadence,
-   while steps slowed by other load on the machine do not. The background writer is drained after every
-   step, untimed, so that a checkpoint's write cannot slow the next plain step; a second line adds that
-   time (the view for a machine whose cores the training already fills). The final wait in
-   `Recorder.close()` is reported apart.
+   batch 2 in quick mode: a step of about 20 ms on 2 idle cores) train side by side in one process, one plain
+   and one through a `Loop` (sample_ids, log, the state digests: what a user's script runs), in blocks of 10
+   steps, alternating A B, B A, ... Each pair of neighbouring blocks gives a ratio; the median of the ratios
+   is the overhead, for the wall clock, the training thread's CPU time and the process's CPU time (every
+   thread: the digests' and the store's background work included). On a machine other work keeps busy the
+   wall clock moves by more than the effect; the CPU times do not. First with no checkpoint or snapshot in
+   the timed steps (target <= 1%), then with a checkpoint every 50 steps and a snapshot every 10.
 2. Checkpoint throughput. The state {"model": ..., "optimizer": ...} after one AdamW step, written and read
    through the run store (write_shard + commit_checkpoint; read_shard, which verifies every chunk's
    CRC-32C and every JSON checksum), through torch.save / torch.load(weights_only=True; and with
@@ -35,10 +33,10 @@
 5. The design's choices, measured: CRC-32 (zlib) against CRC-32C (google-crc32c, the one Zarr's crc32c
    codec uses), and the chunk size and number of writer threads of a checkpoint's write.
 
-Run from the repository root; the full run takes about ten minutes, --quick (20 steps at batch 2, no GPT-2
-small) seconds:
+Run from the repository root; the full run takes about ten minutes, --quick (no GPT-2 small, a few blocks:
+it keeps the script working, its numbers are noise) seconds:
 
-    .venv/bin/python benchmarks/bench_record.py [--quick] [--dir DIR]
+    .venv/bin/python benchmarks/bench_record.py [--quick] [--dir DIR] [--threads N]
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ import torch
 
 from replay.config import RunConfig, build_config
 from replay.lifeline import follow_parent
-from replay.recorder import Recorder, RecorderConfig, create_run_store
+from replay.recorder import create_run_store
 from replay.recorder.digest import StateDigest
 from replay.recorder.environment import configure_determinism
 from replay.recorder.state import TorchTrainState
@@ -90,18 +88,24 @@ def n_params(model: torch.nn.Module) -> int:
 
 # -- 1. recording overhead ---------------------------------------------------------------------------------
 
-def bench_overhead(workdir: Path, timed_steps: int, batch: int, sets: list[str] = SMALL, device: str = "cpu",
-                   warmup: int = 10) -> None:
-    """On a GPU in BF16 autocast (the GPU's training precision), on the CPU in FP32."""
-    steps = warmup + timed_steps + 1   # the run goes on past the timed window: its final checkpoint is not in it
+def bench_overhead(workdir: Path, blocks: int, batch: int, sets: list[str] = SMALL, device: str = "cpu",
+                   checkpoint_every: int = 0, snapshot_every: int = 0, block: int = 10, warmup: int = 10) -> None:
+    """Two identical GPT-2 models (same seed, same data order) train side by side, one plain and one through a
+    `Loop` (sample_ids, log, the checkpoint cadence: what a user's script runs), in blocks of `block` steps,
+    alternating A B, B A, ... after `warmup` steps each. Each pair of neighbouring blocks gives a ratio of their
+    mean step times; the median of those ratios is the overhead (machine noise hits both blocks of a pair alike,
+    and a block slowed by other load moves one ratio, not the median). The background threads' work (the
+    digests, the store's writes) is in the timed steps: nothing is drained untimed. `checkpoint_every=0`: no
+    checkpoint or snapshot in the timed steps (the run's first and last are outside them)."""
+    from replay.recorder import Loop
+
+    steps = warmup + blocks * block
     cfg = build_config("tiny", None, [*sets, f"batch_size={batch}", f"micro_batch_size={batch}", f"steps={steps}",
-                                      f"checkpoint_every={CHECKPOINT_EVERY}", f"snapshot_every={SNAPSHOT_EVERY}",
                                       f"precision={'bf16' if device == 'cuda' else 'fp32'}"])
     data = make_data(cfg, builtin_corpus(cfg.data.corpus_bytes))
     order = DataOrder(data.n_samples, cfg.batch_size, cfg.seed)
-    path = str(create_run_store(str(workdir / "run"), cfg).location)
 
-    def make_step():   # a training loop of the user's own, as the README's Python API shows it
+    def make_step():   # a training loop of the user's own
         model = build_model(cfg.model, data.vocab_size, cfg.seed).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                 eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
@@ -117,62 +121,55 @@ def bench_overhead(workdir: Path, timed_steps: int, batch: int, sets: list[str] 
             lr = sched.get_last_lr()[0]
             opt.step()
             sched.step()
-            return float(loss), float(norm), lr
+            return loss.item(), norm.item(), lr
 
-        return train_step, TorchTrainState(model, opt, sched)
+        return train_step, model, opt, sched
 
-    plain_step, _ = make_step()
-    rec_step, state = make_step()
-    recorder = Recorder(path, state, cfg=RecorderConfig(
-        total_steps=cfg.steps, checkpoint_every=CHECKPOINT_EVERY, snapshot_every=SNAPSHOT_EVERY,
-        snapshot_ring=cfg.snapshot_ring, spike=cfg.spike))
-    recorder.start()   # writes checkpoint 0 during the warm-up
+    plain_step, *_ = make_step()
+    rec_step, model, opt, sched = make_step()
+    every = checkpoint_every or steps + 1
+    loop = Loop(str(workdir / f"run-{checkpoint_every}"), model, opt, scheduler=sched, total_steps=steps,
+                checkpoint_every=every, snapshot_every=snapshot_every)
+    steps_of = loop.steps()
 
-    def step(s: int, recorded: bool) -> tuple[float, float]:
-        """Seconds for training step s (and recording it), then seconds waiting for the background writer
-        to finish, so that a checkpoint's write cannot slow the plain step that follows."""
+    def step(s: int, recorded: bool) -> tuple[float, float, float]:
+        """Seconds of step s: wall clock, the training thread's CPU, and the process's CPU (every thread)."""
         ids = order.rank_ids(s, 0, 1, cfg.micro_batch_size)
-        t0 = time.perf_counter()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         if recorded:
-            loss, grad_norm, lr = rec_step(ids)
-            recorder.record_step(s, sample_ids=ids, loss=loss, grad_norm=grad_norm, lr=lr,
-                                 tokens=ids.size * cfg.model.block_size)
+            assert next(steps_of) == s, "the loop yields the steps in order"
+            loss, grad_norm, lr = rec_step(loop.sample_ids(ids))
+            loop.log(loss, grad_norm, lr, tokens=ids.size * cfg.model.block_size)
         else:
             plain_step(ids)
-        t1 = time.perf_counter()
-        recorder.writer.flush()
-        return t1 - t0, time.perf_counter() - t1
+        return time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0
 
     for s in range(warmup):
-        for recorded in (False, True):
-            step(s, recorded)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    waited = 0.0
-    for s in range(warmup, warmup + timed_steps):
-        for recorded in ((False, True) if s % 2 == 0 else (True, False)):   # A B, B A, ...: drift cancels
-            t, w = step(s, recorded)
-            times[recorded].append(t)
-            waited += w
-    t0 = time.perf_counter()
-    recorder.close()
-    close_s = time.perf_counter() - t0
+        step(s, False)
+        step(s, True)
+    means: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    for b in range(blocks):
+        first = warmup + b * block
+        for recorded in ((False, True) if b % 2 == 0 else (True, False)):   # A B, B A, ...: drift cancels
+            means[recorded].append(np.mean([step(s, recorded) for s in range(first, first + block)], axis=0))
+    assert next(steps_of, None) is None, "the loop ends after its last step"
+    loop.close()
 
-    # Every 10 steps hold one in-memory copy (a snapshot or a checkpoint: the same copy on this thread), so
-    # medians of 10-step means keep its cost while shrugging off steps hit by other load on the machine.
-    windows = {k: [statistics.fmean(v[i:i + SNAPSHOT_EVERY]) for i in range(0, len(v), SNAPSHOT_EVERY)]
-               for k, v in times.items()}
-    plain, rec = statistics.median(windows[False]), statistics.median(windows[True])
-    writing = waited / timed_steps
-    print(f"recording overhead: {100 * (rec / plain - 1):.1f}% (median step {1e3 * rec:.1f} ms recorded vs "
-          f"{1e3 * plain:.1f} ms plain; checkpoint every {CHECKPOINT_EVERY}, snapshot every {SNAPSHOT_EVERY}; "
-          f"target <= 3%)", flush=True)
-    print(f"recording overhead if the background writer's work ran on the training thread: "
-          f"{100 * ((rec + writing) / plain - 1):.1f}% (+{1e3 * writing:.1f} ms per step: "
-          f"{1e3 * waited:.0f} ms writing {timed_steps // CHECKPOINT_EVERY} checkpoints and the step log; "
-          f"the final Recorder.close() {1e3 * close_s:.0f} ms, not counted)", flush=True)
-    print(f"  ({timed_steps} steps per variant, alternating step by step after {warmup} warm-up steps; "
-          f"{n_params(state.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers x {cfg.model.n_embd}, "
-          f"seq {cfg.model.block_size}, batch {cfg.batch_size}, {cfg.precision} on {device})", flush=True)
+    rec_blocks, plain_blocks = np.array(means[True]), np.array(means[False])
+    ratios = np.sort(rec_blocks / plain_blocks, axis=0)   # (block pair, wall | thread CPU | process CPU)
+    median, low, high = (np.quantile(ratios, q, axis=0) for q in (0.5, 0.25, 0.75))
+    plain, rec = np.median(plain_blocks, axis=0), np.median(rec_blocks, axis=0)
+    cadence = (f"checkpoint every {checkpoint_every}, snapshot every {snapshot_every}" if checkpoint_every
+               else "no checkpoint or snapshot in the timed steps")
+    print(f"recording overhead ({cadence}), recorded / plain - 1, median of {blocks} paired blocks of {block} "
+          f"steps [quartiles]; target <= 1% without checkpoints, 3% with:", flush=True)
+    for i, what in enumerate(("wall clock", "training thread's CPU", "process's CPU, every thread")):
+        print(f"  {what}: {100 * (median[i] - 1):+.2f}% [{100 * (low[i] - 1):+.2f}% .. {100 * (high[i] - 1):+.2f}%]; "
+              f"median step {1e3 * rec[i]:.2f} ms recorded vs {1e3 * plain[i]:.2f} ms plain", flush=True)
+    print(f"  ({n_params(model) / 1e6:.2f}M params, {cfg.model.n_layer} layers x {cfg.model.n_embd}, seq "
+          f"{cfg.model.block_size}, batch {cfg.batch_size}, {cfg.precision} on {device}, "
+          f"{torch.get_num_threads()} thread(s); recorded through Loop: sample_ids, log, the state digests)",
+          flush=True)
 
 
 # -- the state digest of every step -------------------------------------------------------------------------
@@ -431,9 +428,11 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: only the GPU measurements: the overhead on GPT-2 small in BF16 on the GPU, and the "
                          "training thread's share of a checkpoint of a state in GPU memory")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="torch's threads (default: one per core; 1 on a machine other work keeps busy)")
     args = ap.parse_args()
 
-    configure_determinism(os.cpu_count())
+    configure_determinism(args.threads)
     print(hardware(), flush=True)
     if not args.quick:
         warm_memory()
@@ -441,11 +440,13 @@ def main() -> None:
         workdir = Path(tmp)
         if args.device == "cuda":
             print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
-            bench_overhead(workdir, timed_steps=20 if args.quick else 100, batch=8, sets=LARGE, device="cuda")
+            bench_overhead(workdir, blocks=4 if args.quick else 10, batch=8, sets=LARGE, device="cuda")
             bench_digest(LARGE, micro=8, steps=10, device="cuda")
             bench_blocking(LARGE, repeats=5, device="cuda")
             return
-        bench_overhead(workdir, timed_steps=20 if args.quick else 300, batch=2 if args.quick else 16)
+        bench_overhead(workdir, blocks=4 if args.quick else 48, batch=2)   # a step of about 20 ms
+        bench_overhead(workdir, blocks=2 if args.quick else 30, batch=2 if args.quick else 16,
+                       checkpoint_every=CHECKPOINT_EVERY, snapshot_every=SNAPSHOT_EVERY)
         bench_digest(SMALL if args.quick else LARGE, micro=2 if args.quick else 8, steps=3)
         bench_throughput(workdir, SMALL, "4 layers x 128", repeats=2 if args.quick else 5)
         if not args.quick:

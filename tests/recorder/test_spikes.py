@@ -49,3 +49,20 @@ def test_non_finite_loss_always_fires():
 def test_nothing_fires_during_warmup():
     losses = np.r_[np.full(10, 1.0), [50.0], np.full(10, 1.0)]
     assert detect_spikes(losses, SpikeConfig(warmup=20)) == []
+
+
+def test_the_detectors_baseline_is_robust_z_bit_for_bit():
+    import numpy as np
+
+    from replay.config import SpikeConfig
+    from replay.recorder.spikes import SpikeDetector, robust_z
+
+    rng = np.random.default_rng(0)
+    for window in (49, 50):   # an odd and an even history
+        detector = SpikeDetector(SpikeConfig(window=window, warmup=3))
+        for step, loss in enumerate(rng.normal(3.0, 0.01, 200).tolist()):
+            if len(detector.history) >= 3:
+                fires, median, spread, score = detector.is_spike(loss)
+                z, m, s = robust_z(np.fromiter(detector.history, dtype=np.float64), loss)
+                assert (median, spread, score) == (m, s, z)
+            detector.update(step, loss)
