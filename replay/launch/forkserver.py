@@ -59,6 +59,7 @@ class ForkServer:
         self._ready: bool | None = None         # None: its imports are under way
         self.refused: str | None = None         # why it cannot fork (its ranks then start fresh)
         self._ranks: dict[int, _ForkedRank] = {}
+        self.forked: list[int] = []             # the pids of the last job's ranks
 
     def takes(self, launcher: Launcher, world_size: int) -> bool:
         return launcher is Launcher.LOCAL and world_size > 1 and sys.platform.startswith("linux")
@@ -66,6 +67,10 @@ class ForkServer:
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def start(self) -> None:
         """Start the server now (it imports while other work goes on); a no-op while one is up."""
@@ -114,6 +119,7 @@ class ForkServer:
             return None if self._ready is False and self._sock is not None else [
                 _ForkedRank(self, None) for _ in envs]
         ranks = [_ForkedRank(self, pid) for pid in pids]
+        self.forked = list(pids)
         self._ranks.update({r.pid: r for r in ranks if r.pid is not None})
         return ranks
 
