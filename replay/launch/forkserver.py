@@ -312,4 +312,7 @@ def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str]
 
 if __name__ == "__main__":
     follow_parent()   # first, before the imports of seconds: the server never outlives the command that started it
+    # A Ctrl-C reaches the command's whole process group: the ranks stop on it (theirs is Python's own handler
+    # again) and the command ends; the server ends after them, with the command, without a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(serve(socket.socket(fileno=int(sys.argv[1]))))
