@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -74,9 +75,13 @@ def warm_vs_fresh(record: list[str], root: Path, windows: list[tuple[int, int]])
         with contextlib.redirect_stdout(io.StringIO()):   # the recording's summary is not the benchmark's
             replay_main(["record", "--store", str(store), *record], standalone_mode=False, obj=pool)   # on the pool
         fresh = fresh_copy(store, root / "fresh")
+        os.environ["REPLAY_RANKS"] = "fresh"   # fresh rank processes, not the commands' fork servers
         t = time.perf_counter()
-        for a, b in windows:
-            cli("run", str(fresh), "--from", str(a), "--to", str(b), "--lr-scale", "0.5")
+        try:
+            for a, b in windows:
+                cli("run", str(fresh), "--from", str(a), "--to", str(b), "--lr-scale", "0.5")
+        finally:
+            del os.environ["REPLAY_RANKS"]
         cold = time.perf_counter() - t
         warm_store = fresh_copy(store, root / "warm")
         t = time.perf_counter()
