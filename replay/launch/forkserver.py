@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from replay.config import Launcher
@@ -169,6 +170,8 @@ class ForkServer:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
+            if self._ready is None:   # still importing: it has no rank, and would see the socket closed only after
+                self._proc.kill()
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -236,23 +239,8 @@ def serve(sock: socket.socket) -> int:
                 data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 1)
                 if not data:
                     break   # the command closed its end, or died
-                request = json.loads(data)
-                if "kill" in request:
-                    for pid in set(request["kill"]) & children:
-                        os.kill(pid, signal.SIGKILL)
-                    continue
-                why = unsafe()
-                if why is None:
-                    pids = [_fork(sock, env, request["argv"], fds[0], worker.main) for env in request["envs"]]
-                    children.update(pids)
-                os.close(fds[0])
-                sock.send(json.dumps({"refused": why} if why else {"pids": pids}).encode())
-            while children:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                children.discard(pid)
-                sock.send(json.dumps({"exit": pid, "status": _code(status)}).encode())
+                _answer(sock, json.loads(data), fds, children, unsafe, worker.main)
+            _reap(sock, children)
     except OSError:   # the command is gone (its end of the socket with it)
         pass
     finally:
@@ -263,11 +251,36 @@ def serve(sock: socket.socket) -> int:
     return 0
 
 
+def _answer(sock: socket.socket, request: dict[str, Any], fds: list[int], children: set[int],
+            unsafe: Callable[[], str | None], main: Callable[[list[str]], int]) -> None:
+    """Kill the ranks named, or fork one rank per environment of the request (unless forking became unsafe)."""
+    if "kill" in request:
+        for pid in set(request["kill"]) & children:
+            os.kill(pid, signal.SIGKILL)
+        return
+    why = unsafe()
+    pids = [] if why else [_fork(sock, env, request["argv"], fds[0], main) for env in request["envs"]]
+    children.update(pids)
+    os.close(fds[0])
+    sock.send(json.dumps({"refused": why} if why else {"pids": pids}).encode())
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    """Say which ranks have ended, with their exit codes."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        children.discard(pid)
+        sock.send(json.dumps({"exit": pid, "status": _code(status)}).encode())
+
+
 def _code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int, main) -> int:
+def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int,
+          main: Callable[[list[str]], int]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     server = os.getpid()
@@ -277,7 +290,8 @@ def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int, m
     _rank(sock, server, env, argv, out, main)
 
 
-def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], out: int, main) -> NoReturn:
+def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], out: int,
+          main: Callable[[list[str]], int]) -> NoReturn:
     """In a forked rank: become a fresh rank of the command's, run, exit (never back into the server's loop)."""
     code = 1
     try:
