@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -72,16 +73,20 @@ def warm_vs_fresh(record: list[str], root: Path, windows: list[tuple[int, int]])
     store = root / "recorded"
     with RankPool(2) as pool:
         with contextlib.redirect_stdout(io.StringIO()):   # the recording's summary is not the benchmark's
-            replay_main(["record", "--store", str(store), *record], standalone_mode=False)   # on the pool
+            replay_main(["record", "--store", str(store), *record], standalone_mode=False, obj=pool)   # on the pool
         fresh = fresh_copy(store, root / "fresh")
+        os.environ["REPLAY_RANKS"] = "fresh"   # fresh rank processes, not the commands' fork servers
         t = time.perf_counter()
-        for a, b in windows:
-            cli("run", str(fresh), "--from", str(a), "--to", str(b), "--lr-scale", "0.5")
+        try:
+            for a, b in windows:
+                cli("run", str(fresh), "--from", str(a), "--to", str(b), "--lr-scale", "0.5")
+        finally:
+            del os.environ["REPLAY_RANKS"]
         cold = time.perf_counter() - t
         warm_store = fresh_copy(store, root / "warm")
         t = time.perf_counter()
         for a, b in windows:
-            run(warm_store, ReplayRequest(a, b, overrides=Overrides(lr_scale=0.5)), pool=pool)
+            run(warm_store, ReplayRequest(a, b, overrides=Overrides(lr_scale=0.5)), ranks=pool)
         warm = time.perf_counter() - t
     print(f"{len(windows)} replay(s) of 10 steps: fresh ranks {cold:.1f} s, warm ranks {warm:.1f} s: "
           f"{cold / warm:.1f}x")

@@ -9,6 +9,14 @@ step: a one-step replay (`--from 20 --to 20`) timed whole, split into the comman
 the same store; ranks restore in parallel), the step itself (its `step_time`), and the rest (rank
 processes starting, imports in the ranks, model build, the final checkpoint's write and commit).
 
+How ranks start, side by side in this one run (a 2-rank recording of the `tiny` preset, one-step replays of it
+through `replay.replayer.replays.run` in this process): fresh rank processes, ranks forked from a fork server
+already up (launch/forkserver.py), and warm ranks (launch/pool.py, warmed by one replay first). For each, the
+time from the request (the launcher's `run`) to rank 0's first step done (its `step` line on stderr), and the
+one-step replay's wall time (prepare, ranks, final checkpoint, verification); the median of 3 (1 with
+--quick). Then the same one-step replay as a `replay run` command: fresh ranks (REPLAY_RANKS=fresh) against
+the command's own fork server (the default).
+
     .venv/bin/python benchmarks/bench_replay.py [--quick]
 """
 
@@ -21,10 +29,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from replay.config import Launcher
+from replay.launch.forkserver import ForkServer
+from replay.launch.fresh import FreshRanks
+from replay.launch.job import RankJob, RankLauncher
+from replay.launch.pool import RankPool
 from replay.lifeline import child_env, follow_parent
+from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 
 ARGS = ["--nproc", "2", "--checkpoint-every", "20", "--set", "model.n_layer=4", "--set",
@@ -38,10 +55,98 @@ def hardware() -> str:
     return f"hardware: {cpu}, {os.cpu_count()} cores"
 
 
-def timed(*cmd: str) -> float:
+def timed(*cmd: str, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, *cmd], check=True, capture_output=True, text=True, env=child_env())
+    subprocess.run([sys.executable, *cmd], check=True, capture_output=True, text=True,
+                   env=child_env({**os.environ, **(env or {})}))
     return time.perf_counter() - start
+
+
+class Timed:
+    """A launcher that notes when it was asked (the request) and hands the job on."""
+
+    def __init__(self, launcher: RankLauncher):
+        self.launcher, self.asked = launcher, 0.0
+
+    def takes(self, launcher: Launcher, world_size: int) -> bool:
+        return self.launcher.takes(launcher, world_size)
+
+    def run(self, job: RankJob) -> None:
+        self.asked = time.perf_counter()
+        self.launcher.run(job)
+
+
+@contextmanager
+def step_lines() -> Iterator[list[float]]:
+    """This process's stderr (the ranks' too: fresh and forked ranks write there, and warm ones to /dev/stderr)
+    read by a thread, which notes when each `step` line came."""
+    read_fd, write_fd = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    times: list[float] = []
+
+    def read() -> None:
+        with os.fdopen(read_fd, "rb") as lines:
+            for line in lines:
+                if line.startswith(b"step "):
+                    times.append(time.perf_counter())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield times
+    finally:
+        os.dup2(saved, 2)   # the pipe's last write end: the reader ends
+        os.close(saved)
+        reader.join(timeout=10)
+
+
+def side_by_side(store: Path, start: int, repeats: int) -> None:
+    """One-step replays of `store` at `start` on each way of starting ranks (see the module's docstring)."""
+    server, pool = ForkServer(), RankPool(2, log="/dev/stderr")
+    launchers = {"fresh ranks": FreshRanks(), "fork server": server, "warm ranks": pool}
+    results: dict[str, tuple[float, float]] = {}
+    try:
+        with step_lines() as steps:
+            server.start()
+            pool.start()
+            server.wait_ready()
+            assert server.refused is None, f"the fork server cannot fork: {server.refused}"
+            run(store, ReplayRequest(start, start, name="warm-up"), ranks=pool)   # the pool joins its group
+            for key, launcher in launchers.items():
+                firsts, walls = [], []
+                for i in range(repeats):
+                    timed_launcher = Timed(launcher)
+                    seen = len(steps)
+                    t0 = time.perf_counter()
+                    run(store, ReplayRequest(start, start, name=f"{key.split()[0]}-{i}"), ranks=timed_launcher)
+                    walls.append(time.perf_counter() - t0)
+                    deadline = time.monotonic() + 5
+                    while len(steps) <= seen and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    firsts.append(steps[seen] - timed_launcher.asked)
+                results[key] = statistics.median(firsts), statistics.median(walls)
+    finally:
+        server.close()
+        pool.close()
+    fresh_first, fresh_wall = results["fresh ranks"]
+    print(f"how ranks start, one-step replays of the `tiny` preset on 2 ranks, in this process (median of "
+          f"{repeats}):")
+    for key, (first, wall) in results.items():
+        print(f"  {key:<12} request to rank 0's first step {first:6.2f} s ({fresh_first / first:5.1f}x fresh), "
+              f"the one-step replay {wall:6.2f} s ({fresh_wall / wall:5.1f}x fresh)")
+    print(f"  targets: the first step within 0.5 s of the request (fork server: {results['fork server'][0]:.2f} s), "
+          f"a one-step replay <= 2 s (fork server: {results['fork server'][1]:.2f} s)")
+
+
+def commands(store: Path, start: int) -> None:
+    """The one-step replay as a `replay run` command, fresh ranks against the command's own fork server."""
+    window = ("-m", "replay", "run", str(store), "--from", str(start), "--to", str(start))
+    fresh = timed(*window, "--name", "cmd-fresh", env={"REPLAY_RANKS": "fresh"})
+    forked = timed(*window, "--name", "cmd-forked")
+    print(f"the one-step replay as a `replay run` command: fresh ranks {fresh:.1f} s, its own fork server "
+          f"{forked:.1f} s ({fresh / forked:.2f}x)")
 
 
 def main() -> None:
@@ -66,8 +171,13 @@ def main() -> None:
         ratio = statistics.median(rec) / statistics.median(rep)
         print(f"step rate: recording {1 / statistics.median(rec):.1f} steps/s, replay {1 / statistics.median(rep):.1f} "
               f"steps/s over the same steps 21..{steps - 1}: {ratio:.2f}x (target >= 0.95x)")
+        tiny = work / "tiny"
+        timed("-m", "replay", "record", "--store", str(tiny), "--preset", "tiny", "--nproc", "2", "--steps", "20",
+              "--checkpoint-every", "10")
+        side_by_side(tiny, 10, 1 if quick else 3)
         if quick:
             return
+        commands(tiny, 10)
 
         total = timed("-m", "replay", "run", str(store), "--from", "20", "--to", "20", "--name", "one")
         imports = timed("-c", "import replay.cli, replay.replayer.replays")

@@ -23,6 +23,7 @@ from replay.config import PRECISIONS, Launcher, build_config
 from replay.demo import run_demo
 from replay.errors import ReplayError, UsageError
 from replay.launch import ranks
+from replay.launch.job import RankLauncher
 from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
 from replay.lifeline import follow_parent
@@ -173,14 +174,22 @@ def record(store, preset, config_file, data, steps, nproc, launcher, zero_stage,
                                 ("--steps", steps), ("--set", sets), ("--seed", seed), ("--numerics", numerics)] if v]
         if given:
             raise ReplayError(f"--resume continues the recorded config; drop {', '.join(given)}")
-        ranks.record_resume(store, nproc or _recorded_world(store), progress=lambda m: click.echo(m, err=True))
+        ranks.record_resume(store, nproc or _recorded_world(store), progress=lambda m: click.echo(m, err=True),
+                            ranks=_lent_ranks())
     else:
         cfg = build_config(preset, config_file, list(sets), steps=steps, nproc=nproc, launcher=launcher,
                            zero_stage=zero_stage, precision=precision, checkpoint_every=checkpoint_every,
                            seed=seed, numerics=numerics, data={"path": data} if data else None,
                            model={"attention": attention} if attention else None)
-        ranks.record_new(store, cfg, progress=lambda m: click.echo(m, err=True))
+        ranks.record_new(store, cfg, progress=lambda m: click.echo(m, err=True), ranks=_lent_ranks())
     _print_info(store, as_json=False)
+
+
+def _lent_ranks() -> RankLauncher | None:
+    """Ranks a caller running the CLI in its own process lends its commands (`main(..., obj=launcher)`: a
+    test session's warm ranks); the commands' own choice is launch/ranks.py's `choose_launcher`."""
+    lent: RankLauncher | None = click.get_current_context().obj
+    return lent
 
 
 def _recorded_world(store: Location) -> int:
@@ -296,7 +305,7 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
         click.echo(f"warning: {message}", err=True)
 
     result = (run_on_ray(store, req, ray_address, Placing(pack=pack), warn=warn) if ray_address else
-              run_replay(store, req, warn=warn))
+              run_replay(store, req, ranks=_lent_ranks(), warn=warn))
     v = result.verification
     assert v is not None, "run() verifies every replay"
     plain = not overrides.to_dict()

@@ -67,9 +67,9 @@ def run_demo(store: Where, progress: Callable[[str], None]) -> DemoResult:
     stages: dict[str, float] = {}
     t = time.perf_counter()
 
-    with RankPool(NPROC):   # the recording and the dense replay run on the same warm ranks
+    with RankPool(NPROC) as pool:   # the recording and the dense replay run on the same warm ranks
         progress(f"[1/5] record: the `{PRESET}` preset on {NPROC} CPU ranks into {store}")
-        _record(store, progress)
+        _record(store, progress, pool)
         stages["record"], t = time.perf_counter() - t, time.perf_counter()
 
         with ray_session() as slots:   # one local Ray cluster for the bisect and the analysis
@@ -82,7 +82,7 @@ def run_demo(store: Where, progress: Callable[[str], None]) -> DemoResult:
             start, stop = max(0, spike - DENSE_BEFORE), spike + DENSE_AFTER
             progress(f"[3/5] replay steps {start}..{stop} with a checkpoint every {DENSE_EVERY} steps, "
                      "verified bit for bit")
-            dense = replay(store, ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True))
+            dense = replay(store, ReplayRequest(start, stop, checkpoint_every=DENSE_EVERY, resume=True), ranks=pool)
             divergence = dense.verification.divergence if dense.verification else None
             if divergence is not None:
                 progress(f"      warning: {divergence.describe()}")
@@ -98,7 +98,7 @@ def run_demo(store: Where, progress: Callable[[str], None]) -> DemoResult:
     return DemoResult(store, Path(report), session, localise_store(store), stages)
 
 
-def _record(store: Location, progress: Callable[[str], None]) -> None:
+def _record(store: Location, progress: Callable[[str], None], pool: RankPool) -> None:
     if store.children():
         existing = RunStore.open(store)
         if existing.manifest.config.preset != PRESET or existing.kind != "run":
@@ -106,6 +106,6 @@ def _record(store: Location, progress: Callable[[str], None]) -> None:
         if existing.manifest.status == "complete":
             progress(f"      {store} already holds the recording: reusing it")
             return
-        ranks.record_resume(store, NPROC, command="replay demo")
+        ranks.record_resume(store, NPROC, command="replay demo", ranks=pool)
         return
-    ranks.record_new(store, build_config(PRESET, None, [], nproc=NPROC), command="replay demo")
+    ranks.record_new(store, build_config(PRESET, None, [], nproc=NPROC), command="replay demo", ranks=pool)

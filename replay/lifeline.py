@@ -2,11 +2,13 @@
 
 Two mechanisms, one for each kind of child:
 
-- Our own children (ranks, warm ranks, `replay` commands started by scripts of this repository) are
-  started with `child_env()`, which names the parent's pid in REPLAY_PARENT_PID. The child's first
+- Our own children (ranks, warm ranks, fork servers, `replay` commands started by scripts of this
+  repository) are started with `child_env()`, which names the parent's pid in REPLAY_PARENT_PID. The child's first
   act (`follow_parent()`) asks the kernel for SIGKILL when its parent dies (Linux PR_SET_PDEATHSIG),
   then checks that its parent is still the one named: a parent that died while the child was starting,
-  before the request, is caught by that check. SIGKILL because a rank whose launcher is gone must stop
+  before the request, is caught by that check. A rank forked by a fork server (launch/forkserver.py) is
+  given the server's pid and calls `follow_parent()` too: it dies with the server, which dies with the
+  command. SIGKILL because a rank whose launcher is gone must stop
   writing at once; what it had not committed is invisible anyway. Without PR_SET_PDEATHSIG (macOS), a
   thread polls the parent pid every 0.2 s instead. The kernel ties the signal to the *thread* that
   started the child, so children are started from long-lived threads (the main thread, a Ray actor's

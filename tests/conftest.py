@@ -33,15 +33,19 @@ from tests.s3server import S3Server
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The warm ranks the in-process commands of the running test are lent when it asks for them without naming them
+# in each call: set by the `on_rank_pool` fixture for the test, never by the product (which takes them as an argument)
+_lent_for_test: list[RankPool] = []
+
+
 def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, process: bool = False,
                ranks: RankPool | None = None) -> subprocess.CompletedProcess:
     """Run `replay ARGS` as a user would: in this process (click's own test runner, the output captured at
     the file descriptors, so the ranks' output too), or in a fresh process (`process=True`, and whenever a
     fault is armed: a fault kills the process it fires in), which ends with the test run if that dies.
-    `ranks`: in this process, local 2-rank runs go to those warm ranks (the `rank_pool` fixture)."""
-    if ranks is not None:
-        with ranks.activated():
-            return replay_cli(*args, env=env, timeout=timeout, process=process)
+    `ranks`: in this process, local 2-rank runs go to those warm ranks (the `rank_pool` fixture; by default
+    the test's `on_rank_pool`), lent to the command as click's context object (cli.py `_lent_ranks`)."""
+    ranks = ranks if ranks is not None else next(iter(_lent_for_test), None)
     if process or (env and "REPLAY_FAULT" in env):
         full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))
         return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
@@ -50,7 +54,8 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, proces
 
     from replay.cli import main
 
-    result = CliRunner(capture="fd").invoke(main, [str(a) for a in args], env={"REPLAY_FAULT": None, **(env or {})})
+    result = CliRunner(capture="fd").invoke(main, [str(a) for a in args], env={"REPLAY_FAULT": None, **(env or {})},
+                                            obj=ranks)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return subprocess.CompletedProcess(["replay", *args], result.exit_code, result.stdout, result.stderr)
@@ -151,8 +156,11 @@ def rank_pool() -> Iterator[RankPool]:
 @pytest.fixture
 def on_rank_pool(rank_pool) -> Iterator[None]:
     """The test's in-process local 2-rank runs go to the worker's warm ranks."""
-    with rank_pool.activated():
+    _lent_for_test.append(rank_pool)
+    try:
         yield
+    finally:
+        _lent_for_test.clear()
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,7 @@ def killed_launch(store: Location, rng: random.Random, how: str, at_step: int, f
             _wait_for(proc, at_step)
             time.sleep(rng.uniform(0, 0.03))   # anywhere within the step, its checkpoint write included
             launched = descendants(proc.pid)
-            workers = [pid for pid in launched if b"replay.launch.worker" in _cmdline(pid)]
+            workers = _rank_pids(launched)
             with contextlib.suppress(ProcessLookupError):   # on a loaded machine the run may just have ended
                 if how == "group":
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -156,8 +156,7 @@ def _wait_for(proc: subprocess.Popen, at_step: int) -> None:
     """Until the ranks run (at_step -1) or rank 0 has printed `step N` for N >= at_step."""
     if at_step < 0:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and sum(b"replay.launch.worker" in _cmdline(p)
-                                                  for p in descendants(proc.pid)) < 2:
+        while time.monotonic() < deadline and len(_rank_pids(descendants(proc.pid))) < 2:
             time.sleep(0.01)
         return
     for line in proc.stderr:
@@ -165,6 +164,22 @@ def _wait_for(proc: subprocess.Popen, at_step: int) -> None:
         if len(words) > 1 and words[0] == "step" and words[1].isdigit() and int(words[1]) >= at_step:
             return
     raise AssertionError(f"the recording ended before step {at_step}")
+
+
+def _rank_pids(launched: dict[int, int]) -> list[int]:
+    """The ranks among `launched`: fresh ones (launch/fresh.py), or ranks forked by a fork server
+    (launch/forkserver.py: the server's children, which show its command line)."""
+    servers = {pid for pid in launched if b"replay.launch.forkserver" in _cmdline(pid)}
+    return [pid for pid in launched
+            if b"replay.launch.worker" in _cmdline(pid) or (pid in servers and _parent(pid) in servers)]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _cmdline(pid: int) -> bytes:

@@ -65,7 +65,7 @@ class ProbeWorker:
                             node=socket.gethostname(), retried_after=retried)
 
     def _run(self, store: Location, req: ReplayRequest, under: str) -> Replay:
-        return run(store, req, pool=self.pool, under=under, command="replay bisect (probe)", cluster=self.cluster)
+        return run(store, req, ranks=self.pool or self.cluster, under=under, command="replay bisect (probe)")
 
     def close(self) -> None:
         if self.pool is not None:

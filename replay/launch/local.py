@@ -1,5 +1,6 @@
 """Ranks on one node: the environment torchrun would give each, and the one wait for a set of them (fresh
-ranks in ranks.py and script.py, warm ranks in pool.py; a Ray cluster's nodes in ray_ranks.py)."""
+ranks in fresh.py and script.py, forked ones in forkserver.py, warm ranks in pool.py; a Ray cluster's nodes in
+ray_ranks.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from replay.lifeline import child_env
 from replay.recorder.host import NODE_ENV
@@ -20,6 +21,19 @@ TICK = 0.05   # seconds between looks at the ranks
 # `outcomes(timeout)`: the ranks whose outcome came within `timeout` seconds, each with its failure in
 # words, or None where it succeeded
 Outcomes = Callable[[float], list[tuple[int, str | None]]]
+
+
+class RankProcess(Protocol):
+    """A rank as the wait sees it: a subprocess.Popen, or a rank of the fork server (forkserver.py)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +86,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return chosen
 
 
-def wait_for_outcomes(procs: Sequence[subprocess.Popen], outcomes: Outcomes, grace: float
+def wait_for_outcomes(procs: Sequence[RankProcess], outcomes: Outcomes, grace: float
                       ) -> tuple[list[str], list[int]]:
     """Wait until every rank has its outcome. When one fails, the others get `grace` seconds to end on their
     own (a peer stuck in a collective with the failed rank usually errors out at once); then the ranks still
@@ -101,7 +115,7 @@ def wait_for_outcomes(procs: Sequence[subprocess.Popen], outcomes: Outcomes, gra
     return failures, sorted(pending)
 
 
-def wait_for_ranks(procs: Sequence[subprocess.Popen], grace: float = 5.0, ranks: Sequence[int] | None = None
+def wait_for_ranks(procs: Sequence[RankProcess], grace: float = 5.0, ranks: Sequence[int] | None = None
                    ) -> str | None:
     """Wait for every rank process to exit (`wait_for_outcomes`: no rank outlives the wait). Returns the
     failures in words, the first one first, or None. `ranks`: the rank each process is (default: its index)."""
@@ -109,7 +123,7 @@ def wait_for_ranks(procs: Sequence[subprocess.Popen], grace: float = 5.0, ranks:
     seen: set[int] = set()
 
     def exits(timeout: float) -> list[tuple[int, str | None]]:
-        ended = [(i, p.returncode) for i, p in enumerate(procs) if i not in seen and p.poll() is not None]
+        ended = [(i, code) for i, p in enumerate(procs) if i not in seen and (code := p.poll()) is not None]
         if not ended:
             time.sleep(timeout)
         seen.update(i for i, _ in ended)
@@ -117,7 +131,7 @@ def wait_for_ranks(procs: Sequence[subprocess.Popen], grace: float = 5.0, ranks:
         return [(i, None if code == 0 else f"rank {names[i]} {_how(code)}") for i, code in ended]
 
     failures, killed = wait_for_outcomes(procs, exits, grace)
-    failures += [f"rank {names[i]} {_how(procs[i].returncode)}" for i in killed if procs[i].returncode != 0]
+    failures += [f"rank {names[i]} {_how(code)}" for i in killed if (code := procs[i].wait()) != 0]
     return ", then ".join(failures) or None
 
 

@@ -9,39 +9,29 @@ carries over between replays but imported code; bitwise verification checks exac
 A failing rank (its error, or its death) takes the whole pool down: the others may be stuck in a
 collective. The next request starts a fresh pool.
 
-A pool used as a context manager is *active* while the block runs: every recording or replay of this
-process that would start local ranks of its world size runs on it instead (`replay demo`, a notebook,
-a test session).
+A pool is a launcher (launch/job.py): a caller that keeps one (`replay demo`, a bisect's probe worker, a
+notebook, a test session) passes it to the recordings and replays that should run on it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import selectors
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
+from replay.config import Launcher
 from replay.errors import ReplayError
 from replay.kernels.plan import plugin_env
+from replay.launch.job import RankJob
 from replay.launch.local import Node, wait_for_outcomes
-from replay.store.location import Location
 from replay.store.s3 import configuration
 
 
 class RankPoolError(ReplayError):
     """A rank of the pool failed or died: the pool is gone; the next request starts a fresh one."""
-
-
-_active: list[RankPool] = []
-
-
-def active_pool(world_size: int) -> RankPool | None:
-    """The innermost active pool of `world_size` ranks, if any."""
-    return next((p for p in reversed(_active) if p.world_size == world_size), None)
 
 
 class RankPool:
@@ -84,11 +74,16 @@ class RankPool:
         if not isinstance(log, int):   # a file, not DEVNULL
             log.close()
 
-    def train(self, store: Location, lease: str, resume: bool = False) -> None:
-        """Train the (already prepared) store on every rank, writing under `lease` (store/lease.py); raises
-        ReplayError if any rank fails."""
+    def takes(self, launcher: Launcher, world_size: int) -> bool:
+        return launcher is Launcher.LOCAL and world_size == self.world_size > 1
+
+    def run(self, job: RankJob) -> None:
+        """Train the (already prepared) store of `job` on every rank of the pool (its own node and rendezvous);
+        raises RankPoolError if any rank fails."""
+        assert job.world_size == self.world_size and not job.env, "the pool takes local runs of its world size"
         self.start()
-        request = (json.dumps({"store": str(store), "resume": resume, "lease": lease,
+        store = job.store
+        request = (json.dumps({"store": str(store), "resume": job.resume, "lease": job.lease,
                                "env": {**plugin_env(), **configuration()}})
                    + "\n").encode()
         try:
@@ -159,20 +154,8 @@ class RankPool:
             os.close(fd)
         self._procs, self._replies = [], []
 
-    @contextlib.contextmanager
-    def activated(self) -> Iterator[RankPool]:
-        """Active for the block (see above), and still up after it: for a caller that keeps one pool
-        across several blocks and closes it itself."""
-        _active.append(self)
-        try:
-            yield self
-        finally:
-            _active.remove(self)
-
     def __enter__(self) -> RankPool:
-        _active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _active.remove(self)
         self.close()

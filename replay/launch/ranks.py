@@ -1,7 +1,9 @@
-"""Starting a recording: prepare the store once, then run the ranks.
+"""Starting a recording: prepare the store once, then run the ranks; and the one place that decides how a run's
+ranks start (`choose_launcher`, for recordings and replays alike).
 
-Local ranks are fresh `python -m replay.launch.worker STORE` processes with torchrun's environment (env://
-rendezvous on loopback), started here so that each one dies with this process (lifeline.py).
+Local ranks have torchrun's environment (env:// rendezvous on loopback) and die with this process
+(lifeline.py): forked from a fork server of this command's (forkserver.py), or fresh `python -m
+replay.launch.worker STORE` processes (fresh.py), or the warm ranks a caller passes (pool.py).
 Under an outer `torchrun`/`deepspeed` launcher (multi-node), `replay record` is itself a rank: rank 0
 prepares the store and the other ranks wait for its go. A rank's variables without their launcher (left in a
 shell by another job) are refused in one line (`outer_launcher`).
@@ -9,12 +11,11 @@ shell by another job) are refused in one line (`outer_launcher`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +24,16 @@ import numpy as np
 from replay.config import Launcher, RunConfig
 from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.plan import check_attention
-from replay.launch.local import Node, wait_for_ranks
-from replay.launch.pool import RankPool, active_pool
+from replay.launch.forkserver import ForkServer
+from replay.launch.fresh import FreshRanks
+from replay.launch.job import RankJob, RankLauncher, continued_by
+from replay.launch.script import ScriptRanks
 from replay.recorder.host import environment_notes
 from replay.store import RunStore
-from replay.store.holder import ENV as LEASE_ENV
 from replay.store.lease import writing
 from replay.store.lifecycle import continue_command, create_run, resume_run
 from replay.store.location import Location, Where
-from replay.store.manifest import DataInfo, Manifest
+from replay.store.manifest import CommandInfo, DataInfo, Manifest
 from replay.store.run_store import check_empty, check_outside_stores
 from replay.train.data import (
     DataOrder,
@@ -47,8 +49,9 @@ from replay.train.data import (
 
 
 def record_new(store: Where, cfg: RunConfig, command: str = "replay record",
-               progress: Callable[[str], None] = lambda m: None) -> None:
-    """Record a new run on this machine's ranks, holding the store's lease throughout."""
+               progress: Callable[[str], None] = lambda m: None, ranks: RankLauncher | None = None) -> None:
+    """Record a new run on this machine's ranks (on `ranks` where it takes them: `choose_launcher`), holding
+    the store's lease throughout."""
     store = Location.parse(store)
     check_outside_stores(store)   # before the lease: a location inside a store would take that store's
     with writing(store, command) as lease:
@@ -56,12 +59,13 @@ def record_new(store: Where, cfg: RunConfig, command: str = "replay record",
         zero = f", ZeRO-{cfg.zero_stage}" if cfg.launcher is Launcher.DEEPSPEED else ""
         progress(f"recording preset {cfg.preset!r}: {cfg.steps} steps on {cfg.nproc} rank(s) ({cfg.launcher}{zero}, "
                  f"{cfg.precision}) into {store}")
-        run_ranks(store, cfg, cfg.nproc, False, lease.spec)
+        run_ranks(store, cfg, cfg.nproc, False, lease.spec, ranks)
 
 
 def record_resume(store: Where, world_size: int, command: str = "replay record --resume",
-                  progress: Callable[[str], None] = lambda m: None) -> None:
-    """Continue a stopped or crashed run on this machine's ranks, holding the store's lease throughout."""
+                  progress: Callable[[str], None] = lambda m: None, ranks: RankLauncher | None = None) -> None:
+    """Continue a stopped or crashed run on this machine's ranks (on `ranks` where it takes them), holding the
+    store's lease throughout."""
     store = Location.parse(store)
     with writing(store, command, report=lambda m: progress(f"note: {m}")) as lease:
         r = prepare_resume(store, world_size)
@@ -70,7 +74,7 @@ def record_resume(store: Where, world_size: int, command: str = "replay record -
                      "not guaranteed)")
         progress(f"resuming {store} from step {r.start} of {r.cfg.steps}" if r.start is not None else
                  f"{store} has no committed checkpoint (it stopped while starting): recording it from step 0")
-        run_ranks(store, r.cfg, r.cfg.nproc, r.start is not None, lease.spec)
+        run_ranks(store, r.cfg, r.cfg.nproc, r.start is not None, lease.spec, ranks)
 
 
 # What each outer launcher sets in every rank's environment besides RANK and WORLD_SIZE
@@ -276,52 +280,74 @@ def _check_device(cfg: RunConfig, local_world: int) -> None:
                          f"{have}; record with --nproc {have} or fewer")
 
 
+RANKS_ENV = "REPLAY_RANKS"   # "fresh": local ranks start as fresh processes, never forked (forkserver.py)
+
+
+def choose_launcher(launcher: Launcher, world_size: int, command: CommandInfo | None = None,
+                    given: RankLauncher | None = None) -> RankLauncher:
+    """How the ranks of a run of `launcher` on `world_size` processes start: the one place this is decided.
+    On `given` (the caller's warm ranks, fork server or Ray placement group) where it takes them; a script of
+    the user's own as `command` recorded it; one local rank in this process; several local ranks forked from a
+    fork server of their own, unless REPLAY_RANKS=fresh; otherwise (DeepSpeed) fresh processes."""
+    if given is not None and given.takes(launcher, world_size):
+        return given
+    if launcher is Launcher.CUSTOM:
+        assert command is not None, "a script's run is replayed from its recorded command"
+        return ScriptRanks(command)
+    if launcher is Launcher.LOCAL and world_size == 1:
+        return InProcess()
+    fresh = os.environ.get(RANKS_ENV, "")
+    if fresh not in ("", "fresh"):
+        raise UsageError(f"{RANKS_ENV}={fresh}: set it to `fresh` to start every rank as a new process, or unset it")
+    fork = ForkServer()
+    return fork if fork.takes(launcher, world_size) and not fresh else FreshRanks()
+
+
+@contextlib.contextmanager
+def launching(launcher: Launcher, world_size: int, command: CommandInfo | None = None,
+              given: RankLauncher | None = None) -> Iterator[RankLauncher]:
+    """`choose_launcher`'s launcher for the block; a fork server it started ends with the block."""
+    chosen = choose_launcher(launcher, world_size, command, given)
+    try:
+        yield chosen
+    finally:
+        if isinstance(chosen, ForkServer) and chosen is not given:
+            chosen.close()
+
+
 def run_ranks(store: Location, cfg: RunConfig, nproc: int, resume: bool, lease: str,
-              pool: RankPool | None = None) -> None:
-    """Run the ranks on this machine, writing under `lease` (store/lease.py), and wait; a failing rank
-    fails the whole recording. Local ranks run on `pool`, or on the active pool of warm ranks of this
-    world size (launch/pool.py), where there is one."""
-    if nproc == 1 and cfg.launcher is Launcher.LOCAL:
+              given: RankLauncher | None = None) -> None:
+    """Run the built-in trainer's ranks on this machine (`choose_launcher`), writing under `lease`
+    (store/lease.py), and wait; a failing rank fails the whole recording."""
+    with launching(cfg.launcher, nproc, given=given) as launcher:
+        launcher.run(RankJob(store, lease, resume, nproc, env=launcher_env(cfg)))
+
+
+def launcher_env(cfg: RunConfig) -> dict[str, str]:
+    """The variables the ranks of a run of `cfg` get from their launcher besides torchrun's."""
+    if cfg.launcher is not Launcher.DEEPSPEED:
+        return {}
+    # the ranks', not this process's (its next command's, in a session)
+    return {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR") or ("cpu" if cfg.device == "cpu" or not _cuda()
+                                                                   else "cuda")}
+
+
+class InProcess:
+    """A launcher (launch/job.py) of the one rank of a local single-rank run: it trains in this process."""
+
+    def takes(self, launcher: Launcher, world_size: int) -> bool:
+        return launcher is Launcher.LOCAL and world_size == 1
+
+    def run(self, job: RankJob) -> None:
         # lazy: the launcher never loads torch and transformers (2 s); its one rank does, here
         from replay.train.trainer import train
 
         refuse_rank_variables()   # the rank reads them
         try:
-            train(store, lease, resume=resume)
+            train(job.store, job.lease, resume=job.resume)
         except OSError as e:   # the disk filled up, the store's filesystem went away: as a rank process says it
             raise ReplayError(f"rank 0 failed: {type(e).__name__}: {e} (committed checkpoints are intact"
-                              f"{_continued_by(store)})") from e
-        return
-    pool = pool or active_pool(nproc)
-    if pool is not None and cfg.launcher is Launcher.LOCAL and pool.world_size == nproc:
-        pool.train(store, lease, resume=resume)
-        return
-    extra = {}
-    if cfg.launcher is Launcher.DEEPSPEED:   # the ranks', not this process's (its next command's, in a session)
-        extra["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or ("cpu" if cfg.device == "cpu" or not _cuda()
-                                                                        else "cuda")
-    failures = run_node(store, resume, lease, Node.local(nproc), extra)
-    if failures:
-        raise ReplayError(f"{failures}; their own messages are above (committed checkpoints are intact"
-                          f"{_continued_by(store)})")
-
-
-def _continued_by(store: Location) -> str:
-    """How the stopped run or replay at `store` continues, for the line that says it stopped."""
-    try:
-        command = continue_command(RunStore.open(store))
-    except ReplayError:   # the store cannot be read now: the rank's own message says why
-        return ""
-    return f": `{command}` continues" if command else ""
-
-
-def run_node(store: Location, resume: bool, lease: str, node: Node, extra: dict[str, str] | None = None) -> str | None:
-    """Run one node's ranks as fresh processes (`extra`: variables of theirs) and wait: their failures in words,
-    or None."""
-    args = [sys.executable, "-m", "replay.launch.worker", str(store)] + (["--resume"] if resume else [])
-    procs = [subprocess.Popen(args, env={**node.env(local), **(extra or {}), LEASE_ENV: lease})
-             for local in range(len(node.ranks))]
-    return wait_for_ranks(procs, ranks=node.ranks)
+                              f"{continued_by(job.store)})") from e
 
 
 def wait_for_prepared(store: Location, launch_id: str, timeout: float = 600) -> None:

@@ -15,18 +15,21 @@ of a replay fails it with `NodeLost`, naming the node.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replay.config import Launcher
 from replay.errors import ReplayError, UsageError
+from replay.launch.fresh import run_node
+from replay.launch.job import RankJob
 from replay.launch.local import Node, free_port
 from replay.launch.pool import RankPool
-from replay.launch.ranks import run_node
 from replay.launch.ray_cluster import worker_options
-from replay.launch.script import run_script
+from replay.launch.script import ScriptRanks
 from replay.lifeline import follow_library_parent
 from replay.store.capabilities import Capabilities
 from replay.store.location import Location
@@ -50,9 +53,9 @@ class Placing:
 class NodeRanks:
     """A Ray actor on one bundle: that bundle's ranks, started as torchrun would start them on its node."""
 
-    def __init__(self, world: int, warm: bool, log: str | None):
+    def __init__(self, world: int, warm: bool, log: str | None, script: CommandInfo | None = None):
         follow_library_parent()   # a raylet killed takes its node's ranks with it, as a lost node does
-        self.world, self.warm, self.log = world, warm, log
+        self.world, self.warm, self.log, self.script = world, warm, log, script
         self.node: Node | None = None
         self.pool: RankPool | None = None
 
@@ -77,19 +80,18 @@ class NodeRanks:
         if self.pool is not None:
             self.pool.start()
 
-    def train(self, store: Location, lease: str, resume: bool) -> None:
-        assert self.pool is not None, "meet() started the warm ranks"
-        self.pool.train(store, lease, resume=resume)
-
-    def run_fresh(self, store: Location, lease: str, resume: bool) -> None:
+    def run(self, job: RankJob) -> None:
+        """This node's ranks of `job`: the script's, warm ones, or fresh ones (as RayRanks decided)."""
         assert self.node is not None, "meet() came first"
-        failures = run_node(store, resume, lease, self.node)
-        if failures:
-            raise ReplayError(failures)
-
-    def run_script(self, store: Location, lease: str, resume: bool, command: CommandInfo) -> None:
-        assert self.node is not None, "meet() came first"
-        run_script(store, command, resume, lease, node=self.node)
+        job = dataclasses.replace(job, node=self.node)
+        if self.script is not None:
+            ScriptRanks(self.script).run(job)
+        elif self.pool is not None:
+            self.pool.run(job)
+        else:
+            failures = run_node(job, self.node)
+            if failures:
+                raise ReplayError(failures)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -168,7 +170,7 @@ class RayRanks:
         actor = ray.remote(max_restarts=0, **worker_options())(NodeRanks)
         self.actors = [actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i)
-                                     ).remote(self.world, self.warm, self.log)
+                                     ).remote(self.world, self.warm, self.log, self.script)
                        for i, bundle in enumerate(self.bundles)]
         self.nodes = ray.get([a.where.remote() for a in self.actors])
         self.nodes_used = list(dict.fromkeys(n["id"] for n in self.nodes))
@@ -190,20 +192,19 @@ class RayRanks:
         rank = self.nodes_used.index(where["id"])
         return Node(tuple(self.groups[i]), self.world, master, rank=rank, name=f"{where['host']}/{where['id'][:12]}")
 
-    def run(self, store: Location, lease: str, resume: bool) -> None:
-        """Run the replay at `store` (prepared) on the group's ranks, writing under `lease`, and wait (the
-        group is made at the first replay)."""
+    def takes(self, launcher: Launcher, world_size: int) -> bool:
+        """A placement group made for a run's manifest takes that run's replays (RayRanks.__init__ decided how
+        its ranks start from the run's capabilities)."""
+        return True
+
+    def run(self, job: RankJob) -> None:
+        """A launcher (launch/job.py): run the replay of `job` (prepared) on the group's ranks, and wait (the
+        group is made at the first replay); warm ranks keep their rendezvous, other ranks meet afresh."""
         if self.group is None:
             self.open()
-        if self.script is not None:
+        if not self.warm:
             self._meet()
-            refs = [a.run_script.remote(store, lease, resume, self.script) for a in self.actors]
-        elif self.warm:
-            refs = [a.train.remote(store, lease, resume) for a in self.actors]
-        else:
-            self._meet()
-            refs = [a.run_fresh.remote(store, lease, resume) for a in self.actors]
-        self._wait(refs, store)
+        self._wait([a.run.remote(job) for a in self.actors], job.store)
 
     def _wait(self, refs: list[Any], store: Location) -> None:
         """Every actor's outcome. After the first failure the others get LOST_GRACE seconds (and an actor's death

@@ -14,7 +14,9 @@ import os
 import subprocess
 import sys
 
+from replay.config import Launcher
 from replay.errors import ReplayError
+from replay.launch.job import RankJob
 from replay.launch.local import Node, wait_for_ranks
 from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV, environment
@@ -37,3 +39,16 @@ def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str,
     failures = wait_for_ranks(procs, ranks=node.ranks if node else None)
     if failures:
         raise ReplayError(f"the training script failed: {failures} (its messages are above)")
+
+
+class ScriptRanks:
+    """A launcher (launch/job.py) of a user's script, as `command` recorded it."""
+
+    def __init__(self, command: CommandInfo):
+        self.command = command
+
+    def takes(self, launcher: Launcher, world_size: int) -> bool:
+        return launcher is Launcher.CUSTOM
+
+    def run(self, job: RankJob) -> None:
+        run_script(job.store, self.command, job.resume, job.lease, node=job.node)

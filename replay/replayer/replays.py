@@ -22,11 +22,10 @@ import numpy as np
 
 from replay.config import RunConfig
 from replay.errors import ReplayError, UsageError
-from replay.launch.pool import RankPool
-from replay.launch.ranks import run_ranks
+from replay.launch.job import RankJob, RankLauncher
+from replay.launch.ranks import launcher_env, launching
 from replay.launch.ray_cluster import ray_session
 from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
-from replay.launch.script import run_script
 from replay.recorder.command import check_unchanged
 from replay.recorder.host import differences, environment_notes
 from replay.replayer.overrides import apply as apply_overrides
@@ -213,17 +212,17 @@ def _identity(spec: ReplaySpec) -> tuple[Any, ...]:
     return spec.start, spec.stop, spec.start_checkpoint, spec.overrides
 
 
-def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: str | None = None,
-        command: str = "replay run", warn: Callable[[str], None] = lambda m: None,
-        cluster: RayRanks | None = None) -> Replay:
+def run(store: Where, req: ReplayRequest, ranks: RankLauncher | None = None, under: str | None = None,
+        command: str = "replay run", warn: Callable[[str], None] = lambda m: None) -> Replay:
     """Prepare, run the ranks (unless an identical complete replay exists), and verify against the record.
-    With a pool of warm ranks (launch/pool.py) of the recorded world size, a local-launcher replay runs
-    on them instead of on freshly started ranks; with `cluster`, on a Ray placement group's nodes
-    (launch/ray_ranks.py). The store's lease is taken first, or, with `under` (a bisect's probes), the lease
-    of the process this one works for is checked; the replay's own lease is taken in both cases
-    (store/lease.py)."""
+    The ranks start as for the recording (launch/ranks.py `choose_launcher`), or on `ranks` where it takes
+    them: warm ranks (launch/pool.py) or a fork server of the caller's for a local-launcher replay of their
+    world size, a Ray placement group's nodes for any (launch/ray_ranks.py). The store's lease is taken
+    first, or, with `under` (a bisect's probes), the lease of the process this one works for is checked; the
+    replay's own lease is taken in both cases (store/lease.py)."""
     store = Location.parse(store)
     parent = RunStore.open(store)   # a missing store is named before anything is made
+    on_cluster = isinstance(ranks, RayRanks)
     with writing(store / "replays" / replay_id(req), command, under=under) as lease:
         warnings: list[str] = []
 
@@ -231,18 +230,16 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
             warnings.append(message)
             warn(message)
 
-        path, cfg, pending, resume = prepare(parent, req, note, on_cluster=cluster is not None)
+        path, cfg, pending, resume = prepare(parent, req, note, on_cluster=on_cluster)
         recorded = parent.manifest
         notes = environment_notes(recorded.last_environment)
-        script = pending and Capabilities.of(recorded).relaunches_script
+        caps = Capabilities.of(recorded)
+        script = pending and caps.relaunches_script
         try:
-            if pending and cluster is not None:
-                cluster.run(path, lease.spec, resume)
-            elif script:
-                assert recorded.command is not None
-                run_script(path, recorded.command, resume, lease.spec)
-            elif pending:
-                run_ranks(path, cfg, req.ranks or cfg.nproc, resume, lease.spec, pool=pool)
+            if pending:
+                world = req.ranks or recorded.world_size
+                with launching(caps.launcher, world, recorded.command if script else None, ranks) as launcher:
+                    launcher.run(RankJob(path, lease.spec, resume, world, env=launcher_env(cfg)))
         except NodeLost as e:
             raise NodeLost(f"{e}: {_keep_committed(path, recorded.world_size)}") from None
         except ReplayError:
@@ -251,7 +248,7 @@ def run(store: Where, req: ReplayRequest, pool: RankPool | None = None, under: s
                 path.remove_tree()
                 raise UsageError(refused) from None
             left = RunStore.open(path)
-            if (script or cluster is not None) and not resume and left.n_steps == 0 and not left.checkpoints():
+            if (script or on_cluster) and not resume and left.n_steps == 0 and not left.checkpoints():
                 path.remove_tree()   # refused before its first step (by the script, or the cluster): nothing to keep
             raise
         done = RunStore.open(path, mode="a")
@@ -273,7 +270,7 @@ def run_on_ray(store: Where, req: ReplayRequest, address: str, placing: Placing 
     """`run`, its ranks on a placement group of the Ray cluster at `address` (launch/ray_ranks.py)."""
     store = Location.parse(store)
     with ray_session(address), RayRanks(RunStore.open(store).manifest, placing or Placing()) as cluster:
-        return run(store, req, warn=warn, cluster=cluster)
+        return run(store, req, ranks=cluster, warn=warn)
 
 
 def _refusal(path: Location) -> str | None:

@@ -16,15 +16,29 @@ from replay.store import RunStore
 from tests.conftest import REPO, assert_gone, wait_for_descendants
 
 
-def _start(*args: str) -> subprocess.Popen:
+def _start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A `replay` command in its own process group (so that the test can kill the group)."""
     return subprocess.Popen([sys.executable, "-m", "replay", *args], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 
 def _ranks(n: int, serve: bool = False):
     needle = "replay.launch.worker --serve" if serve else "replay.launch.worker"
     return lambda cmdlines: sum(needle in c for c in cmdlines) >= n
+
+
+def _forked(n: int):
+    """A fork server (launch/forkserver.py) and `n` ranks forked from it (which show the server's command line)."""
+    return lambda cmdlines: sum("replay.launch.forkserver" in c for c in cmdlines) >= n + 1
+
+
+def _server(cmdlines: list[str]) -> bool:
+    return any("replay.launch.forkserver" in c for c in cmdlines)
+
+
+# How each kind of local rank starts: fresh processes (REPLAY_RANKS=fresh), or forked from the command's fork
+# server (the default), killed while the server imports (no rank yet) or while its ranks train.
+STARTS = {"fresh": ({"REPLAY_RANKS": "fresh"}, _ranks(2)), "forked": ({}, _forked(2))}
 
 
 def _kill_alone(proc: subprocess.Popen) -> None:
@@ -33,16 +47,20 @@ def _kill_alone(proc: subprocess.Popen) -> None:
 
 
 # The whole process group killed: tests/launch/test_soak_integration.py, whose every kill checks that nothing is left.
-@pytest.mark.parametrize("moment", ["start-up", "training"])
-def test_ranks_die_with_their_record_killed_alone(tmp_path, moment):
+@pytest.mark.parametrize("start, moment", [("fresh", "start-up"), ("fresh", "training"), ("forked", "start-up"),
+                                           ("forked", "training")])
+def test_ranks_die_with_their_record_killed_alone(tmp_path, start, moment):
     store = tmp_path / "run"
-    proc = _start("record", "--store", str(store), "--steps", "100000", "--nproc", "2", "--checkpoint-every", "5")
+    env, started = STARTS[start]
+    proc = _start("record", "--store", str(store), "--steps", "100000", "--nproc", "2", "--checkpoint-every", "5",
+                  env=env)
     try:
-        found = wait_for_descendants(proc.pid, _ranks(2))   # start-up: the ranks are still importing torch
+        # start-up: fresh ranks are still importing torch; the fork server is, before it forks any rank
+        found = wait_for_descendants(proc.pid, started if start == "fresh" else _server)
         if moment == "training":
             while len(RunStore.open(store).checkpoints()) < 2:
                 time.sleep(0.05)
-                found = wait_for_descendants(proc.pid, _ranks(2))
+                found = wait_for_descendants(proc.pid, started)
         _kill_alone(proc)
         assert_gone(found, within=2.0)
     finally:

@@ -19,13 +19,13 @@ def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):
         # nothing of them may carry over into the plain windows after them
         for overrides in (Overrides(attention="fa2-emu:br=16,bc=16", layers=[1]),
                           Overrides(lr_scale=0.5, units=[[1, 0]])):
-            changed = run(store_copy, ReplayRequest(12, 14, overrides=overrides), pool=pool)
+            changed = run(store_copy, ReplayRequest(12, 14, overrides=overrides), ranks=pool)
             v = changed.verification   # on the state after every update (its digests), not on the losses only
             assert changed.created and not v.bitwise and v.level == STATE, v
             assert v.divergence is not None and v.divergence.step == 12 and v.divergence.state is not None, v
         pids = [p.pid for p in pool._procs]
         for start, stop in [(13, 19), (20, 25), (12, 14)]:
-            plain = run(store_copy, ReplayRequest(start, stop), pool=pool)
+            plain = run(store_copy, ReplayRequest(start, stop), ranks=pool)
             assert plain.created and plain.verification.bitwise, (start, stop, plain.verification)
         assert [p.pid for p in pool._procs] == pids   # the same processes served every replay
 
@@ -34,9 +34,9 @@ def test_a_rank_that_dies_fails_the_replay_and_the_next_starts_a_fresh_pool(stor
     monkeypatch.setenv("REPLAY_FAULT", "shard-half:15:1")   # rank 1 SIGKILLed writing the final checkpoint
     with RankPool(2) as pool:
         with pytest.raises(ReplayError, match=r"rank 1 died \(exit code -9\)"):
-            run(store_copy, ReplayRequest(12, 14), pool=pool)
+            run(store_copy, ReplayRequest(12, 14), ranks=pool)
         assert not pool.alive and not pool._procs
         monkeypatch.delenv("REPLAY_FAULT")
-        again = run(store_copy, ReplayRequest(12, 14, resume=True), pool=pool)
+        again = run(store_copy, ReplayRequest(12, 14, resume=True), ranks=pool)
         assert again.created and again.verification.bitwise
         assert RunStore.open(again.location).manifest.status == "complete"

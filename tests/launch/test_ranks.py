@@ -8,8 +8,21 @@ import socket
 
 import pytest
 
+from replay.config import Launcher
 from replay.errors import UsageError
-from replay.launch.ranks import RANK_VARIABLES, outer_launcher, refuse_rank_variables
+from replay.launch.forkserver import ForkServer
+from replay.launch.fresh import FreshRanks
+from replay.launch.pool import RankPool
+from replay.launch.ranks import (
+    RANK_VARIABLES,
+    RANKS_ENV,
+    InProcess,
+    choose_launcher,
+    outer_launcher,
+    refuse_rank_variables,
+)
+from replay.launch.script import ScriptRanks
+from replay.store.manifest import CommandInfo
 
 
 @pytest.fixture
@@ -84,3 +97,29 @@ def test_nproc_under_a_launcher_and_a_ranks_variables_in_one_that_starts_its_own
         outer_launcher(nproc=2)
     with pytest.raises(UsageError, match="but this command starts its ranks itself: unset them"):
         refuse_rank_variables()
+
+
+# How a run's ranks start (launch/ranks.py `choose_launcher`), without starting any: the one place it is decided.
+
+def test_local_ranks_are_forked_one_runs_here_and_deepspeeds_start_fresh(monkeypatch):
+    monkeypatch.delenv(RANKS_ENV, raising=False)
+    assert isinstance(choose_launcher(Launcher.LOCAL, 2), ForkServer)
+    assert isinstance(choose_launcher(Launcher.LOCAL, 1), InProcess)
+    assert isinstance(choose_launcher(Launcher.DEEPSPEED, 2), FreshRanks)
+    monkeypatch.setenv(RANKS_ENV, "fresh")
+    assert isinstance(choose_launcher(Launcher.LOCAL, 2), FreshRanks)
+    monkeypatch.setenv(RANKS_ENV, "warm")
+    with pytest.raises(UsageError, match="REPLAY_RANKS=warm: set it to `fresh`"):
+        choose_launcher(Launcher.LOCAL, 2)
+
+
+def test_the_callers_ranks_are_taken_where_they_fit_and_a_script_runs_as_recorded():
+    pool = RankPool(2)
+    assert choose_launcher(Launcher.LOCAL, 2, given=pool) is pool
+    assert isinstance(choose_launcher(Launcher.LOCAL, 4, given=pool), ForkServer)   # another world size
+    assert isinstance(choose_launcher(Launcher.DEEPSPEED, 2, given=pool), FreshRanks)
+    command = CommandInfo(argv=["train.py"], cwd="/", launcher="python", world_size=1, files={})
+    assert isinstance(choose_launcher(Launcher.CUSTOM, 1, command, given=pool), ScriptRanks)
+    server = ForkServer()
+    assert choose_launcher(Launcher.LOCAL, 3, given=server) is server
+    assert not pool.alive and not server.alive   # nothing was started

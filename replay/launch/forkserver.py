@@ -1,0 +1,332 @@
+"""The fork server: one process that has imported torch, transformers and the built-in trainer, and forks
+ranks of it on request, so that a rank costs its work and not the seconds every fresh rank spends importing.
+
+`ForkServer.start()` starts `python -m replay.launch.forkserver FD`, FD one end of a Unix socket pair whose
+other end only the starting process holds. The server dies with that process (lifeline.py: PR_SET_PDEATHSIG),
+and every rank it forks dies with the server (the same, set in the rank towards it): a rank never outlives the
+command that asked for it. When that command closes its end (or dies), the server kills its ranks and leaves.
+
+A fork copies only the thread that forks, so the server runs nothing that starts a thread: no process group,
+no CUDA, no torch operation (its intra-op pool starts at the first), and numpy's OpenBLAS keeps no worker
+threads (OPENBLAS_NUM_THREADS=1 in the server's environment only; the ranks compute with torch, whose thread
+count each rank sets). It checks that it is one thread before every fork; where it is not, it says so and the
+command starts fresh ranks instead.
+
+A forked rank takes the environment the command gave it (exactly a fresh rank's: RANK, WORLD_SIZE,
+MASTER_ADDR/PORT, the lease, ...), writes its output to the command's stderr (the descriptor comes with the
+request), resets the signal handlers and `sys.excepthook` the server inherited, reseeds Python's `random`,
+then runs as `python -m replay.launch.worker STORE` would (launch/worker.py) and exits with its code.
+
+Messages, one JSON object per SOCK_SEQPACKET message:
+    command -> server  {"argv": [...], "envs": [{...}, ...]} + the ranks' output descriptor: fork one rank per env
+                       {"kill": [pid, ...]}: SIGKILL those ranks (still the server's children)
+    server -> command  {"ready": true} or {"refused": why}, once its imports are done
+                       {"pids": [pid, ...]}: the ranks of a request, by local rank; or {"refused": why}
+                       {"exit": pid, "status": code}: a rank ended (a signal: minus its number, as subprocess says)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import select
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from replay.config import Launcher
+from replay.launch.fresh import FreshRanks
+from replay.launch.job import RankJob
+from replay.launch.local import TICK, wait_for_ranks
+from replay.lifeline import PARENT_ENV, child_env, follow_parent
+
+MESSAGE_BYTES = 1 << 20
+
+
+class ForkServer:
+    """A launcher (launch/job.py) of the built-in trainer's local ranks, forked from a server that has imported
+    everything a rank needs. Started at its first job, or by `start()` ahead of it; `close()` ends it and its
+    ranks."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._ready: bool | None = None         # None: its imports are under way
+        self.refused: str | None = None         # why it cannot fork (its ranks then start fresh)
+        self._ranks: dict[int, _ForkedRank] = {}
+        self.forked: list[int] = []             # the pids of the last job's ranks
+
+    def takes(self, launcher: Launcher, world_size: int) -> bool:
+        return launcher is Launcher.LOCAL and world_size > 1 and sys.platform.startswith("linux")
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        """Start the server now (it imports while other work goes on); a no-op while one is up."""
+        if self.alive:
+            return
+        self.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = child_env({**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+        self._proc = subprocess.Popen([sys.executable, "-m", "replay.launch.forkserver", str(theirs.fileno())],
+                                      env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._sock, self._ready, self.refused = ours, None, None
+
+    def wait_ready(self) -> bool:
+        """Block until the server has imported: whether it forks (else `refused` says why)."""
+        self.start()
+        while self._ready is None:
+            self._drain(None)
+        return self._ready
+
+    def run(self, job: RankJob) -> None:
+        node = job.node_here()
+        envs = [job.rank_env(node, local) for local in range(len(node.ranks))]
+        ranks = self._fork(job.args(), envs) if self.wait_ready() else None
+        if ranks is None:
+            print(f"note: the fork server cannot fork ranks ({self.refused}): starting fresh ones", file=sys.stderr,
+                  flush=True)
+            FreshRanks().run(job)
+            return
+        failures = wait_for_ranks(ranks, ranks=node.ranks)
+        if failures:
+            raise job.failed(failures)
+
+    def _fork(self, argv: list[str], envs: list[dict[str, str]]) -> list[_ForkedRank] | None:
+        """The ranks forked for `envs` (None: the server refused to fork)."""
+        assert self._sock is not None, "wait_ready() started the server"
+        sys.stderr.flush()
+        try:
+            socket.send_fds(self._sock, [json.dumps({"argv": argv, "envs": envs}).encode()], [2])
+        except OSError:   # it died since it was ready: the ranks are gone before they began
+            return [_ForkedRank(self, None) for _ in envs]
+        pids: list[int] | None = None
+        while pids is None and self._sock is not None and self._ready:
+            pids = self._drain(None)
+        if pids is None:   # it refused (see run), or died while forking: no rank of it began
+            return None if self._ready is False and self._sock is not None else [
+                _ForkedRank(self, None) for _ in envs]
+        ranks = [_ForkedRank(self, pid) for pid in pids]
+        self.forked = list(pids)
+        self._ranks.update({r.pid: r for r in ranks if r.pid is not None})
+        return ranks
+
+    def _drain(self, timeout: float | None) -> list[int] | None:
+        """Read what the server says within `timeout` seconds (None: until one message): the pids of a request
+        when those came. Its death (EOF) ends every rank it held, as the kernel does (PDEATHSIG)."""
+        if self._sock is None:
+            return None
+        pids = None
+        while select.select([self._sock], [], [], timeout)[0]:
+            data = self._sock.recv(MESSAGE_BYTES)
+            if not data:
+                self._lost()
+                return None
+            message = json.loads(data)
+            if "exit" in message:
+                rank = self._ranks.pop(message["exit"], None)
+                if rank is not None:
+                    rank.returncode = message["status"]
+            elif "pids" in message:
+                pids = message["pids"]
+            else:
+                self._ready, self.refused = "ready" in message, message.get("refused")
+            timeout = 0
+        return pids
+
+    def _lost(self) -> None:
+        for rank in self._ranks.values():
+            rank.returncode = -signal.SIGKILL
+        self._ranks = {}
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+        if self._ready is None:
+            self._ready, self.refused = False, "it died while importing"
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.send(json.dumps(message).encode())
+            except OSError:
+                self._lost()
+
+    def close(self) -> None:
+        """End the server; it kills any rank of it still running."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            if self._ready is None:   # still importing: it has no rank, and would see the socket closed only after
+                self._proc.kill()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        self._lost()
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ForkedRank:
+    """A rank forked by the server, as launch/local.py's wait sees a process (`pid` None: never forked)."""
+
+    def __init__(self, server: ForkServer, pid: int | None):
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None if pid is not None else -signal.SIGKILL
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.server._drain(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        while self.returncode is None:
+            self.server._drain(TICK)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self.server._send({"kill": [self.pid]})
+
+
+# -- the server --------------------------------------------------------------------------------------------------
+
+
+def serve(sock: socket.socket) -> int:
+    # lazy: these seconds of imports are the server's purpose; the command that starts it never loads torch
+    import torch
+    import torch.distributed as dist
+
+    from replay.launch import worker
+    from replay.train import trainer  # noqa: F401  (with it, transformers' GPT-2 and the recorder)
+
+    def unsafe() -> str | None:
+        threads = len(os.listdir("/proc/self/task"))
+        if threads != 1:
+            return f"it runs {threads} threads"
+        if torch.cuda.is_initialized():
+            return "CUDA is initialised in it"
+        if dist.is_initialized():
+            return "it has a process group"
+        return None
+
+    why = unsafe()
+    sock.send(json.dumps({"refused": why} if why else {"ready": True}).encode())
+    children: set[int] = set()
+    try:
+        while True:
+            if select.select([sock], [], [], TICK)[0]:
+                data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 1)
+                if not data:
+                    break   # the command closed its end, or died
+                _answer(sock, json.loads(data), fds, children, unsafe, worker.main)
+            _reap(sock, children)
+    except OSError:   # the command is gone (its end of the socket with it)
+        pass
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        for pid in children:
+            os.waitpid(pid, 0)
+    return 0
+
+
+def _answer(sock: socket.socket, request: dict[str, Any], fds: list[int], children: set[int],
+            unsafe: Callable[[], str | None], main: Callable[[list[str]], int]) -> None:
+    """Kill the ranks named, or fork one rank per environment of the request (unless forking became unsafe)."""
+    if "kill" in request:
+        for pid in set(request["kill"]) & children:
+            os.kill(pid, signal.SIGKILL)
+        return
+    why = unsafe()
+    pids = [] if why else [_fork(sock, env, request["argv"], fds[0], main) for env in request["envs"]]
+    children.update(pids)
+    os.close(fds[0])
+    sock.send(json.dumps({"refused": why} if why else {"pids": pids}).encode())
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    """Say which ranks have ended, with their exit codes."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        children.discard(pid)
+        sock.send(json.dumps({"exit": pid, "status": _code(status)}).encode())
+
+
+def _code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int,
+          main: Callable[[list[str]], int]) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    server = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    _rank(sock, server, env, argv, out, main)
+
+
+def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], out: int,
+          main: Callable[[list[str]], int]) -> NoReturn:
+    """In a forked rank: become a fresh rank of the command's, run, exit (never back into the server's loop)."""
+    code = 1
+    try:
+        sock.close()
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ[PARENT_ENV] = str(server)
+        follow_parent()   # dies with the server, which dies with the command
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # Python's own, which the server may not keep
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.excepthook = sys.__excepthook__
+        random.seed()
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()   # what the rank's own modules registered, as a fresh rank's exit runs them
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    follow_parent()   # first, before the imports of seconds: the server never outlives the command that started it
+    # A Ctrl-C reaches the command's whole process group: the ranks stop on it (theirs is Python's own handler
+    # again) and the command ends; the server ends after them, with the command, without a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(serve(socket.socket(fileno=int(sys.argv[1]))))
