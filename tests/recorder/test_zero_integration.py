@@ -110,6 +110,7 @@ if not loop.replaying:
         whole = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     if torch.distributed.get_rank() == 0:
         torch.save(whole, gathered)
+torch.distributed.destroy_process_group()   # as torch asks: gloo's threads left at exit can abort it (SIGABRT)
 '''
 STEPS, WIDTH, HEADS = 8, 16, 2
 
