@@ -70,6 +70,37 @@ class SpikeConfig:
     warmup: int = 20              # no detection before this many steps
 
 
+@dataclass(frozen=True)
+class Cadence:
+    """When a run's state is kept: a checkpoint every `checkpoint_every` steps and after the last; between
+    them an in-memory snapshot every `snapshot_every` steps (0: none), of which the last `snapshot_ring` are
+    written when a spike fires. One rule for the config, `Loop`'s keywords and the `Recorder`'s."""
+
+    checkpoint_every: int = 20
+    snapshot_every: int = 0
+    snapshot_ring: int = 3
+
+    LEAST = {"checkpoint_every": 1, "snapshot_every": 0, "snapshot_ring": 1}   # the lowest of each
+
+    def check(self, owner: str) -> None:
+        """Refuse, in one line naming `owner`'s key (`owner` + key: "Loop(", "RecorderConfig."), a value that
+        is not a whole number at or above its lowest."""
+        for key, least in self.LEAST.items():
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                meaning = " (0: no snapshots)" if key == "snapshot_every" else ""
+                raise UsageError(f"{owner}{key}={value!r}{')' if owner.endswith('(') else ''}: a whole number "
+                                 f">= {least}{meaning}")
+
+    def due(self, checkpoint: int, total_steps: int) -> str | None:
+        """What is kept of the state after `checkpoint` steps: "checkpoint", "snapshot" or None."""
+        if checkpoint % self.checkpoint_every == 0 or checkpoint == total_steps:
+            return "checkpoint"
+        if self.snapshot_every and checkpoint % self.snapshot_every == 0:
+            return "snapshot"
+        return None
+
+
 @dataclass
 class RunConfig:
     preset: str = "tiny"
@@ -102,6 +133,10 @@ class RunConfig:
         _check_shapes(self)
 
     @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.checkpoint_every, self.snapshot_every, self.snapshot_ring)
+
+    @property
     def grad_accum(self) -> int:
         return self.batch_size // (self.micro_batch_size * self.nproc)
 
@@ -119,8 +154,8 @@ class RunConfig:
 # short of their highest; every float must also be finite.
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, 2**63 - 1), "steps": (1, None), "batch_size": (1, None), "micro_batch_size": (1, None),
-    "threads": (0, None), "nproc": (1, None), "checkpoint_every": (1, None), "snapshot_every": (0, None),
-    "snapshot_ring": (1, None), "log_every": (1, None),
+    "threads": (0, None), "nproc": (1, None), "log_every": (1, None),
+    **{key: (least, None) for key, least in Cadence.LEAST.items()},
     "model.n_layer": (1, None), "model.n_head": (1, None), "model.n_embd": (1, None), "model.block_size": (1, None),
     "model.vocab_size": (0, None), "model.dropout": (0, 1),
     "data.max_samples": (0, None), "data.corpus_bytes": (1, None),

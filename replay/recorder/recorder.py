@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from replay import faults
-from replay.config import Launcher, RunConfig, SpikeConfig
+from replay.config import Cadence, Launcher, RunConfig, SpikeConfig
 from replay.errors import ReplayError, UsageError
 from replay.recorder.digest import StateDigest
 from replay.recorder.environment import rng_state, set_rng_state
@@ -65,11 +65,14 @@ class RecorderConfig:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
 
     def __post_init__(self) -> None:
-        for key in ("total_steps", "checkpoint_every", "snapshot_ring", "flush_every"):
+        for key in ("total_steps", "flush_every"):
             if getattr(self, key) < 1:
-                raise UsageError(f"RecorderConfig.{key} must be >= 1, got {getattr(self, key)}")
-        if self.snapshot_every < 0:
-            raise UsageError(f"RecorderConfig.snapshot_every must be >= 0 (0: no snapshots), got {self.snapshot_every}")
+                raise UsageError(f"RecorderConfig.{key}={getattr(self, key)!r}: a whole number >= 1")
+        self.cadence.check("RecorderConfig.")
+
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.checkpoint_every, self.snapshot_every, self.snapshot_ring)
 
 
 def create_run_store(path: Where, config: RunConfig, world_size: int = 1, description: str = "") -> RunStore:
@@ -281,10 +284,11 @@ class Recorder:
     def _after_step(self, step: int) -> None:
         """Checkpoint cadence: the state after `step` is checkpoint `step + 1`."""
         nxt = step + 1
-        if nxt % self.cfg.checkpoint_every == 0 or nxt == self.cfg.total_steps:
+        due = self.cfg.cadence.due(nxt, self.cfg.total_steps)
+        if due == "checkpoint":
             self._checkpoint(nxt, "regular")
             self._clear_ring()
-        elif self.cfg.snapshot_every and nxt % self.cfg.snapshot_every == 0:
+        elif due == "snapshot":
             if len(self.ring) == self.ring.maxlen:
                 self._give_back(self.ring.popleft()[1])
             self.ring.append((nxt, self._capture()))

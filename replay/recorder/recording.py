@@ -46,9 +46,8 @@ class Recording:
         else:
             self.lease = start.lease
         self.cfg = RunStore.open(start.store).manifest.config   # as stored
-        self.recorder_config = RecorderConfig(total_steps=self.cfg.steps, checkpoint_every=self.cfg.checkpoint_every,
-                                              snapshot_every=self.cfg.snapshot_every,
-                                              snapshot_ring=self.cfg.snapshot_ring, spike=self.cfg.spike)
+        self.recorder_config = RecorderConfig(total_steps=self.cfg.steps, **dataclasses.asdict(self.cfg.cadence),
+                                              spike=self.cfg.spike)
         self._probe: Any = None
 
     # -- the store, before any step ----------------------------------------------------------------

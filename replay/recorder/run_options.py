@@ -4,13 +4,14 @@ transformers model's config and weight layout)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from replay.config import ModelConfig, RunConfig, SpikeConfig
+from replay.config import Cadence, ModelConfig, RunConfig, SpikeConfig
 from replay.errors import UsageError
 from replay.kernels.registry import is_transformers_model
 from replay.kernels.sdpa_dispatch import attention_modules
@@ -43,19 +44,19 @@ class RunOptions:
             raise UsageError(f"Loop(total_steps={self.total_steps!r}): a replay needs the run's length, a whole number "
                              ">= 1 (a loop that runs until stopped: pass the most steps it may run; minGPT: set "
                              "trainer.max_iters)")
-        for key, least in (("checkpoint_every", 1), ("snapshot_every", 0), ("snapshot_ring", 1)):
-            value = getattr(self, key)
-            if not _whole(value) or value < least:
-                raise UsageError(f"Loop({key}={value!r}): a whole number >= {least}")
+        self.cadence.check("Loop(")
         if self.precision not in PRECISIONS:
             raise UsageError(f"Loop(precision={self.precision!r}): use one of {', '.join(PRECISIONS)}")
+
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.checkpoint_every, self.snapshot_every, self.snapshot_ring)
 
     def config(self, model: torch.nn.Module, world: int) -> RunConfig:
         """The run's config, as far as a loop of the user's own can tell it."""
         n_layer, heads = _attention_shape(model, self.attention, self.n_head)
         return RunConfig(preset="custom", steps=self.total_steps, nproc=world, precision=_canonical(self.precision),
-                         threads=torch.get_num_threads(), checkpoint_every=self.checkpoint_every,
-                         snapshot_every=self.snapshot_every, snapshot_ring=self.snapshot_ring,
+                         threads=torch.get_num_threads(), **dataclasses.asdict(self.cadence),
                          spike=self.spike or SpikeConfig(),
                          model=ModelConfig(n_layer=n_layer, n_head=heads, n_embd=_width(model), block_size=0,
                                            attention=_implementation(model)))

@@ -4,6 +4,7 @@ did after `log`), the snapshot ring a spike writes, and that only committed chec
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from replay.config import SpikeConfig
@@ -87,3 +88,28 @@ def test_a_resumed_loop_restores_the_last_committed_checkpoint(tmp_path):
     assert [r.from_step for r in store.manifest.resumes] == [3]
     assert store.read_steps(["sample_ids"])["sample_ids"][:, 0, 0, 0].tolist() == list(range(8))
     assert checkpointed(store) == {0: ("regular", 0), 3: ("regular", 3), 6: ("regular", 6), 8: ("regular", 8)}
+
+
+def test_one_cadence_rule_for_the_config_the_loop_and_the_recorder():
+    """The checkpoint cadence is one value (config.Cadence): what is kept after each step, and what each of the
+    three places that take it refuses, by the same rule."""
+    from replay.config import Cadence, RunConfig
+    from replay.errors import UsageError
+    from replay.recorder import RecorderConfig
+    from replay.recorder.run_options import RunOptions
+
+    cadence = Cadence(checkpoint_every=4, snapshot_every=2)
+    assert [cadence.due(n, 10) for n in range(1, 11)] == [None, "snapshot", None, "checkpoint", None, "snapshot",
+                                                          None, "checkpoint", None, "checkpoint"]
+    assert RunConfig(checkpoint_every=4, snapshot_every=2).cadence == cadence
+    for bad in ({"checkpoint_every": 0}, {"snapshot_every": -1}, {"snapshot_ring": 0}):
+        key = next(iter(bad))
+        with pytest.raises(UsageError, match=rf"^Loop\({key}=-?\d\): a whole number >="):
+            RunOptions(total_steps=10, **bad)
+        with pytest.raises(UsageError, match=rf"^RecorderConfig\.{key}=-?\d: a whole number >="):
+            RecorderConfig(total_steps=10, **bad)
+        with pytest.raises(UsageError, match=rf"^{key} must be >= {Cadence.LEAST[key]}"):
+            RunConfig(**bad).validate()
+    for not_whole in (2.0, True, "3"):
+        with pytest.raises(UsageError, match="a whole number"):
+            RunOptions(total_steps=10, checkpoint_every=not_whole)
