@@ -25,6 +25,7 @@ MAKE_TEST = ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-
 TICK = os.sysconf("SC_CLK_TCK")
 KINDS = [   # first match wins
     ("the built-in trainer's ranks", r"replay\.launch\.worker"),
+    ("fork servers and the ranks they fork", r"replay\.launch\.forkserver"),   # a forked rank keeps its cmdline
     ("torchrun agents", r"torch\.distributed\.run"),
     ("Ray's workers", r"^ray::|default_worker\.py"),
     ("Ray's daemons", r"raylet|gcs_server|ray/_private|ray/dashboard"),
