@@ -69,7 +69,8 @@ def disk_error(e: BaseException, what: str, where: object, elsewhere: str = "cho
     assert cause.errno is not None, "refused() finds only errors with a refusal's errno"
     problem, fix = _REFUSALS[cause.errno]
     place = _shown(os.fsdecode(cause.filename)) if cause.filename else where
-    return DiskError(f"cannot write {what}: {problem}" + (f" ({place})" if place is not None else "")
+    named = place is None or str(place) in what   # "the analysis of runs/a" names its place already
+    return DiskError(f"cannot write {what}: {problem}" + ("" if named else f" ({place})")
                      + f": {fix.format(elsewhere=elsewhere)}, then run the command again")
 
 
