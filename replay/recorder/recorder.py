@@ -126,6 +126,7 @@ class Recorder:
         self._digests_noted = False
         self.counted: np.ndarray | None = None   # the last step's counts, summed over the processes
         self.ring: deque[tuple[int, Packed]] = deque(maxlen=max(1, cfg.snapshot_ring))
+        self.cadence = cfg.cadence   # built once, read after every step
         self._spare: deque[np.ndarray] = deque()   # buffers of written checkpoints, reused by the next capture
         self.writer = BackgroundWriter(f"replay-writer-rank{rank}", guard)
         self._rows: list[dict[str, Any]] = []
@@ -284,7 +285,7 @@ class Recorder:
     def _after_step(self, step: int) -> None:
         """Checkpoint cadence: the state after `step` is checkpoint `step + 1`."""
         nxt = step + 1
-        due = self.cfg.cadence.due(nxt, self.cfg.total_steps)
+        due = self.cadence.due(nxt, self.cfg.total_steps)
         if due == "checkpoint":
             self._checkpoint(nxt, "regular")
             self._clear_ring()
