@@ -14,6 +14,11 @@ measurement uses a 1-rank, 1-thread recording, where 2 probes fit.
    session's own: Ray and the warm ranks' start-up included, the recording excluded. Target: >= 1.6x.
 3. Three 10-step replays of the planted run (2 ranks, the tiny model) on fresh ranks (`replay run`, a
    process start-up each) against the same three on one pool of warm ranks.
+4. The nanoGPT example's data bisect (examples/nanogpt/train.py, one process, 100 steps, checkpoints every
+   4, the windows drawn at step 95 overwritten with bytes above 127 in the token file, as the example's test
+   does): the script started afresh for every probe (REPLAY_RANKS=fresh) against the script kept up between
+   probes (launch/script.py `ScriptServer`), on two fresh copies of the recording. The wall time is the
+   session's own (Ray's start included). Target: >= 3x.
 
     .venv/bin/python benchmarks/bench_bisect.py [--quick]
 """
@@ -25,6 +30,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +45,8 @@ from tests.bisect.planted import RECORD_ARGS, plant_degenerate_samples  # noqa: 
 
 def bisect(store: Path, *args: str) -> dict:
     out = cli("bisect", str(store), *args, "--json")
+    if os.environ.get("BENCH_SAY"):
+        print(out.stderr, file=sys.stderr)
     return json.loads(out.stdout)["verdict"]
 
 
@@ -92,17 +100,65 @@ def warm_vs_fresh(record: list[str], root: Path, windows: list[tuple[int, int]])
           f"{cold / warm:.1f}x")
 
 
+def nanogpt_data_bisect(root: Path) -> None:
+    """Section 4: the planted nanoGPT recording, then its data bisect with the script started afresh for each
+    probe and with it kept up."""
+    import numpy as np
+
+    from replay.store import RunStore
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "nanogpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    data = root / "nanogpt-data"
+
+    def train(store: Path) -> None:
+        subprocess.run([sys.executable, str(example / "train.py"), f"--data_dir={data}", f"--store={store}",
+                        "--max_iters=100", "--checkpoint_every=4"], cwd=root, env=env, check=True,
+                       capture_output=True)
+
+    subprocess.run([sys.executable, str(example / "prepare.py"), "--out", str(data), "--bytes", "200000"],
+                   check=True, capture_output=True)
+    train(root / "nanogpt-clean")
+    ids = RunStore.open(root / "nanogpt-clean").read_steps(["sample_ids"])["sample_ids"]
+    tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
+    noise = np.random.default_rng(0)
+    for offset in ids[95].ravel():
+        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
+    tokens.flush()
+    planted = root / "nanogpt-planted"
+    train(planted)
+    verdicts = {}
+    for how in ("fresh", "kept up"):
+        copy = fresh_copy(planted, root / f"nanogpt-{how.replace(' ', '-')}")
+        if how == "fresh":
+            os.environ["REPLAY_RANKS"] = "fresh"
+        try:
+            verdicts[how] = bisect(copy, "--by", "data")
+        finally:
+            os.environ.pop("REPLAY_RANKS", None)
+    fresh, kept = verdicts["fresh"], verdicts["kept up"]
+    print("nanoGPT example, 1 process, data bisect of the batch planted at step 95:")
+    for how, v in verdicts.items():
+        print(f"  script {how}: {v['probes']} probes, {v['seconds']:.1f} s; batches {v['batches']}")
+    print(f"  speed-up kept up vs fresh: {fresh['seconds'] / kept['seconds']:.1f}x (same verdict: "
+          f"{fresh['batches'] == kept['batches'] and fresh['samples'] == kept['samples']})")
+
+
 def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only-nanogpt", action="store_true", help="section 4 only")
     ap.add_argument("--quick", action="store_true", help="only warm against fresh ranks, one replay (seconds; the "
                                                           "suite runs it to keep the benchmark working)")
-    quick = ap.parse_args().quick
+    args = ap.parse_args()
     print(hardware())
     root = Path(tempfile.mkdtemp(prefix="bench-bisect-"))
     try:
-        if quick:
+        if args.only_nanogpt:
+            nanogpt_data_bisect(root)
+            return
+        if args.quick:
             plant_degenerate_samples(root / "train.bin", 37, [1, 6])
             warm_vs_fresh(["--data", str(root / "train.bin"), *RECORD_ARGS], root, [(30, 39)])
             return
@@ -114,15 +170,16 @@ def main() -> None:
               f"{v['layers']}, heads {v['heads']}, samples {v['samples']}")
 
         plant_degenerate_samples(root / "train.bin", 37, [1, 6])
-        args = list(RECORD_ARGS)
-        args[args.index("--nproc") + 1] = "1"
+        one_rank = list(RECORD_ARGS)
+        one_rank[one_rank.index("--nproc") + 1] = "1"
         wider = ["--set", "threads=1", "--set", "model.n_layer=4", "--set", "model.n_embd=256", "--set",
                  "model.n_head=4", "--set", "optim.lr=2e-3", "--set", "optim.min_lr=2e-3"]
         planted = root / "planted"
-        cli("record", "--store", str(planted), "--data", str(root / "train.bin"), *args, *wider)
+        cli("record", "--store", str(planted), "--data", str(root / "train.bin"), *one_rank, *wider)
         workers_pair("planted data, 1 rank x 1 thread, 4 x 256 model", planted, root, "--by", "data")
 
         warm_vs_fresh(["--data", str(root / "train.bin"), *RECORD_ARGS], root, [(30, 39), (31, 40), (32, 41)])
+        nanogpt_data_bisect(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

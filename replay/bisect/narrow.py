@@ -48,6 +48,7 @@ from replay.bisect.session import (
     Verdict,
 )
 from replay.errors import ReplayError, UsageError
+from replay.launch.ranks import fresh_ranks
 from replay.launch.ray_cluster import cluster_cpus, ray_session
 from replay.launch.ray_ranks import Placing, RayRanks
 from replay.recorder.command import check_unchanged
@@ -235,7 +236,9 @@ class Bisect:
                                                f"spike at step {found['spike_at']}")
                          + (f" ({outcome.seconds:.1f} s)" if outcome.ran else " (already in the store)")
                          + (f"; run again on a new placement group after: {outcome.retried_after}"
-                            if outcome.retried_after else ""))
+                            if outcome.retried_after else "")
+                         + (f"; the script was started afresh for it and every later probe: {outcome.started_afresh}"
+                            if outcome.started_afresh else ""))
             self.save()
             faults.hit("bisect-kill", self.new_probes)
         if not checked:
@@ -282,7 +285,9 @@ class Bisect:
             self.started = True
             self.save(status="running", error=None)
             world = self.record.manifest.world_size
-            warm = self.caps.warm_ranks   # else (DeepSpeed, a script of the user's own) ranks start for each probe
+            # a script's ranks kept up between probes, unless REPLAY_RANKS=fresh; DeepSpeed's start for each probe
+            script = self.record.manifest.command if self.caps.serves_replays and not fresh_ranks() else None
+            warm = self.caps.warm_ranks and script is None
             placed = self._placed()
             if placed is not None:
                 group = RayRanks(*placed)
@@ -291,9 +296,11 @@ class Bisect:
                 where = f"each on a placement group of its own: {group.describe()}"
             else:
                 cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
-                where = f"each with {world} {'warm ' if warm else ''}rank(s) on {cpus} CPU(s)"
+                kept = "warm " if warm else "the script's, kept up between probes, " if script else ""
+                where = f"each with {world} {kept}rank(s) on {cpus} CPU(s)"
             self.width = slots
-            with ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm, placed) as self.runner:
+            with ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm, placed,
+                             script) as self.runner:
                 self.say(f"probes run on {slots} Ray worker(s), {where}")
                 phases = self.session.phases
                 start = self.checkpoints[-1]

@@ -1,8 +1,10 @@
 """Probes: the replays a bisect runs, in parallel on Ray actors.
 
 Each actor holds one CPU slot and a pool of warm ranks (launch/pool.py) of the record's world size, so
-a probe costs its steps rather than a process start-up (a run of a script of the user's own starts the
-script for each probe: its code, not ours, builds the model). A run recorded on several nodes, bisected on
+a probe costs its steps rather than a process start-up; for a script of the user's own, the script's ranks,
+kept up between its probes (launch/script.py `ScriptServer`: each probe's checkpoint restored in place and
+checked against the record; a script whose state is not the record's after a step from there is started
+afresh for that probe and every later one, which the probe's line says). A run recorded on several nodes, bisected on
 a cluster, keeps its layout instead: each actor sits beside the bisect and holds a placement group of its
 own (launch/ray_ranks.py), whose ranks stay warm; a probe that loses a node is run again once, on a new
 group. A probe is an ordinary replay, stored in the run store under its usual id
@@ -24,9 +26,10 @@ from replay.errors import ReplayError
 from replay.launch.pool import RankPool, RankPoolError
 from replay.launch.ray_cluster import worker_options
 from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
+from replay.launch.script import ScriptServer
 from replay.replayer.replays import Replay, ReplayRequest, run
 from replay.store.location import Location
-from replay.store.manifest import Manifest
+from replay.store.manifest import CommandInfo, Manifest
 from replay.store.overrides import Overrides
 
 
@@ -39,10 +42,12 @@ class ProbeWorker:
     """A Ray actor: runs probes one at a time on its warm ranks (its CPUs: ranks x threads), or, given the
     record's manifest and a placing, on a placement group of its own."""
 
-    def __init__(self, world_size: int, warm: bool = True, placed: tuple[Manifest, Placing] | None = None):
+    def __init__(self, world_size: int, warm: bool = True, placed: tuple[Manifest, Placing] | None = None,
+                 script: CommandInfo | None = None):
         log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{os.getpid()}.log"
         self.cluster = RayRanks(*placed, log=log) if placed else None
-        self.pool = RankPool(world_size, log=log) if warm and placed is None else None
+        self.script = ScriptServer(script) if script is not None and placed is None else None
+        self.pool = RankPool(world_size, log=log) if warm and placed is None and self.script is None else None
         if self.pool is not None:
             self.pool.start()   # every actor's ranks start at once, before the first probe
 
@@ -62,12 +67,16 @@ class ProbeWorker:
         assert result.verification is not None, "a replay that ran is verified"
         return ProbeOutcome(id=result.location.name, ran=result.created, seconds=time.perf_counter() - t0,
                             verification=result.verification, environment=result.environment_notes,
-                            node=socket.gethostname(), retried_after=retried)
+                            node=socket.gethostname(), retried_after=retried,
+                            started_afresh=self.script.refused if self.script is not None else None)
 
     def _run(self, store: Location, req: ReplayRequest, under: str) -> Replay:
-        return run(store, req, ranks=self.pool or self.cluster, under=under, command="replay bisect (probe)")
+        return run(store, req, ranks=self.pool or self.cluster or self.script, under=under,
+                   command="replay bisect (probe)")
 
     def close(self) -> None:
+        if self.script is not None:
+            self.script.close()
         if self.pool is not None:
             self.pool.close()
         if self.cluster is not None:
@@ -80,7 +89,7 @@ class ProbeRunner:
     (which take no CPU themselves) on this node."""
 
     def __init__(self, store: Location, world_size: int, cpus: int, slots: int, lease: str, warm: bool = True,
-                 placed: tuple[Manifest, Placing] | None = None):
+                 placed: tuple[Manifest, Placing] | None = None, script: CommandInfo | None = None):
         import ray  # lazy here and below: ray (0.3 s) only where probes run, not in every command's start-up
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -91,7 +100,7 @@ class ProbeRunner:
             where = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
         actor = ray.remote(max_restarts=1, max_task_retries=1, **where, **worker_options())(ProbeWorker)
         # Ray actor handles: their methods are called as `.remote(...)`, which Ray's types do not model
-        self.actors: list[Any] = [actor.remote(world_size, warm, placed) for _ in range(slots)]
+        self.actors: list[Any] = [actor.remote(world_size, warm, placed, script) for _ in range(slots)]
 
     def run(self, requests: list[ReplayRequest]) -> list[ProbeOutcome]:
         """Every request's result, in order; the requests run at once, one per actor."""

@@ -270,6 +270,7 @@ class ProbeOutcome:
     environment: list[str]               # what differed from the record's environment
     node: str
     retried_after: str | None = None     # a lost node, after which it ran again
+    started_afresh: str | None = None    # why the script kept up between probes was started afresh for it
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,8 @@ class Probe:
                 "id": o.id, "ran": o.ran, "seconds": o.seconds, "bitwise": o.verification.bitwise,
                 "divergence": None if d is None else d.to_dict(), "verification": o.verification.to_dict(),
                 "environment_notes": list(o.environment), "node": o.node,
-                **({"retried_after": o.retried_after} if o.retried_after else {})}
+                **({"retried_after": o.retried_after} if o.retried_after else {}),
+                **({"started_afresh": o.started_afresh} if o.started_afresh else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Probe:
@@ -309,7 +311,7 @@ class Probe:
                                         note="verified by an earlier version of replay, on its scalars")
         outcome = ProbeOutcome(id=d["id"], ran=bool(d["ran"]), seconds=float(d["seconds"]), verification=verification,
                                environment=list(d.get("environment_notes", [])), node=d.get("node", ""),
-                               retried_after=d.get("retried_after"))
+                               retried_after=d.get("retried_after"), started_afresh=d.get("started_afresh"))
         return cls(phase=d["phase"], window=list(d["window"]), overrides=Overrides.from_dict(d["overrides"]),
                    prevented=bool(d["prevented"]), spike_at=d.get("spike_at"), peak=d.get("peak", "nan"),
                    baseline=d.get("baseline", "nan"), outcome=outcome)

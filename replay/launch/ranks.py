@@ -280,7 +280,7 @@ def _check_device(cfg: RunConfig, local_world: int) -> None:
                          f"{have}; record with --nproc {have} or fewer")
 
 
-RANKS_ENV = "REPLAY_RANKS"   # "fresh": local ranks start as fresh processes, never forked (forkserver.py)
+RANKS_ENV = "REPLAY_RANKS"   # "fresh": ranks start as fresh processes, never forked, scripts never kept up
 
 
 def choose_launcher(launcher: Launcher, world_size: int, command: CommandInfo | None = None,
@@ -296,11 +296,17 @@ def choose_launcher(launcher: Launcher, world_size: int, command: CommandInfo | 
         return ScriptRanks(command)
     if launcher is Launcher.LOCAL and world_size == 1:
         return InProcess()
+    fork = ForkServer()
+    return fork if fork.takes(launcher, world_size) and not fresh_ranks() else FreshRanks()
+
+
+def fresh_ranks() -> bool:
+    """REPLAY_RANKS=fresh: every rank starts as a new process, never forked, and a user's script is started
+    anew for each replay, never kept up between them (launch/script.py)."""
     fresh = os.environ.get(RANKS_ENV, "")
     if fresh not in ("", "fresh"):
         raise UsageError(f"{RANKS_ENV}={fresh}: set it to `fresh` to start every rank as a new process, or unset it")
-    fork = ForkServer()
-    return fork if fork.takes(launcher, world_size) and not fresh else FreshRanks()
+    return fresh == "fresh"
 
 
 @contextlib.contextmanager

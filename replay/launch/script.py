@@ -6,28 +6,40 @@ once per rank of the recorded world size. Under the
 `torchrun` launcher each process gets torchrun's environment (env:// rendezvous on loopback), as `replay
 record`'s own ranks do; each dies with this process (replay/lifeline.py: the script's `Loop` follows its
 parent). The script's output goes to stderr, keeping this command's stdout for its answer.
+
+`ScriptRanks` starts the script for each replay; `ScriptServer` keeps its ranks up between replays (a
+bisect's probes): each next replay is handed to the running ranks, whose `Loop` restores its checkpoint in
+place (recorder/serving.py), and a rank that finds its state after a step from there is not the record's
+(the script keeps state of its own) has the script started afresh, for that replay and every later one.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from replay.config import Launcher
 from replay.errors import ReplayError
 from replay.launch.job import RankJob
-from replay.launch.local import Node, wait_for_ranks
+from replay.launch.local import Node, wait_for_outcomes, wait_for_ranks
 from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV, environment
+from replay.recorder.serving import SERVE_ENV, Answer, ServedJob, job_line
 from replay.store.holder import ENV as LEASE_ENV
 from replay.store.location import Location
 from replay.store.manifest import CommandInfo
 
+GRACE = 5.0   # seconds a rank has to end on its own once a peer failed, or once it has no more jobs
 
-def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str, node: Node | None = None) -> None:
-    """Run the recorded command's ranks writing the replay at `replay` (those of `node`; default: all of them,
-    on this machine), and wait; a failing rank fails it."""
+
+def _start(replay: Location, command: CommandInfo, resume: bool, lease: str, node: Node | None,
+           serve: Sequence[tuple[int, int]] = ()) -> list[subprocess.Popen]:
+    """The recorded command's ranks (those of `node`; default: all of them, on this machine) writing the
+    replay at `replay`; `serve`: each rank's pipe ends (jobs to read, answers to write) to serve more."""
     extra = {STORE_ENV: str(replay), LEASE_ENV: lease, RESUME_ENV: "1" if resume else "0"}
     args = [sys.executable, *command.argv]
     if command.launcher == "torchrun":
@@ -35,7 +47,19 @@ def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str,
         envs = [{**environment(command, node.env(local)), **extra} for local in range(len(node.ranks))]
     else:
         envs = [child_env({**environment(command, os.environ), **extra})]
-    procs = [subprocess.Popen(args, cwd=command.cwd, env=env, stdout=sys.stderr) for env in envs]
+    procs = []
+    for i, env in enumerate(envs):
+        fds = serve[i] if serve else ()
+        if fds:
+            env = {**env, SERVE_ENV: f"{fds[0]},{fds[1]}"}
+        procs.append(subprocess.Popen(args, cwd=command.cwd, env=env, stdout=sys.stderr, pass_fds=fds))
+    return procs
+
+
+def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str, node: Node | None = None) -> None:
+    """Run the recorded command's ranks writing the replay at `replay` (those of `node`; default: all of them,
+    on this machine), and wait; a failing rank fails it."""
+    procs = _start(replay, command, resume, lease, node)
     failures = wait_for_ranks(procs, ranks=node.ranks if node else None)
     if failures:
         raise ReplayError(f"the training script failed: {failures} (its messages are above)")
@@ -52,3 +76,125 @@ class ScriptRanks:
 
     def run(self, job: RankJob) -> None:
         run_script(job.store, self.command, job.resume, job.lease, node=job.node)
+
+
+@dataclass
+class _Served:
+    """A rank of the script kept up: its process and its ends of the two pipes."""
+
+    process: subprocess.Popen
+    jobs: int      # written by us, read by the rank
+    answers: int   # written by the rank, read by us
+
+    def close(self) -> None:
+        for fd in (self.jobs, self.answers):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class ScriptServer:
+    """A launcher (launch/job.py) of a user's script on this machine that keeps its ranks up between jobs,
+    handing each next replay to them (recorder/serving.py). `refused`: why the last job could not be served
+    on the running ranks (the script was started afresh for it, and is for every job after), else None.
+    Close it (or use it as a context) to let the ranks end: they have no more jobs."""
+
+    def __init__(self, command: CommandInfo):
+        self.command = command
+        self.refused: str | None = None
+        self._warm = True   # False once a rank refused: every later job starts the script afresh
+        self._ranks: list[_Served] = []
+
+    def takes(self, launcher: Launcher, world_size: int) -> bool:
+        return launcher is Launcher.CUSTOM and world_size == self.command.world_size
+
+    @property
+    def pids(self) -> list[int]:
+        """The running ranks' processes (none between a refusal and the next job, or once closed)."""
+        return [rank.process.pid for rank in self._ranks]
+
+    def run(self, job: RankJob) -> None:
+        self.refused = None
+        if not self._warm:
+            run_script(job.store, self.command, job.resume, job.lease, node=job.node)
+            return
+        if self._ranks:
+            for rank in self._ranks:
+                os.write(rank.jobs, job_line(ServedJob(str(job.store), job.lease, job.resume)))
+        else:
+            self._ranks = self._started(job)
+        answers = self._answers(job)
+        refused = next((a.refused for a in answers if a.refused), None)
+        if refused is not None or len(answers) < len(self._ranks):
+            self.close()
+        if refused is not None:
+            self._warm, self.refused = False, refused
+            run_script(job.store, self.command, job.resume, job.lease, node=job.node)
+
+    def _started(self, job: RankJob) -> list[_Served]:
+        count = len(job.node.ranks) if job.node else (self.command.world_size
+                                                       if self.command.launcher == "torchrun" else 1)
+        pipes = [(os.pipe(), os.pipe()) for _ in range(count)]   # (jobs: read, write), (answers: read, write)
+        try:
+            procs = _start(job.store, self.command, job.resume, job.lease, job.node,
+                           serve=[(jobs[0], answers[1]) for jobs, answers in pipes])
+        finally:
+            for jobs, answers in pipes:   # the ranks' ends are theirs now
+                os.close(jobs[0])
+                os.close(answers[1])
+        return [_Served(p, jobs[1], answers[0]) for p, (jobs, answers) in zip(procs, pipes, strict=True)]
+
+    def _answers(self, job: RankJob) -> list[Answer]:
+        """Every rank's answer to the job, or fewer where a rank ended without one (an exit 0: the script left
+        its loop early, which the replay's store shows); a failing rank fails the job, no rank outliving it."""
+        procs = [r.process for r in self._ranks]
+        names = list(job.node.ranks) if job.node else list(range(len(procs)))
+        answers: dict[int, Answer] = {}
+        pending = set(range(len(procs)))
+
+        def outcomes(timeout: float) -> list[tuple[int, str | None]]:
+            readable, _, _ = select.select([self._ranks[i].answers for i in pending], [], [], timeout)
+            done: list[tuple[int, str | None]] = []
+            for i in list(pending):
+                if self._ranks[i].answers in readable and (line := os.read(self._ranks[i].answers, 65536)):
+                    answers[i] = Answer.parse(line)
+                elif (code := procs[i].poll()) is not None:
+                    done.append((i, None if code == 0 else f"rank {names[i]} exited with code {code}"))
+                    pending.discard(i)
+                    continue
+                else:
+                    continue
+                done.append((i, None))
+                pending.discard(i)
+            return done
+
+        try:
+            failures, killed = wait_for_outcomes(procs, outcomes, GRACE)
+        except BaseException:
+            self.close()
+            raise
+        if failures or killed:
+            self.close()
+            raise ReplayError(f"the training script failed: {', then '.join(failures) or 'a rank was stopped'} "
+                              "(its messages are above)")
+        return [answers[i] for i in sorted(answers)]
+
+    def close(self) -> None:
+        """Tell the ranks there are no more jobs (they leave their loops and end as scripts do), and wait for
+        them; one still running after GRACE seconds is killed."""
+        ranks, self._ranks = self._ranks, []
+        for rank in ranks:
+            rank.close()
+        for rank in ranks:
+            try:
+                rank.process.wait(timeout=GRACE)
+            except subprocess.TimeoutExpired:
+                rank.process.kill()
+                rank.process.wait()
+
+    def __enter__(self) -> ScriptServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

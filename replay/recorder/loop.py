@@ -36,7 +36,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,12 +60,13 @@ from replay.recorder.recorder import Recorder, TrainState
 from replay.recorder.recording import Recording
 from replay.recorder.replaying import Replaying
 from replay.recorder.run_options import PRECISIONS, RunOptions
+from replay.recorder.serving import Serving
 from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState, note_sharding, unwrap
 from replay.recorder.zero import engine_state
 from replay.store import RunStore
 from replay.store.lifecycle import complete_run, note_environment
-from replay.store.location import Where
+from replay.store.location import Location, Where
 from replay.store.manifest import ReplaySpec
 
 
@@ -86,6 +87,7 @@ class _Step:
     draws: list[_Draw] = field(default_factory=list)      # its micro-batches, then any drawn ahead for the next
     logged: bool = False
     autocast: bool = False                                 # a forward ran under loop.autocast(...)
+    settling: str | None = None                            # "prime" or "check": a served replay's step, undone
 
 
 def _at_exit(close: Callable[[], None]) -> None:
@@ -152,54 +154,66 @@ class Loop:
         engine = engine_state(model, optimizer) if state is None else None   # a DeepSpeed engine (recorder/zero.py)
         if engine is not None:   # the engine steps its scheduler; a step the replay skips steps it here
             state, scheduler = engine, scheduler or model.lr_scheduler
-        options = RunOptions(total_steps=total_steps, precision=precision, checkpoint_every=checkpoint_every,
-                             snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike,
-                             attention=attention, n_head=n_head, layout=layout, description=description)
+        self._options = RunOptions(total_steps=total_steps, precision=precision, checkpoint_every=checkpoint_every,
+                                   snapshot_every=snapshot_every, snapshot_ring=snapshot_ring, spike=spike,
+                                   attention=attention, n_head=n_head, layout=layout, description=description)
         self.model, self.optimizer, self.scheduler, self.attention = model, optimizer, scheduler, attention
         self.rank, self.world = _rank_and_world()
         start = decide(store, lease, resume)
-        played = _played_ranks(start, self.rank, self.world)   # `replay run --ranks`: several per process
+        self._played = _played_ranks(start, self.rank, self.world)   # `replay run --ranks`: several per process
+        played = self._played
         self.rank, self.world = played[0], self.world if len(played) == 1 else len(played) * self.world
         if start.by_replay_run:
             sys.excepthook = one_line_errors(sys.excepthook, self.rank)
-        self.replaying = start.mode == "replay"
-        self._mode: Mode = (
-            Replaying(start, played, optimizer, scheduler, apply_attention or _attention_applier(model, attention))
-            if self.replaying else Recording(start, unwrap(model), options, self.rank, self.world))
-        self.cfg: RunConfig = self._mode.cfg   # as recorded
-        self.precision = self.cfg.precision
-        changed = configure_determinism(self.cfg.threads)
-        if changed and not self.replaying and self.rank == 0:   # a replay runs as its recording did
-            print(determinism_notice(changed), file=sys.stderr, flush=True)
-        if state is None:
-            state = _train_state(model, optimizer, scheduler, scaler)
-        self.recorder = Recorder(start.store, state,
-                                 cfg=self._mode.recorder_config, rank=self.rank, world_size=self.world,
-                                 played=len(played),
-                                 resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease,
-                                 extra=self._checkpointed)
-        self.store = self.recorder.store
-        sharding = getattr(state, "sharding", None)   # FSDP2's or ZeRO-3's pieces, against the record's, before any
-        if sharding is not None:                      # checkpoint
-            recorded = self._record()
-            note_sharding(self.store, recorded.manifest.sharding, sharding(self.world), self.rank)
+        # started by a launcher that keeps the script up between replays (launch/script.py)
+        self._serving = Serving.from_env() if start.by_replay_run and len(played) == 1 else None
+        self._apply_attention = apply_attention or _attention_applier(model, attention)
+        self._state = state if state is not None else _train_state(model, optimizer, scheduler, scaler)
         self._skipped_numerics, self._yield_skipped = skipped_numerics, yield_skipped
-        self._current: _Step | None = None
-        self._started = False
         self._ahead: list[_Draw] = []   # drawn ahead of the step that trains on them (a prefetch)
         self._lookahead = 0             # how many: as many as were drawn before the first step
         self._evaluating = 0
         self._loader: RecordedLoader | None = None
-        self._restored = self.recorder.restored_extra()   # a resumed run's or a replay's checkpoint: its draws ahead
-        self._unfinished: tuple[int, SpikeEvent | None] | None = None   # a step ended whose checkpoint is due
-        placement = gather_placement(played=len(played))
+        self._closed = False
+        self._open(start)
+        changed = configure_determinism(self.cfg.threads)
+        if changed and not self.replaying and self.rank == 0:   # a replay runs as its recording did
+            print(determinism_notice(changed), file=sys.stderr, flush=True)
+        self._placement = gather_placement(played=len(played))
         self._fingerprint = fingerprint(next(model.parameters()).device)
         self._autocast: AutocastSeen | None = AutocastSeen(model)   # noted with the environment at the first log
-        self._completed = self._closed = False
         _at_exit(self.close)   # a script that never closes its loop loses none of what it recorded
+        self._note_opened()
+
+    def _open(self, start: Start) -> None:
+        """The run this loop writes now (a served script's: each replay in turn): its mode and its recorder,
+        the checkpoint it starts from read ahead."""
+        self.replaying = start.mode == "replay"
+        self._mode: Mode = (
+            Replaying(start, self._played, self.optimizer, self.scheduler, self._apply_attention)
+            if self.replaying else Recording(start, unwrap(self.model), self._options, self.rank, self.world))
+        self.cfg: RunConfig = self._mode.cfg   # as recorded
+        self.precision = self.cfg.precision
+        self.recorder = Recorder(start.store, self._state,
+                                 cfg=self._mode.recorder_config, rank=self.rank, world_size=self.world,
+                                 played=len(self._played),
+                                 resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease,
+                                 extra=self._checkpointed)
+        self.store = self.recorder.store
+        self._window_open, self._completed, self._started = True, False, False
+        self._current: _Step | None = None
+        self._restored = self.recorder.restored_extra()   # a resumed run's or a replay's checkpoint: its draws ahead
+        self._unfinished: tuple[int, SpikeEvent | None] | None = None   # a step ended whose checkpoint is due
+        self._start = start
+
+    def _note_opened(self) -> None:
+        """What the store keeps of this process (rank 0), and the sharding of its state against the record's."""
+        sharding = getattr(self._state, "sharding", None)   # FSDP2's or ZeRO-3's pieces, against the record's,
+        if sharding is not None:                            # before any checkpoint
+            note_sharding(self.store, self._record().manifest.sharding, sharding(self.world), self.rank)
         if self.rank == 0:
-            note_environment(self.store, self._fingerprint, resumed=start.resume)
-            self.store.update_manifest(placement=placement)
+            note_environment(self.store, self._fingerprint, resumed=self._start.resume)
+            self.store.update_manifest(placement=self._placement)
             self._mode.opened(self.store)
 
     @property
@@ -249,7 +263,26 @@ class Loop:
     def steps(self) -> Iterator[int]:
         """The steps to train: from 0 (or the restored checkpoint) to the end; in a replay, from the
         parent's checkpoint at or before the window to its last step. Steps a replay skips are not
-        yielded (their schedule moves on). Call `log` once in every step."""
+        yielded (their schedule moves on). Call `log` once in every step. A script kept up between
+        replays (recorder/serving.py) goes on with the next replay's steps, from its checkpoint, restored
+        in place, after one or two steps from it that are trained and undone (`_settle`)."""
+        yield from self._window()
+        while self._serving is not None:
+            self._end_window()
+            job = self._serving.answer()
+            if job is None:
+                return
+            self._open(Start("replay", Location.parse(job.store), job.lease, job.resume, by_replay_run=True))
+            refused = yield from self._settle()
+            if refused is not None:
+                self._end_window()
+                self._serving.answer(refused)   # the launcher starts the script afresh: no more jobs here
+                return
+            self._note_opened()
+            yield from self._window()
+
+    def _window(self) -> Iterator[int]:
+        """The steps of the run, or of the replay, that the loop writes now."""
         self._lookahead = len(self._ahead)
         self._check_lookahead()
         start = self.recorder.start()
@@ -270,6 +303,57 @@ class Loop:
             if not self._current.logged:
                 raise UsageError(f"step {step} ended without loop.log(loss=...): call it once in every step")
         self._complete()
+
+    def _settle(self) -> Generator[int, None, str | None]:
+        """A served replay's first steps: the script holds the batches it drew ahead for the last replay's next
+        step. A step from the replay's checkpoint whose draws ahead get the recorded ids of the checkpoint's own
+        step ("prime": trained on the stale batches, undone) leaves the script holding what a fresh start draws
+        before its first step; then that step is trained again from the checkpoint ("check"), its state after
+        the update compared with the record's on every rank, and undone. Returns why the script cannot serve the
+        replay warm (its state is not the record's: it keeps state of its own), else None."""
+        why = self._unservable()
+        if why is not None:
+            return why
+        step = self.recorder.first_step()
+        same = True
+        for kind in ("prime", "check") if self._lookahead else ("check",):
+            self.recorder.reload()
+            self._current, self._ahead = _Step(step, skipping=False, draws=self._ahead, settling=kind), []
+            yield step
+            if not self._current.logged:
+                raise UsageError(f"step {step} ended without loop.log(loss=...): call it once in every step")
+            if kind == "check":
+                same = self._as_recorded(step)
+        self._current = None
+        if not same:
+            return (f"its state after step {step}, trained again from checkpoint {step} in the running script, is not "
+                    "the record's: the script keeps state of its own that the loop does not restore (an EMA, a "
+                    "counter, a generator)")
+        return None
+
+    def _unservable(self) -> str | None:
+        """Why the next replay cannot be served by this process as it is, before any step."""
+        if self._start.resume:
+            return "a resumed replay restores its own checkpoint"
+        if self._loader is not None:
+            return "the script takes its batches from loop.loader(...), whose stream is not repositioned in place"
+        if self._yield_skipped:
+            return "a trainer of its own drives its steps (the Trainer's callback): the loop cannot restart them"
+        digests = self._record().digests
+        step = self.recorder.first_step()
+        if digests is None or step < digests.since:
+            return f"the record holds no state digests at step {step} to check a warm start against"
+        return None
+
+    def _as_recorded(self, step: int) -> bool:
+        """This state is the record's after `step`, on every rank (its digests)."""
+        recorded = self._record()
+        digest = self.recorder.digest()
+        row = recorded.read_steps(["state_digest"], start=step, stop=step + 1)["state_digest"][0][self.rank]
+        info = recorded.digests
+        same = (info is not None and info.names == self.recorder.digest.names and info.kind == self.recorder.digest.kind
+                and np.array_equal(row[:len(digest)], digest))
+        return _on_every_rank(same)
 
     def _complete(self) -> None:
         """Every step is recorded: its last checkpoint, the store's completion (rank 0)."""
@@ -357,6 +441,8 @@ class Loop:
         if self._current is None and self._started:
             raise UsageError("a training batch is drawn after the loop's last step: draw them inside "
                              "`for step in loop.steps()`, or just before it")
+        if self._current is not None and self._current.settling:
+            return self._settling_draw(self._current, draw)
         where: int | None = None if self._current is None else self._current.number
         draws = self._ahead if self._current is None else self._current.draws   # ahead of the first step, or in it
         step, micro = self._belongs(where, len(draws))
@@ -382,6 +468,19 @@ class Loop:
         if recorded is not None:
             draw.ids = recorded
         return recorded
+
+    def _settling_draw(self, now: _Step, draw: _Draw) -> np.ndarray:
+        """A draw in a step of `_settle`: the recorded micro-batches of its step, in order, those drawn past
+        them (ahead) from its first again."""
+        batches = self._mode.recorded_batches(now.number)
+        recorded = batches[len(now.draws) % len(batches)]
+        if recorded.size != draw.ids.size:
+            raise ReplayError(f"step {now.number}: the script draws a micro-batch of {draw.ids.size} samples, the "
+                              f"record has {[len(b) for b in batches]}: run the script and settings it was recorded "
+                              f"with (`replay info {self._record().location}` shows them)")
+        draw.ids = recorded.reshape(draw.ids.shape)
+        now.draws.append(draw)
+        return draw.ids
 
     def _record(self) -> RunStore:
         """The store of the run as recorded: a replay's parent, or this run's own."""
@@ -444,10 +543,12 @@ class Loop:
         if trained < 1:
             raise UsageError(f"step {now.number} drew no training batch: pass every training micro-batch's sample ids "
                              "through loop.sample_ids(...), or take its batches from loop.loader(...)")
-        self._mode.check_step(autocast_used=now.autocast)
-        lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
         now.logged = True
         self._ahead = now.draws[trained:]
+        if now.settling:   # trained to be undone (`_settle`): nothing of it is recorded
+            return None
+        self._mode.check_step(autocast_used=now.autocast)
+        lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
         event = self.recorder.record_step(now.number, sample_ids=[d.ids.reshape(-1) for d in now.draws[:trained]],
                                           loss=_losses(loss), grad_norm=_number(grad_norm), lr=float(lr),
                                           tokens=int(tokens), numerics=numerics, counts=self._mode.counted(),
@@ -512,16 +613,26 @@ class Loop:
             return
         self._closed = True
         try:
+            self._end_window()
+        finally:
+            if self._loader is not None:
+                self._loader.close()
+
+    def _end_window(self) -> None:
+        """Everything of the run (or replay) written now on disk, and the mode's changes to the model taken
+        back."""
+        if not self._window_open:
+            return
+        self._window_open = False
+        try:
             last = self._current
-            if not self._completed and last is not None and last.logged \
+            if not self._completed and last is not None and last.logged and last.settling is None \
                     and last.number == self._mode.recorder_config.total_steps - 1:
                 self._complete()
             self._finish()   # a loop left after its last log (a `break`): that step's checkpoint is still due
             self.recorder.close()
         finally:
             self._mode.close()
-            if self._loader is not None:
-                self._loader.close()
 
 
 class _Autocast:
@@ -600,3 +711,12 @@ def _number(x: Any) -> float:
     if hasattr(x, "full_tensor"):   # a DTensor (FSDP2's gradient norm): its value on every rank
         x = x.full_tensor()
     return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _on_every_rank(true: bool) -> bool:
+    """Whether `true` holds on every rank of the process group (one small all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return true
+    flag = torch.tensor([int(true)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

@@ -179,7 +179,25 @@ class Recorder:
             self._shard = (step, store.read_shard(step, self.rank))
         return self._shard[1]
 
+    def reload(self) -> None:
+        """Put the state and RNG states of the checkpoint `start` restores back, without starting from it (a
+        served replay's steps that are trained and undone, recorder/loop.py)."""
+        source = self._source()
+        assert source is not None, "a replay restores a checkpoint"
+        self._load(*source)
+
     def _restore(self, store: RunStore, step: int) -> None:
+        self._load(store, step)
+        recorded = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"]
+        if recorded.ndim == 4:   # the run's shape of a step's ids, for the steps from here on
+            self._ids_shape = (int(recorded.shape[2]), int(recorded.shape[3]))
+        losses = store.read_steps(["loss"])["loss"][: step - store.first_step]
+        for i, loss in enumerate(losses):   # the detector's memory, as it was at that step
+            self.detector.update(store.first_step + i, float(loss))
+        self._rows_start = step
+        self._last_time = time.perf_counter()
+
+    def _load(self, store: RunStore, step: int) -> None:
         own = self._read_own(store, step)
         self._shard = None
         # of other ranks' shards, the branch needed only: a sharded model's pieces are each rank's own to read
@@ -192,14 +210,6 @@ class Recorder:
             if not _same(store.read_subtree(step, rank, ("rng",)), own["rng"]):
                 raise ReplayError(f"recorded ranks {self.ranks[0]} and {rank} hold different RNG states at step "
                                   f"{step}: one process cannot play both; replay on the recorded ranks")
-        recorded = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"]
-        if recorded.ndim == 4:   # the run's shape of a step's ids, for the steps from here on
-            self._ids_shape = (int(recorded.shape[2]), int(recorded.shape[3]))
-        losses = store.read_steps(["loss"])["loss"][: step - store.first_step]
-        for i, loss in enumerate(losses):   # the detector's memory, as it was at that step
-            self.detector.update(store.first_step + i, float(loss))
-        self._rows_start = step
-        self._last_time = time.perf_counter()
 
     def flush(self) -> None:
         """Wait until everything recorded so far is on disk (checkpoints committed)."""

@@ -22,6 +22,7 @@ class Capabilities:
     relaunches_script: bool        # `replay run` starts the user's script again, from its recorded command
     relaunchable: bool             # replays and bisect can start it again (built in, or a script with its command)
     warm_ranks: bool               # its replays can run on warm ranks (launch/pool.py): bisect keeps a pool
+    serves_replays: bool           # its script's ranks can be kept up between replays (launch/script.py)
     world_size: int
     placement: Placement           # the nodes its ranks ran on
     zero_stage: int                # DeepSpeed's ZeRO stage (0: every rank holds the whole optimizer state)
@@ -58,6 +59,7 @@ class Capabilities:
                      "inside your script")
         return cls(launcher=launcher, builtin=builtin, relaunches_script=command is not None,
                    relaunchable=builtin or command is not None, warm_ranks=launcher is Launcher.LOCAL,
+                   serves_replays=command is not None and len(placement.nodes) == 1,
                    world_size=manifest.world_size, placement=placement,
                    zero_stage=manifest.config.zero_stage,
                    drop_refusal=drop, scoped_lr_refusal=scoped_lr, precision_refusal=precision,

@@ -15,7 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from replay.launch.script import ScriptServer
+from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
+from replay.store.overrides import Overrides
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
 from tests.examples.conftest import DETERMINISM, assert_same_run
 from tests.head_norms import assert_fused_head_norms
@@ -90,6 +93,22 @@ def test_a_window_replays_bit_for_bit_through_the_recorded_command(torchrun_stor
     assert (v["steps"], v["bitwise"], v["level"], v["divergence"]) == ([10, 22], True, "state", None)
     replay = RunStore.open(answer["replay"])
     assert replay.manifest.status == "complete" and [c.step for c in replay.checkpoints()] == [23]
+
+
+def test_ddp_ranks_kept_up_serve_windows_one_after_another_bit_for_bit(torchrun_store, tmp_path):
+    """Both torchrun ranks of the script stay up (their process group too) through a plain window, a halved
+    learning rate and a plain window again: each plain one equals the record at the level of the state."""
+    store = tmp_path / "ddp"
+    shutil.copytree(torchrun_store, store, ignore=shutil.ignore_patterns("replays"))
+    requests = [ReplayRequest(20, 22), ReplayRequest(12, 14, overrides=Overrides(lr_scale=0.5)),
+                ReplayRequest(10, 11)]
+    with ScriptServer(RunStore.open(store).manifest.command) as server:
+        outcomes = []
+        for req in requests:
+            result = run(store, req, ranks=server)
+            outcomes.append((result.verification.bitwise, result.verification.level, tuple(server.pids)))
+    assert [o[:2] for o in outcomes] == [(True, "state"), (False, "state"), (True, "state")]
+    assert len({o[2] for o in outcomes}) == 1 and len(outcomes[0][2]) == 2   # the same two processes throughout
 
 
 def test_emulated_bf16_attention_on_layer_1_diverges_exactly_at_from(torchrun_store):
@@ -194,3 +213,5 @@ def test_bisect_finds_the_batch_planted_in_the_token_file(data_dir, tmp_path, ra
     assert result.returncode == 0, result.stderr
     verdict = json.loads(result.stdout)["verdict"]
     assert verdict["batches"] == [95] and verdict["samples"] is None
+    assert "the script's, kept up between probes" in result.stderr   # launch/script.py ScriptServer
+    assert "started afresh" not in result.stderr
