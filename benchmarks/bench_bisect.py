@@ -20,7 +20,7 @@ measurement uses a 1-rank, 1-thread recording, where 2 probes fit.
    probes (launch/script.py `ScriptServer`), on two fresh copies of the recording. The wall time is the
    session's own (Ray's start included). Target: >= 3x.
 
-    .venv/bin/python benchmarks/bench_bisect.py [--quick]
+    .venv/bin/python benchmarks/bench_bisect.py [--quick | --only-nanogpt]   (BENCH_SAY=1: each bisect's own lines too)
 """
 
 from __future__ import annotations

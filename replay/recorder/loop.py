@@ -38,7 +38,7 @@ import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -105,17 +105,21 @@ def _at_exit(close: Callable[[], None]) -> None:
     getattr(threading, "_register_atexit", atexit.register)(at_exit)
 
 
-def _refusals_in_one_line(init: Callable[..., None]) -> Callable[..., None]:
-    """A `Loop` refused as it is made (nothing written yet) ends an unguarded script with its one line and exit
-    code, as a replay's errors do, rather than a traceback."""
-    @functools.wraps(init)
-    def made(self: Loop, *args: Any, **kwargs: Any) -> None:
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _refusals_in_one_line(method: Callable[Concatenate[Loop, P], R]) -> Callable[Concatenate[Loop, P], R]:
+    """A `Loop` refused as it is made or started (nothing written yet) ends an unguarded script with its one
+    line and exit code, as a replay's errors do, rather than a traceback."""
+    @functools.wraps(method)
+    def guarded(self: Loop, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            init(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
         except ReplayError:
             sys.excepthook = one_line_errors(sys.excepthook, getattr(self, "rank", 0))
             raise
-    return made
+    return guarded
 
 
 class Loop:
@@ -150,7 +154,6 @@ class Loop:
                  resume: bool = False, description: str = "", lease: str | None = None, state: TrainState | None = None,
                  apply_attention: Callable[[AttentionPlan, AttentionReach], Any] | None = None,
                  skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None, yield_skipped: bool = False):
-        follow_parent()   # started by `replay run`: die with it
         engine = engine_state(model, optimizer) if state is None else None   # a DeepSpeed engine (recorder/zero.py)
         if engine is not None:   # the engine steps its scheduler; a step the replay skips steps it here
             state, scheduler = engine, scheduler or model.lr_scheduler
@@ -159,14 +162,11 @@ class Loop:
                                    attention=attention, n_head=n_head, layout=layout, description=description)
         self.model, self.optimizer, self.scheduler, self.attention = model, optimizer, scheduler, attention
         self.rank, self.world = _rank_and_world()
-        start = decide(store, lease, resume)
-        self._played = _played_ranks(start, self.rank, self.world)   # `replay run --ranks`: several per process
-        played = self._played
-        self.rank, self.world = played[0], self.world if len(played) == 1 else len(played) * self.world
-        if start.by_replay_run:
-            sys.excepthook = one_line_errors(sys.excepthook, self.rank)
-        # started by a launcher that keeps the script up between replays (launch/script.py)
-        self._serving = Serving.from_env() if start.by_replay_run and len(played) == 1 else None
+        self._first = decide(store, lease, resume)
+        self._played = _played_ranks(self._first, self.rank, self.world)   # `replay run --ranks`: several a process
+        self.rank = self._played[0]
+        self.world = self.world if len(self._played) == 1 else len(self._played) * self.world
+        self.replaying = self._first.mode == "replay"
         self._apply_attention = apply_attention or _attention_applier(model, attention)
         self._state = state if state is not None else _train_state(model, optimizer, scheduler, scaler)
         self._skipped_numerics, self._yield_skipped = skipped_numerics, yield_skipped
@@ -174,32 +174,63 @@ class Loop:
         self._lookahead = 0             # how many: as many as were drawn before the first step
         self._evaluating = 0
         self._loader: RecordedLoader | None = None
-        self._closed = False
-        self._open(start)
-        changed = configure_determinism(self.cfg.threads)
+        self._serving: Serving | None = None
+        self._begun = self._window_open = self._closed = False
+
+    @_refusals_in_one_line
+    def start(self) -> Loop:
+        """The one place a loop changes its process, done once, at its first use (`with loop`, `steps()`, a
+        training `sample_ids`, `loader`, `autocast`, or any property of the run; every rank must make that
+        first use at the same point of the script, as it joins a collective): this process dies with the
+        `replay run` that started it, whose errors end it in one line; the store is prepared (a new run's,
+        under rank 0's lease) or opened; torch's determinism settings and threads are the run's; every rank's
+        node is gathered; the store is closed at the interpreter's exit."""
+        if self._begun:
+            return self
+        self._begun = True
+        follow_parent()   # started by `replay run`: die with it
+        if self._first.by_replay_run:
+            sys.excepthook = one_line_errors(sys.excepthook, self.rank)
+            if len(self._played) == 1:   # started by a launcher that keeps the script up between replays
+                self._serving = Serving.from_env()
+        self._open(self._first)
+        changed = configure_determinism(self._cfg.threads)
         if changed and not self.replaying and self.rank == 0:   # a replay runs as its recording did
             print(determinism_notice(changed), file=sys.stderr, flush=True)
-        self._placement = gather_placement(played=len(played))
-        self._fingerprint = fingerprint(next(model.parameters()).device)
-        self._autocast: AutocastSeen | None = AutocastSeen(model)   # noted with the environment at the first log
+        self._placement = gather_placement(played=len(self._played))
+        self._fingerprint = fingerprint(next(self.model.parameters()).device)
+        self._autocast: AutocastSeen | None = AutocastSeen(self.model)   # noted with the environment at the first log
         _at_exit(self.close)   # a script that never closes its loop loses none of what it recorded
         self._note_opened()
+        return self
+
+    @property
+    def cfg(self) -> RunConfig:
+        """The run's config, as recorded."""
+        return self.start()._cfg
+
+    @property
+    def precision(self) -> str:
+        """The run's precision, as recorded."""
+        return self.cfg.precision
+
+    @property
+    def store(self) -> RunStore:
+        """The store this loop writes: the run's, or the replay's."""
+        return self.start()._store
 
     def _open(self, start: Start) -> None:
         """The run this loop writes now (a served script's: each replay in turn): its mode and its recorder,
         the checkpoint it starts from read ahead."""
         self.replaying = start.mode == "replay"
-        self._mode: Mode = (
-            Replaying(start, self._played, self.optimizer, self.scheduler, self._apply_attention)
-            if self.replaying else Recording(start, unwrap(self.model), self._options, self.rank, self.world))
-        self.cfg: RunConfig = self._mode.cfg   # as recorded
-        self.precision = self.cfg.precision
+        self._mode: Mode = _mode_for(start, self)
+        self._cfg = self._mode.cfg
         self.recorder = Recorder(start.store, self._state,
                                  cfg=self._mode.recorder_config, rank=self.rank, world_size=self.world,
                                  played=len(self._played),
                                  resume=start.resume, start_from=self._mode.start_from, lease=self._mode.lease,
                                  extra=self._checkpointed)
-        self.store = self.recorder.store
+        self._store = self.recorder.store
         self._window_open, self._completed, self._started = True, False, False
         self._current: _Step | None = None
         self._restored = self.recorder.restored_extra()   # a resumed run's or a replay's checkpoint: its draws ahead
@@ -229,33 +260,33 @@ class Loop:
     @property
     def window(self) -> ReplaySpec | None:
         """In a replay, what it replays (its window, overrides, skipped steps, dropped samples); else None."""
-        return self._mode.window
+        return self.start()._mode.window
 
     @property
     def overrides(self) -> ReplayOverrides:
         """A replay's overrides as the training process applies them (recorder/overrides.py): the built-in
         trainer's dropped samples and scoped learning rates; a recording's apply nothing."""
-        return self._mode.overrides
+        return self.start()._mode.overrides
 
     @property
     def in_window(self) -> bool:
         """In a replay, whether the current step is in the window (where the overrides apply)."""
-        return self._mode.in_window()
+        return self.start()._mode.in_window()
 
     def recorded_ids(self, step: int) -> np.ndarray:
         """In a replay, the sample ids the record has for `step` (of its window or the fast-forward before
         it): (rank, micro-batch, sample)."""
-        return self._mode.recorded_ids(step)
+        return self.start()._mode.recorded_ids(step)
 
     @property
     def last_loss(self) -> float:
         """The last step's loss, averaged over the ranks."""
-        return self.recorder.last_loss
+        return self.start().recorder.last_loss
 
     # -- the loop ----------------------------------------------------------------------------------
 
     def __enter__(self) -> Loop:
-        return self
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -266,6 +297,7 @@ class Loop:
         yielded (their schedule moves on). Call `log` once in every step. A script kept up between
         replays (recorder/serving.py) goes on with the next replay's steps, from its checkpoint, restored
         in place, after one or two steps from it that are trained and undone (`_settle`)."""
+        self.start()
         yield from self._window()
         while self._serving is not None:
             self._end_window()
@@ -386,6 +418,7 @@ class Loop:
         `with loop.evaluating():`) are returned as they are, neither recorded nor replaced."""
         if self._is_evaluating():
             return ids
+        self.start()
         if self._loader is not None:
             raise UsageError("loop.sample_ids(...) and loop.loader(...) in one loop: pass the training batches "
                              "through one of them")
@@ -403,6 +436,7 @@ class Loop:
         dataset indices, and a replay or a resumed run continues the loader's stream where the checkpoint
         left it (recorder/loader.py). An endless stream: iterate it with next() or a for loop; it starts each
         epoch itself, calling the sampler's set_epoch(epoch) when it has one."""
+        self.start()
         if self._loader is not None:
             raise UsageError("loop.loader(...) is called once: one training loader per loop")
         restored = (self._restored or {}).get("loader")
@@ -598,6 +632,7 @@ class Loop:
     def autocast(self, device_type: str) -> _Autocast:
         """The context the forward runs under: autocast to the run's precision (none for fp32), or to a
         replay's --precision from the window on. Reusable: make it once, enter it every micro-batch."""
+        self.start()
         return _Autocast(device_type, self._autocast_precision)
 
     def _autocast_precision(self) -> str:
@@ -649,6 +684,13 @@ class _Autocast:
 
     def __exit__(self, *exc: Any) -> Any:
         return self._inner.__exit__(*exc)
+
+
+def _mode_for(start: Start, loop: Loop) -> Mode:
+    """The mode a loop started as `start` runs in (recorder/modes.py): recording, or replaying a window."""
+    if start.mode == "replay":
+        return Replaying(start, loop._played, loop.optimizer, loop.scheduler, loop._apply_attention)
+    return Recording(start, unwrap(loop.model), loop._options, loop.rank, loop.world)
 
 
 def _rank_and_world() -> tuple[int, int]:

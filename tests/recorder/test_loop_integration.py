@@ -108,8 +108,9 @@ def test_a_used_store_is_refused_untouched_without_resume(tmp_path):
             _step(loop, model, optimizer, step)
             loop.log(loss=1.0)
     before = tree_snapshot(tmp_path / "run")
+    made = Loop(tmp_path / "run", model, optimizer, total_steps=2)   # builds nothing: refused where it starts
     with pytest.raises(UsageError, match="not empty|already"):
-        Loop(tmp_path / "run", model, optimizer, total_steps=2)
+        made.start()
     assert tree_snapshot(tmp_path / "run") == before
     with pytest.raises(UsageError, match="precision"):
         Loop(tmp_path / "other", model, optimizer, total_steps=2, precision="int8")
