@@ -150,6 +150,15 @@ class RecordedLoader:
         self._fetched = {int(number): from_storable(s) for number, s in state["fetched"]}
         self._schedule = deque(schedule)
 
+    def reposition(self, state: dict[str, Any], schedule: list[Scheduled]) -> None:
+        """Start the stream again from a checkpoint's `state` (a script kept up between replays,
+        recorder/serving.py): the DataLoader's iterator (its workers with it) and the batches sampled ahead of
+        the script are let go, then `restore`."""
+        self.close()
+        self._queue.clear()
+        self._pass = None
+        self.restore(state, schedule)
+
     def position(self, untrained: list[Batch]) -> dict[str, Any]:
         """Where the stream stands for the step that begins: at the first of `untrained` (batches the script
         took ahead of it, a prefetch) or of the batches sampled and not yet taken, else at the next batch to

@@ -350,6 +350,8 @@ class Loop:
         same = True
         for kind in ("prime", "check") if self._lookahead else ("check",):
             self.recorder.reload()
+            if kind == "prime" or not self._lookahead:   # a loader's stream: from the checkpoint's position
+                self._reposition()
             self._current, self._ahead = _Step(step, skipping=False, draws=self._ahead, settling=kind), []
             yield step
             if not self._current.logged:
@@ -357,18 +359,28 @@ class Loop:
             if kind == "check":
                 same = self._as_recorded(step)
         self._current = None
+        if not self._lookahead:
+            self._reposition()
         if not same:
             return (f"its state after step {step}, trained again from checkpoint {step} in the running script, is not "
                     "the record's: the script keeps state of its own that the loop does not restore (an EMA, a "
                     "counter, a generator)")
         return None
 
+    def _reposition(self) -> None:
+        """A loader's stream started again from the position the replay's checkpoint holds."""
+        if self._loader is not None:
+            assert self._restored is not None, "a replay starts from a checkpoint"
+            self._loader.reposition(self._restored["loader"], self._schedule())
+
     def _unservable(self) -> str | None:
         """Why the next replay cannot be served by this process as it is, before any step."""
         if self._start.resume:
             return "a resumed replay restores its own checkpoint"
-        if self._loader is not None:
-            return "the script takes its batches from loop.loader(...), whose stream is not repositioned in place"
+        if self._loader is not None and (self._restored or {}).get("loader") is None:
+            return "the checkpoint it starts from holds no position of the loader's stream"
+        if self._lookahead > len(self._mode.recorded_batches(self.recorder.first_step())):
+            return "the script draws more batches ahead than a step trains on"
         if self._yield_skipped:
             return "a trainer of its own drives its steps (the Trainer's callback): the loop cannot restart them"
         digests = self._record().digests
@@ -503,10 +515,16 @@ class Loop:
             draw.ids = recorded
         return recorded
 
-    def _settling_draw(self, now: _Step, draw: _Draw) -> np.ndarray:
+    def _settling_draw(self, now: _Step, draw: _Draw) -> np.ndarray | None:
         """A draw in a step of `_settle`: the recorded micro-batches of its step, in order, those drawn past
-        them (ahead) from its first again."""
+        them (ahead) from its first again: ids handed out, or a loader's batches as its stream yields them, the
+        stream started again from the checkpoint's position after the step's last micro-batch."""
         batches = self._mode.recorded_batches(now.number)
+        if draw.batch is not None:
+            now.draws.append(draw)
+            if self._lookahead and len(now.draws) == len(batches):
+                self._reposition()
+            return None
         recorded = batches[len(now.draws) % len(batches)]
         if recorded.size != draw.ids.size:
             raise ReplayError(f"step {now.number}: the script draws a micro-batch of {draw.ids.size} samples, the "

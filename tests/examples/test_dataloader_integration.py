@@ -20,9 +20,12 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from replay.errors import StoreError
+from replay.launch.script import ScriptServer
 from replay.processes import descendants, start_time
 from replay.recorder.loader import WORKERS_DRAW
+from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
+from replay.store.overrides import Overrides
 from tests.conftest import REPO, assert_gone, replay_cli
 from tests.examples.conftest import DETERMINISM, assert_same_run
 from tests.head_norms import assert_fused_head_norms
@@ -58,6 +61,24 @@ def recorded(data_dir, tmp_path_factory) -> Path:
     done = _torchrun(workdir, f"--data_dir={data_dir}", f"--store={workdir / 'run'}", *SETTINGS)
     assert done.returncode == 0, done.stderr
     return workdir / "run"
+
+
+def test_the_loaders_stream_is_repositioned_in_place_for_each_replay_on_kept_up_ranks(recorded, tmp_path):
+    """Both ranks of the script stay up (their DistributedSampler, their persistent workers) through a plain
+    window over the epoch's end, a halved learning rate and a plain window before it: the loader's stream starts
+    again from each checkpoint's position, and the plain windows equal the record at the level of the state."""
+    store = tmp_path / "run"
+    shutil.copytree(recorded, store, ignore=shutil.ignore_patterns("replays"))
+    requests = [ReplayRequest(50, 58), ReplayRequest(20, 22, overrides=Overrides(lr_scale=0.5)),
+                ReplayRequest(30, 33)]
+    with ScriptServer(RunStore.open(store).manifest.command) as server:
+        outcomes = []
+        for req in requests:
+            result = run(store, req, ranks=server)
+            outcomes.append((result.verification.bitwise, result.verification.level, tuple(server.pids)))
+            assert server.refused is None
+    assert [o[:2] for o in outcomes] == [(True, "state"), (False, "state"), (True, "state")]
+    assert len({o[2] for o in outcomes}) == 1 and len(outcomes[0][2]) == 2   # the same two processes throughout
 
 
 def _expected_ids(rank: int) -> np.ndarray:
@@ -158,8 +179,7 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(r
     tokens.flush()
     store = tmp_path / "spiked"
     # the learning rate's schedule is not the run's length: as recorded; no worker processes (the sampler's
-    # batches are the same with or without, and the dataset draws nothing), so the bisect's probes, each the
-    # script started again, start none either
+    # batches are the same with or without, and the dataset draws nothing), so the bisect's probes start none
     done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *SETTINGS, "--checkpoint_every=6",
                      "--max_iters=58", "--num_workers=0")
     assert done.returncode == 0, done.stderr
@@ -168,6 +188,7 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(r
     assert result.returncode == 0, result.stderr
     verdict = json.loads(result.stdout)["verdict"]
     assert verdict["data_window"] == [54, 55] and verdict["batches"] == [55] and verdict["samples"] is None
+    assert "the script's, kept up between probes" in result.stderr and "started afresh" not in result.stderr
 
 
 def test_analyze_reads_the_layout_the_script_declares(recorded):
