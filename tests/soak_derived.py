@@ -38,7 +38,7 @@ from replay.store.location import Location
 from tests.disks import Tmpfs, Unavailable
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ("analyze", "report", "export", "bisect")
+COMMANDS = ("analyze", "report", "export", "bisect", "bisect-script")
 BISECT = ["--by", "steps", "--fix", "lr-scale=0.5", "--workers", "1"]
 
 
@@ -297,6 +297,39 @@ class Bisect(Command):
         return f"its session {s['status']} with {len(s['probes'])} probes"
 
 
+class ScriptBisect(Bisect):
+    """`replay bisect --by data` of the nanoGPT example's run with a batch planted at step 95 (6 probes), its
+    probes on the script kept up between them (launch/script.py)."""
+
+    name = "bisect-script"
+
+    def args(self, store: Location, out: Path) -> list[str | Location | Path]:
+        return ["bisect", store, "--by", "data", "--workers", "1"]
+
+
+def planted_script_run(store: Location, data: Path) -> None:
+    """The nanoGPT example recorded twice (100 steps, checkpoints every 4): the second time with random bytes
+    above 127 over every window step 95 drew, which the recording's detector flags (tests/examples)."""
+    example = REPO / "examples" / "nanogpt"
+    subprocess.run([sys.executable, str(example / "prepare.py"), "--out", str(data), "--bytes", "200000"],
+                   check=True, capture_output=True)
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    def train(into: Location) -> None:
+        subprocess.run([sys.executable, str(example / "train.py"), f"--data_dir={data}", f"--store={into}",
+                        "--max_iters=100", "--checkpoint_every=4"], cwd=data.parent, env=env, check=True,
+                       capture_output=True)
+
+    clean = store.parent / f"{store.name}-clean"
+    train(clean)
+    tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
+    noise = np.random.default_rng(0)
+    for offset in RunStore.open(clean).read_steps(["sample_ids"])["sample_ids"][95].ravel():
+        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
+    tokens.flush()
+    train(store)
+
+
 # -- trials ----------------------------------------------------------------------------------------------
 
 
@@ -419,24 +452,26 @@ def again(cmd: Command, store: Location, out: Path, own: dict[str, str], trial: 
 # -- the soak --------------------------------------------------------------------------------------------
 
 
-def inputs(reference: Location, base: Location) -> dict[str, Command]:
+def inputs(reference: Location, base: Location, local: Path) -> dict[str, Command]:
     """Each command with its input, made once with the product's own commands from the reference recording
     (in `base`): a replay of it (analyze), its analysis (report, measured as analyze's reference run), and a
-    recording of the spike preset (bisect)."""
+    recording of the spike preset (bisect), and the nanoGPT example's run with a planted batch (bisect-script)."""
     replayed = base / "replayed"
     copy_tree(reference, replayed)
     checked("run", replayed, "--from", "10", "--to", "19", "--lr-scale", "2", "--name", "lr2")
     spike = base / "spike"
     checked("record", "--store", spike, "--preset", "spike", "--nproc", "2")
     analyze = Analyze(replayed)
+    script = base / "script"
+    planted_script_run(script, local / "script-data")
     return {"analyze": analyze, "report": Report(base / "measure-analyze" / "store"), "export": Export(reference),
-            "bisect": Bisect(spike)}
+            "bisect": Bisect(spike), "bisect-script": ScriptBisect(script)}
 
 
 def run(reference: Location, base: Location, local: Path, kills: int, disks: int, rng: random.Random,
         say=print) -> list[Trial]:
     """`kills` random kills and `disks` full disks of each command; prints each trial and returns them all."""
-    commands = inputs(reference, base)
+    commands = inputs(reference, base, local)
     trials: list[Trial] = []
     for name in COMMANDS:
         cmd = commands[name]

@@ -128,14 +128,15 @@ def wait_for_ranks(procs: Sequence[RankProcess], grace: float = 5.0, ranks: Sequ
             time.sleep(timeout)
         seen.update(i for i, _ in ended)
         ended.sort(key=lambda e: e[1] >= 0)   # in one look, a rank killed outright came first
-        return [(i, None if code == 0 else f"rank {names[i]} {_how(code)}") for i, code in ended]
+        return [(i, None if code == 0 else f"rank {names[i]} {how_it_ended(code)}") for i, code in ended]
 
     failures, killed = wait_for_outcomes(procs, exits, grace)
-    failures += [f"rank {names[i]} {_how(code)}" for i in killed if (code := procs[i].wait()) != 0]
+    failures += [f"rank {names[i]} {how_it_ended(code)}" for i in killed if (code := procs[i].wait()) != 0]
     return ", then ".join(failures) or None
 
 
-def _how(code: int) -> str:
+def how_it_ended(code: int) -> str:
+    """A process's exit code in words."""
     if code < 0:
         return f"was killed by signal {-code} ({signal.Signals(-code).name})"
     return f"exited with code {code}"

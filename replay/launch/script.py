@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from replay.config import Launcher
 from replay.errors import ReplayError
 from replay.launch.job import RankJob
-from replay.launch.local import Node, wait_for_outcomes, wait_for_ranks
+from replay.launch.local import Node, how_it_ended, wait_for_outcomes
 from replay.lifeline import child_env
 from replay.recorder.command import RESUME_ENV, STORE_ENV, environment
 from replay.recorder.serving import SERVE_ENV, Answer, ServedJob, job_line
@@ -33,13 +33,14 @@ from replay.store.holder import ENV as LEASE_ENV
 from replay.store.location import Location
 from replay.store.manifest import CommandInfo
 
-GRACE = 5.0   # seconds a rank has to end on its own once a peer failed, or once it has no more jobs
+GRACE = 5.0    # seconds a rank has to end on its own once a peer failed
+ENDING = 60.0  # seconds a rank told there are no more jobs has to finish its script (its code after the loop)
 
 
 def _start(replay: Location, command: CommandInfo, resume: bool, lease: str, node: Node | None,
-           serve: Sequence[tuple[int, int]] = ()) -> list[subprocess.Popen]:
+           serve: Sequence[tuple[int, int]]) -> list[subprocess.Popen]:
     """The recorded command's ranks (those of `node`; default: all of them, on this machine) writing the
-    replay at `replay`; `serve`: each rank's pipe ends (jobs to read, answers to write) to serve more."""
+    replay at `replay`, each given its pipe ends (jobs to read, answers to write: recorder/serving.py)."""
     extra = {STORE_ENV: str(replay), LEASE_ENV: lease, RESUME_ENV: "1" if resume else "0"}
     args = [sys.executable, *command.argv]
     if command.launcher == "torchrun":
@@ -47,26 +48,13 @@ def _start(replay: Location, command: CommandInfo, resume: bool, lease: str, nod
         envs = [{**environment(command, node.env(local)), **extra} for local in range(len(node.ranks))]
     else:
         envs = [child_env({**environment(command, os.environ), **extra})]
-    procs = []
-    for i, env in enumerate(envs):
-        fds = serve[i] if serve else ()
-        if fds:
-            env = {**env, SERVE_ENV: f"{fds[0]},{fds[1]}"}
-        procs.append(subprocess.Popen(args, cwd=command.cwd, env=env, stdout=sys.stderr, pass_fds=fds))
-    return procs
-
-
-def run_script(replay: Location, command: CommandInfo, resume: bool, lease: str, node: Node | None = None) -> None:
-    """Run the recorded command's ranks writing the replay at `replay` (those of `node`; default: all of them,
-    on this machine), and wait; a failing rank fails it."""
-    procs = _start(replay, command, resume, lease, node)
-    failures = wait_for_ranks(procs, ranks=node.ranks if node else None)
-    if failures:
-        raise ReplayError(f"the training script failed: {failures} (its messages are above)")
+    return [subprocess.Popen(args, cwd=command.cwd, env={**env, SERVE_ENV: f"{fds[0]},{fds[1]}"},
+                             stdout=sys.stderr, pass_fds=fds)
+            for env, fds in zip(envs, serve, strict=True)]
 
 
 class ScriptRanks:
-    """A launcher (launch/job.py) of a user's script, as `command` recorded it."""
+    """A launcher (launch/job.py) of a user's script, as `command` recorded it, started for each job."""
 
     def __init__(self, command: CommandInfo):
         self.command = command
@@ -75,7 +63,8 @@ class ScriptRanks:
         return launcher is Launcher.CUSTOM
 
     def run(self, job: RankJob) -> None:
-        run_script(job.store, self.command, job.resume, job.lease, node=job.node)
+        with ScriptServer(self.command, keep=False) as once:
+            once.run(job)
 
 
 @dataclass
@@ -100,10 +89,10 @@ class ScriptServer:
     on the running ranks (the script was started afresh for it, and is for every job after), else None.
     Close it (or use it as a context) to let the ranks end: they have no more jobs."""
 
-    def __init__(self, command: CommandInfo):
+    def __init__(self, command: CommandInfo, keep: bool = True):
         self.command = command
         self.refused: str | None = None
-        self._warm = True   # False once a rank refused: every later job starts the script afresh
+        self._keep = keep   # False (or once a rank refused): the script is started for each job, and ends with it
         self._ranks: list[_Served] = []
 
     def takes(self, launcher: Launcher, world_size: int) -> bool:
@@ -116,9 +105,6 @@ class ScriptServer:
 
     def run(self, job: RankJob) -> None:
         self.refused = None
-        if not self._warm:
-            run_script(job.store, self.command, job.resume, job.lease, node=job.node)
-            return
         if self._ranks:
             for rank in self._ranks:
                 os.write(rank.jobs, job_line(ServedJob(str(job.store), job.lease, job.resume)))
@@ -126,11 +112,13 @@ class ScriptServer:
             self._ranks = self._started(job)
         answers = self._answers(job)
         refused = next((a.refused for a in answers if a.refused), None)
-        if refused is not None or len(answers) < len(self._ranks):
+        if refused is not None or len(answers) < len(self._ranks) or not self._keep:
             self.close()
-        if refused is not None:
-            self._warm, self.refused = False, refused
-            run_script(job.store, self.command, job.resume, job.lease, node=job.node)
+        if refused is not None:   # the job once more, on the script started afresh, as every later one
+            self._keep, self.refused = False, refused
+            self._ranks = self._started(job)
+            self._answers(job)
+            self.close()
 
     def _started(self, job: RankJob) -> list[_Served]:
         count = len(job.node.ranks) if job.node else (self.command.world_size
@@ -151,22 +139,25 @@ class ScriptServer:
         procs = [r.process for r in self._ranks]
         names = list(job.node.ranks) if job.node else list(range(len(procs)))
         answers: dict[int, Answer] = {}
+        told: dict[int, str] = {}   # the error a rank said it fails with, before it exits
         pending = set(range(len(procs)))
 
         def outcomes(timeout: float) -> list[tuple[int, str | None]]:
             readable, _, _ = select.select([self._ranks[i].answers for i in pending], [], [], timeout)
             done: list[tuple[int, str | None]] = []
             for i in list(pending):
-                if self._ranks[i].answers in readable and (line := os.read(self._ranks[i].answers, 65536)):
-                    answers[i] = Answer.parse(line)
-                elif (code := procs[i].poll()) is not None:
-                    done.append((i, None if code == 0 else f"rank {names[i]} exited with code {code}"))
+                read = os.read(self._ranks[i].answers, 65536) if self._ranks[i].answers in readable else b""
+                for answer in map(Answer.parse, read.splitlines()):
+                    if answer.failed is not None:
+                        told[i] = answer.failed
+                    else:
+                        answers[i] = answer
+                if i in answers:
+                    done.append((i, None))
                     pending.discard(i)
-                    continue
-                else:
-                    continue
-                done.append((i, None))
-                pending.discard(i)
+                elif not read and (code := procs[i].poll()) is not None:
+                    done.append((i, None if code == 0 else told.get(i) or f"rank {names[i]} {how_it_ended(code)}"))
+                    pending.discard(i)
             return done
 
         try:
@@ -176,19 +167,19 @@ class ScriptServer:
             raise
         if failures or killed:
             self.close()
-            raise ReplayError(f"the training script failed: {', then '.join(failures) or 'a rank was stopped'} "
-                              "(its messages are above)")
+            above = "" if told else " (its messages are above)"
+            raise ReplayError(f"the training script failed: {', then '.join(failures) or 'a rank was stopped'}{above}")
         return [answers[i] for i in sorted(answers)]
 
     def close(self) -> None:
         """Tell the ranks there are no more jobs (they leave their loops and end as scripts do), and wait for
-        them; one still running after GRACE seconds is killed."""
+        them; one still running after ENDING seconds is killed."""
         ranks, self._ranks = self._ranks, []
         for rank in ranks:
             rank.close()
         for rank in ranks:
             try:
-                rank.process.wait(timeout=GRACE)
+                rank.process.wait(timeout=ENDING)
             except subprocess.TimeoutExpired:
                 rank.process.kill()
                 rank.process.wait()

@@ -191,8 +191,9 @@ class Loop:
         follow_parent()   # started by `replay run`: die with it
         if self._first.by_replay_run:
             sys.excepthook = one_line_errors(sys.excepthook, self.rank)
-            if len(self._played) == 1:   # started by a launcher that keeps the script up between replays
-                self._serving = Serving.from_env()
+            self._serving = Serving.from_env() if len(self._played) == 1 else None   # launch/script.py's pipes
+            if self._serving is not None:
+                sys.excepthook = self._serving.failing(sys.excepthook, self.rank)
         self._open(self._first)
         changed = configure_determinism(self._cfg.threads)
         if changed and not self.replaying and self.rank == 0:   # a replay runs as its recording did

@@ -1,21 +1,27 @@
 """A script's rank serving one replay after another: the script is imported, built and joined once, and its
 `Loop` restores each next replay's checkpoint in place (recorder/loop.py).
 
-The launcher (launch/script.py `ScriptServer`) starts each rank with `SERVE_ENV` naming two pipes: it writes
-a line per job on the first (the next replay's store, lease and resume flag; end of file: no more), the rank
-answers on the second when the job is done, or why it cannot serve it warm (its state after a step from the
-restored checkpoint is not the record's: the script keeps state of its own that the Loop does not restore),
-after which the launcher starts the script afresh. Both sides speak through this module.
+The launcher (launch/script.py `ScriptServer`, which starts every script's rank) gives each rank `SERVE_ENV`
+naming two pipes: it writes a line per job on the first (the next replay's store, lease and resume flag; end
+of file: no more), the rank answers on the second when the job is done, or why it cannot serve it warm (its
+state after a step from the restored checkpoint is not the record's: the script keeps state of its own that
+the Loop does not restore), after which the launcher starts the script afresh; a rank that fails with
+replay's own error says it there too, for the launcher's one line. Both sides speak through this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from types import TracebackType
+
+from replay.errors import ReplayError
 
 SERVE_ENV = "REPLAY_LOOP_SERVE"   # "<fd to read jobs from>,<fd to answer on>"
+Hook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
 
 @dataclass(frozen=True)
@@ -30,9 +36,11 @@ class ServedJob:
 
 @dataclass(frozen=True)
 class Answer:
-    """A serving rank's answer to a job: done, or refused warm with the reason (`refused`)."""
+    """A serving rank's answer to a job: done, or refused warm with the reason (`refused`); or, just before it
+    exits, the error it fails with, in one line (`failed`), for the launcher's own line."""
 
     refused: str | None = None
+    failed: str | None = None
 
     def line(self) -> bytes:
         return (json.dumps(asdict(self)) + "\n").encode()
@@ -60,6 +68,15 @@ class Serving:
             return None
         jobs, answers = (int(fd) for fd in value.split(","))
         return cls(jobs, answers)
+
+    def failing(self, hook: Hook, rank: int) -> Hook:
+        """An excepthook that says replay's own error to the launcher (`Answer.failed`), then calls `hook`."""
+        def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> object:
+            if isinstance(value, ReplayError):
+                with contextlib.suppress(OSError):   # the launcher gone: the rank ends with it anyway
+                    os.write(self._answers, Answer(failed=f"rank {rank}: {value}").line())
+            return hook(kind, value, tb)
+        return excepthook
 
     def answer(self, refused: str | None = None) -> ServedJob | None:
         """Say the last job is done (or `refused` warm), then wait for the next; None: there is none."""
