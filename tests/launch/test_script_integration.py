@@ -19,7 +19,7 @@ from replay.launch.script import ScriptRanks, ScriptServer
 from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.overrides import Overrides
-from tests.conftest import REPO, assert_gone, tensors_equal, wait_for_descendants
+from tests.conftest import REPO, assert_gone, error_line, replay_cli, tensors_equal, wait_for_descendants
 
 EXAMPLE = REPO / "examples" / "nanogpt"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -140,3 +140,15 @@ def test_the_running_script_dies_with_the_process_that_keeps_it(recorded, tmp_pa
         assert_gone(found, within=2.0)
     finally:
         keeper.kill()
+
+
+def test_a_script_rank_failing_on_a_full_disk_is_named_in_the_commands_one_line(recorded, small_disk):
+    """The rank's own error (replay's: the disk is full) reaches the launcher over its pipe, so the `replay run`
+    line says what happened, not only that a rank exited."""
+    disk = small_disk(16 * 1024)
+    store = _copy(recorded["example"], disk.path / "run")
+    disk.fill(64)
+    result = replay_cli("run", str(store), "--from", "8", "--to", "12")
+    assert result.returncode == 2
+    assert error_line(result).startswith("error: the training script failed: rank 0: cannot write") \
+        and "no space left" in error_line(result), result.stderr
