@@ -12,19 +12,25 @@ for a step or two while the weights have parted already (replayer/replays.py com
 
 The names are the first step's; a tensor that appears later (an optimizer state created late) is folded
 into the last slot, `LATE`, so nothing of the state goes unchecked.
+
+Every step reads every byte of every tensor again; what it keeps from the step before is only the list of
+tensors and where their memory is, while a `Watch` over everything that list was read from (each dict, list
+and attribute of the model and optimizer that `model_and_optimizer` reads, and each tensor's address, size and
+contiguity) finds it unchanged. The host tensors' CRC-32Cs are then one C call (store/integrity.py).
 """
 
 from __future__ import annotations
 
-import ctypes
+import operator
 import struct
 from collections.abc import Iterator
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
 import torch
 
-from replay.store.integrity import crc32c
+from replay.store.integrity import crc32c, crc32c_spans
 
 LATE = "(tensors that appeared after the first step)"
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -73,6 +79,102 @@ def model_and_optimizer(model: torch.nn.Module, optimizer: Any) -> list[tuple[st
     return out
 
 
+# what a module may override, or hold, that would make its state dict other than its parameters and buffers
+_OWN = ("state_dict", "_save_to_state_dict", "get_extra_state", "named_parameters", "named_modules", "_named_members")
+_MODULE_FIELDS = ("_modules", "_parameters", "_buffers", "_state_dict_hooks", "_state_dict_pre_hooks",
+                  "_non_persistent_buffers_set")
+_NBYTES = operator.attrgetter("nbytes")
+_NODES = (torch.Tensor, dict, list, set, torch.nn.Module)   # what a watch holds by identity
+
+
+class Watch:
+    """What a list of tensors was read from, as it was then: dicts (their keys, in order, and values), attributes,
+    lists, sets, and the tensors' memory (address, size in bytes, contiguity). `unchanged()` says whether all
+    of it still is; a value that was not a tensor, dict or list (a step count of a number) need only still not
+    be one."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.dicts: list[dict[Any, Any]] = []
+        self.lists: list[list[Any]] = []
+        self.sets: list[set[Any]] = []
+        self.attributes: list[tuple[dict[Any, Any], Any]] = []   # (a dict, a key): an object's __dict__, a name
+
+    def freeze(self) -> Watch:
+        """Take the snapshot `unchanged` compares with."""
+        self._sizes = self._lengths()
+        self._keys = list(chain.from_iterable(self.dicts))
+        held = [(d, k, v) for d in self.dicts for k, v in d.items()]
+        held += [(d, k, d.get(k)) for d, k in self.attributes]
+        nodes = [(d, k, v) for d, k, v in held if isinstance(v, _NODES)]
+        leaves = [(d, k) for d, k, v in held if not isinstance(v, _NODES)]
+        self._at, self._names, self._objects = (list(x) for x in zip(*nodes, strict=True)) if nodes else ([], [], [])
+        self._leaf_at, self._leaf_names = (list(x) for x in zip(*leaves, strict=True)) if leaves else ([], [])
+        self._items = list(chain.from_iterable(self.lists))
+        self._set_copies = [set(s) for s in self.sets]
+        self._pointers, self._bytes = self._memory()
+        return self
+
+    def unchanged(self) -> bool:
+        return (self._lengths() == self._sizes
+                and all(map(operator.is_, chain.from_iterable(self.dicts), self._keys))
+                and all(map(operator.is_, map(dict.get, self._at, self._names), self._objects))
+                and not any(map(isinstance, map(dict.get, self._leaf_at, self._leaf_names), repeat(_NODES)))
+                and all(map(operator.is_, chain.from_iterable(self.lists), self._items))
+                and self.sets == self._set_copies
+                and self._memory() == (self._pointers, self._bytes)
+                and all(map(torch.Tensor.is_contiguous, self.tensors)))
+
+    def _lengths(self) -> list[int]:
+        return [*map(len, self.dicts), *map(len, self.lists)]
+
+    def _memory(self) -> tuple[list[int], list[int]]:
+        return list(map(torch.Tensor.data_ptr, self.tensors)), list(map(_NBYTES, self.tensors))
+
+
+def watch_model_and_optimizer(model: torch.nn.Module, optimizer: Any,
+                              tensors: list[tuple[str, torch.Tensor]]) -> Watch | None:
+    """A watch over what `model_and_optimizer(model, optimizer)` read, having given `tensors`: while it holds, that
+    call would give the same tensors again. None where a watch could not vouch for that: a module with a state
+    dict of its own or a hook on it, a sharded (DTensor) or non-contiguous tensor, two tensors over the same
+    memory."""
+    modules = list(model.modules())
+    if any(getattr(type(m), name) is not getattr(torch.nn.Module, name) for m in modules for name in _OWN) \
+            or any(m._state_dict_hooks or m._state_dict_pre_hooks for m in modules):
+        return None
+    held = list(model.state_dict(keep_vars=True).values())
+    own = [t for _, t in tensors]
+    if any(hasattr(t, "to_local") or not t.is_contiguous() for t in held + own):
+        return None
+    by_address = {t.data_ptr(): t for t in held + own}
+    if len({id(t) for t in by_address.values()}) != len({id(t) for t in held + own}):
+        return None   # two tensor objects share an address: which of them counts once may change unseen
+    watch = Watch(list({id(t): t for t in held + own}.values()))
+    for m in modules:
+        watch.attributes += [(vars(m), name) for name in _MODULE_FIELDS]
+        watch.dicts += [m._modules, m._parameters, m._buffers, m._state_dict_hooks, m._state_dict_pre_hooks]
+        watch.sets.append(m._non_persistent_buffers_set)
+    return watch.freeze() if _watch_optimizer(watch, optimizer) else None
+
+
+def _watch_optimizer(watch: Watch, optimizer: Any) -> bool:
+    """Watch the optimizer's param groups (each one's parameters) and the state of each of their parameters;
+    False for an optimizer not kept in plain dicts and lists."""
+    groups = getattr(optimizer, "param_groups", [])
+    state = getattr(optimizer, "state", {})
+    if not hasattr(optimizer, "__dict__") or not isinstance(groups, list) or not isinstance(state, dict) \
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return False
+    watch.attributes += [(vars(optimizer), "param_groups"), (vars(optimizer), "state")]
+    watch.lists.append(groups)
+    for group in groups:
+        watch.attributes.append((group, "params"))
+        watch.lists.append(group["params"])
+        watch.attributes += [(state, p) for p in group["params"]]
+        watch.dicts += [state[p] for p in group["params"] if isinstance(state.get(p), dict)]
+    return True
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) tensor's piece on this rank."""
     to_local = getattr(t, "to_local", None)
@@ -89,35 +191,63 @@ class StateDigest:
         self.names: list[str] | None = None
         self.kind: str | None = None
         self._index: dict[str, int] = {}
+        self._plan: _Plan | None = None
+        self._watch: Watch | None = None
 
     def __call__(self) -> np.ndarray:
+        if self._plan is None or self._watch is None or not self._watch.unchanged():
+            self._plan = self._new_plan()
+        return self._plan.digests()
+
+    def _new_plan(self) -> _Plan:
         tensors = named_tensors(self.state, self.rank)
         if self.names is None:
             self.names = [name for name, _ in tensors] + [LATE]
             self._index = {name: i for i, name in enumerate(self.names)}
             self.kind = "crc32c+sum64" if any(t.is_cuda for _, t in tensors) else "crc32c"
-        out = np.zeros(len(self.names), dtype=np.uint32)
+        watch = getattr(self.state, "tensors_watch", None)
+        self._watch = watch(tensors) if watch is not None else None
+        return _Plan(tensors, self._index)
+
+
+class _Plan:
+    """How the digests of `tensors` are taken: the host ones' CRC-32Cs in one call over their memory (a
+    non-contiguous one's copied first), the GPU ones' sums on the device; each into its name's slot (`index`),
+    those without one folded into the last. `direct`: every tensor is in host memory, contiguous, in its slot's
+    place, and the call writes the slots itself."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], index: dict[str, int]):
+        self.tensors, self.index, self.width = tensors, index, len(index)
+        self.host = [i for i, (_, t) in enumerate(tensors) if not t.is_cuda]
+        self.strided = [row for row, i in enumerate(self.host) if not tensors[i][1].is_contiguous()]
+        self.spans = np.array([(t.data_ptr(), t.nbytes) for _, t in (tensors[i] for i in self.host)],
+                              dtype=np.int64).reshape(-1, 2)
+        self.direct = (not self.strided and len(self.host) == len(tensors) == self.width - 1
+                       and all(index.get(name) == i for i, (name, _) in enumerate(tensors)))
+
+    def digests(self) -> np.ndarray:
+        out = np.zeros(self.width, dtype=np.uint32)
+        if self.direct:
+            crc32c_spans(self.spans, out[:-1])
+            return out
+        copies = [self.tensors[self.host[row]][1].contiguous() for row in self.strided]
+        for row, copy in zip(self.strided, copies, strict=True):
+            self.spans[row] = (copy.data_ptr(), copy.nbytes)
+        host = np.zeros(len(self.host), dtype=np.uint32)
+        crc32c_spans(self.spans, host)
+        values = dict(zip(self.host, host.tolist(), strict=True))
+        on_device = [i for i, (_, t) in enumerate(self.tensors) if t.is_cuda]
+        values.update(zip(on_device, _device_sums([self.tensors[i][1] for i in on_device]), strict=True))
         late: list[int] = []
-        on_device = [(name, t) for name, t in tensors if t.is_cuda]
-        sums = _device_sums([t for _, t in on_device])
-        for name, t in tensors:
-            value = sums.pop(0) if t.is_cuda else _crc(t)
-            i = self._index.get(name)
-            if i is None:
-                late.append(value)
+        for i, (name, _) in enumerate(self.tensors):
+            slot = self.index.get(name)
+            if slot is None:
+                late.append(values[i])
             else:
-                out[i] = value
+                out[slot] = values[i]
         if late:
             out[-1] = crc32c(np.asarray(late, dtype=np.uint32))
         return out
-
-
-def _crc(t: torch.Tensor) -> int:
-    """The CRC-32C of a host tensor's bytes, read in place (a copy only of a non-contiguous one): the bytes
-    seen through ctypes rather than numpy, which costs a third of the dispatch per tensor."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return crc32c((ctypes.c_char * t.nbytes).from_address(t.data_ptr()))
 
 
 def _device_sums(tensors: list[torch.Tensor]) -> list[int]:
