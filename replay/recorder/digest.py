@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain, repeat
 from typing import Any
 
@@ -81,52 +81,64 @@ def model_and_optimizer(model: torch.nn.Module, optimizer: Any) -> list[tuple[st
 
 # what a module may override, or hold, that would make its state dict other than its parameters and buffers
 _OWN = ("state_dict", "_save_to_state_dict", "get_extra_state", "named_parameters", "named_modules", "_named_members")
-_MODULE_FIELDS = ("_modules", "_parameters", "_buffers", "_state_dict_hooks", "_state_dict_pre_hooks",
-                  "_non_persistent_buffers_set")
+_MODULE_FIELDS = operator.itemgetter("_modules", "_parameters", "_buffers", "_state_dict_hooks",   # of its __dict__
+                                     "_state_dict_pre_hooks", "_non_persistent_buffers_set")
+_OPTIMIZER_FIELDS = operator.attrgetter("param_groups", "state")
 _NBYTES = operator.attrgetter("nbytes")
-_NODES = (torch.Tensor, dict, list, set, torch.nn.Module)   # what a watch holds by identity
+_NODES = (torch.Tensor, dict, list, set, torch.nn.Module)   # what a watch holds by identity (None too)
 
 
 class Watch:
-    """What a list of tensors was read from, as it was then: dicts (their keys, in order, and values), attributes,
-    lists, sets, and the tensors' memory (address, size in bytes, contiguity). `unchanged()` says whether all
-    of it still is; a value that was not a tensor, dict or list (a step count of a number) need only still not
-    be one."""
+    """What a list of tensors was read from, as it was then: dicts (their keys, in order, and values), lists,
+    sets, objects' fields, and the tensors' memory (address, size in bytes, contiguity). `unchanged()` says
+    whether all of it still is; a value that was not None, a tensor, dict, list, set or module (a step count,
+    a learning rate) need only still not be one. Its checks run over whole lists in C (map, chain), each object
+    touched once: after a training step most of them are out of the cache."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
         self.dicts: list[dict[Any, Any]] = []
         self.lists: list[list[Any]] = []
         self.sets: list[set[Any]] = []
-        self.attributes: list[tuple[dict[Any, Any], Any]] = []   # (a dict, a key): an object's __dict__, a name
+        self.fields: list[tuple[Callable[[Any], tuple[Any, ...]], list[Any]]] = []   # (a getter of 2+ names, objects)
 
     def freeze(self) -> Watch:
         """Take the snapshot `unchanged` compares with."""
+        self._empty = [d for d in self.dicts if not d]   # most of a model's dicts: one look each
+        self._full = [d for d in self.dicts if d]
         self._sizes = self._lengths()
-        self._keys = list(chain.from_iterable(self.dicts))
-        held = [(d, k, v) for d in self.dicts for k, v in d.items()]
-        held += [(d, k, d.get(k)) for d, k in self.attributes]
-        nodes = [(d, k, v) for d, k, v in held if isinstance(v, _NODES)]
-        leaves = [(d, k) for d, k, v in held if not isinstance(v, _NODES)]
+        self._keys = list(chain.from_iterable(self._full))
+        leafy = [d for d in self._full if not all(v is None or isinstance(v, _NODES) for v in d.values())]
+        self._whole = [d for d in self._full if all(d is not x for x in leafy)]
+        self._values = list(chain.from_iterable(map(dict.values, self._whole)))
+        nodes = [(d, k, v) for d in leafy for k, v in d.items() if v is None or isinstance(v, _NODES)]
+        leaves = [(d, k) for d in leafy for k, v in d.items() if not (v is None or isinstance(v, _NODES))]
         self._at, self._names, self._objects = (list(x) for x in zip(*nodes, strict=True)) if nodes else ([], [], [])
         self._leaf_at, self._leaf_names = (list(x) for x in zip(*leaves, strict=True)) if leaves else ([], [])
         self._items = list(chain.from_iterable(self.lists))
         self._set_copies = [set(s) for s in self.sets]
+        self._held = self._fields()
         self._pointers, self._bytes = self._memory()
         return self
 
     def unchanged(self) -> bool:
-        return (self._lengths() == self._sizes
-                and all(map(operator.is_, chain.from_iterable(self.dicts), self._keys))
+        return (not any(map(len, self._empty))
+                and self._lengths() == self._sizes
+                and all(map(operator.is_, chain.from_iterable(self._full), self._keys))
+                and all(map(operator.is_, chain.from_iterable(map(dict.values, self._whole)), self._values))
                 and all(map(operator.is_, map(dict.get, self._at, self._names), self._objects))
                 and not any(map(isinstance, map(dict.get, self._leaf_at, self._leaf_names), repeat(_NODES)))
                 and all(map(operator.is_, chain.from_iterable(self.lists), self._items))
+                and all(map(operator.is_, self._fields(), self._held))
                 and self.sets == self._set_copies
                 and self._memory() == (self._pointers, self._bytes)
                 and all(map(torch.Tensor.is_contiguous, self.tensors)))
 
     def _lengths(self) -> list[int]:
-        return [*map(len, self.dicts), *map(len, self.lists)]
+        return [*map(len, self._full), *map(len, self.lists)]
+
+    def _fields(self) -> list[Any]:
+        return [*chain.from_iterable(chain.from_iterable(map(get, objects) for get, objects in self.fields))]
 
     def _memory(self) -> tuple[list[int], list[int]]:
         return list(map(torch.Tensor.data_ptr, self.tensors)), list(map(_NBYTES, self.tensors))
@@ -137,7 +149,7 @@ def watch_model_and_optimizer(model: torch.nn.Module, optimizer: Any,
     """A watch over what `model_and_optimizer(model, optimizer)` read, having given `tensors`: while it holds, that
     call would give the same tensors again. None where a watch could not vouch for that: a module with a state
     dict of its own or a hook on it, a sharded (DTensor) or non-contiguous tensor, two tensors over the same
-    memory."""
+    memory, an optimizer not kept in plain dicts and lists."""
     modules = list(model.modules())
     if any(getattr(type(m), name) is not getattr(torch.nn.Module, name) for m in modules for name in _OWN) \
             or any(m._state_dict_hooks or m._state_dict_pre_hooks for m in modules):
@@ -150,28 +162,24 @@ def watch_model_and_optimizer(model: torch.nn.Module, optimizer: Any,
     if len({id(t) for t in by_address.values()}) != len({id(t) for t in held + own}):
         return None   # two tensor objects share an address: which of them counts once may change unseen
     watch = Watch(list({id(t): t for t in held + own}.values()))
+    watch.fields.append((_MODULE_FIELDS, [vars(m) for m in modules]))
     for m in modules:
-        watch.attributes += [(vars(m), name) for name in _MODULE_FIELDS]
         watch.dicts += [m._modules, m._parameters, m._buffers, m._state_dict_hooks, m._state_dict_pre_hooks]
         watch.sets.append(m._non_persistent_buffers_set)
     return watch.freeze() if _watch_optimizer(watch, optimizer) else None
 
 
 def _watch_optimizer(watch: Watch, optimizer: Any) -> bool:
-    """Watch the optimizer's param groups (each one's parameters) and the state of each of their parameters;
-    False for an optimizer not kept in plain dicts and lists."""
-    groups = getattr(optimizer, "param_groups", [])
-    state = getattr(optimizer, "state", {})
-    if not hasattr(optimizer, "__dict__") or not isinstance(groups, list) or not isinstance(state, dict) \
+    """Watch the optimizer's param groups (each one's parameters) and its state (each parameter's); False for
+    an optimizer not kept in plain dicts and lists."""
+    groups = getattr(optimizer, "param_groups", None)
+    state = getattr(optimizer, "state", None)
+    if not isinstance(groups, list) or not isinstance(state, dict) \
             or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         return False
-    watch.attributes += [(vars(optimizer), "param_groups"), (vars(optimizer), "state")]
-    watch.lists.append(groups)
-    for group in groups:
-        watch.attributes.append((group, "params"))
-        watch.lists.append(group["params"])
-        watch.attributes += [(state, p) for p in group["params"]]
-        watch.dicts += [state[p] for p in group["params"] if isinstance(state.get(p), dict)]
+    watch.fields.append((_OPTIMIZER_FIELDS, [optimizer]))
+    watch.lists += [groups, *(g["params"] for g in groups)]
+    watch.dicts += [*groups, state, *(s for s in state.values() if isinstance(s, dict))]
     return True
 
 
