@@ -25,13 +25,18 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Callable, Iterator
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any
 
 import numpy as np
 import torch
 
 from replay.store.integrity import crc32c, crc32c_spans
+
+try:
+    from replay.recorder import _watch
+except ImportError:   # a source tree whose C modules are not built (`pip install -e .` builds them)
+    _watch = None  # type: ignore[assignment]
 
 LATE = "(tensors that appeared after the first step)"
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -82,67 +87,81 @@ def model_and_optimizer(model: torch.nn.Module, optimizer: Any) -> list[tuple[st
 
 # what a module may override, or hold, that would make its state dict other than its parameters and buffers
 _OWN = ("state_dict", "_save_to_state_dict", "get_extra_state", "named_parameters", "named_modules", "_named_members")
-_MODULE_FIELDS = operator.itemgetter("_modules", "_parameters", "_buffers", "_state_dict_hooks",   # of its __dict__
-                                     "_state_dict_pre_hooks", "_non_persistent_buffers_set")
+_MODULE_FIELDS = ("_modules", "_parameters", "_buffers", "_state_dict_hooks", "_state_dict_pre_hooks",
+                  "_non_persistent_buffers_set")
 _OPTIMIZER_FIELDS = operator.attrgetter("param_groups", "state")
 _NBYTES = operator.attrgetter("nbytes")
 _NODES = (torch.Tensor, dict, list, set, torch.nn.Module)   # what a watch holds by identity (None too)
+_LEAF = object()   # in a watch's snapshot: a value that need only still not be a node
 
 
 class Watch:
-    """What a list of tensors was read from, as it was then: dicts (their keys, in order, and values), lists,
-    sets, objects' fields, and the tensors' memory (address, size in bytes, contiguity). `unchanged()` says
-    whether all of it still is; a value that was not None, a tensor, dict, list, set or module (a step count,
-    a learning rate) need only still not be one. Its checks run over whole lists in C (map, chain), each object
-    touched once: after a training step most of them are out of the cache."""
+    """What a list of tensors was read from, as it was then: dicts (their keys, in order, and values), fields
+    (an object's __dict__ entry), lists, sets, other objects' fields by a getter, and the tensors' memory
+    (address, size in bytes, contiguity). `unchanged()` says whether all of it still is; a value that was not
+    None, a tensor, dict, list, set or module (a step count, a learning rate) need only still not be one. The
+    dicts and fields are checked in C (recorder/_watch.c): after a training step most of them are out of the
+    cache, and one tight loop waits for many of their misses at once."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
         self.dicts: list[dict[Any, Any]] = []
+        self.fields: list[tuple[dict[str, Any], str]] = []   # (an object's __dict__, a name)
         self.lists: list[list[Any]] = []
         self.sets: list[set[Any]] = []
-        self.fields: list[tuple[Callable[[Any], tuple[Any, ...]], list[Any]]] = []   # (a getter of 2+ names, objects)
+        self.getters: list[tuple[Callable[[Any], tuple[Any, ...]], list[Any]]] = []   # (a getter of 2+ names, objects)
 
     def freeze(self) -> Watch:
         """Take the snapshot `unchanged` compares with."""
-        self._empty = [d for d in self.dicts if not d]   # most of a model's dicts: one look each
-        self._full = [d for d in self.dicts if d]
-        self._sizes = self._lengths()
-        self._keys = list(chain.from_iterable(self._full))
-        leafy = [d for d in self._full if not all(v is None or isinstance(v, _NODES) for v in d.values())]
-        self._whole = [d for d in self._full if all(d is not x for x in leafy)]
-        self._values = list(chain.from_iterable(map(dict.values, self._whole)))
-        nodes = [(d, k, v) for d in leafy for k, v in d.items() if v is None or isinstance(v, _NODES)]
-        leaves = [(d, k) for d in leafy for k, v in d.items() if not (v is None or isinstance(v, _NODES))]
-        self._at, self._names, self._objects = (list(x) for x in zip(*nodes, strict=True)) if nodes else ([], [], [])
-        self._leaf_at, self._leaf_names = (list(x) for x in zip(*leaves, strict=True)) if leaves else ([], [])
+        self._sizes = list(map(len, self.dicts))
+        self._entries = [x for d in self.dicts for k, v in d.items() for x in (k, v if _is_node(v) else _LEAF)]
+        self._at, self._names = [d for d, _ in self.fields], [k for _, k in self.fields]
+        self._objects = [d.get(k) for d, k in self.fields]
+        self._lengths = list(map(len, self.lists))
         self._items = list(chain.from_iterable(self.lists))
         self._set_copies = [set(s) for s in self.sets]
-        self._held = self._fields()
+        self._held = self._got()
         self._pointers, self._bytes = self._memory()
         return self
 
     def unchanged(self) -> bool:
-        return (not any(map(len, self._empty))
-                and self._lengths() == self._sizes
-                and all(map(operator.is_, chain.from_iterable(self._full), self._keys))
-                and all(map(operator.is_, chain.from_iterable(map(dict.values, self._whole)), self._values))
-                and all(map(operator.is_, map(dict.get, self._at, self._names), self._objects))
-                and not any(map(isinstance, map(dict.get, self._leaf_at, self._leaf_names), repeat(_NODES)))
+        return (same_dicts(self.dicts, self._sizes, self._entries, _LEAF, _NODES)
+                and same_fields(self._at, self._names, self._objects)
+                and list(map(len, self.lists)) == self._lengths
                 and all(map(operator.is_, chain.from_iterable(self.lists), self._items))
-                and all(map(operator.is_, self._fields(), self._held))
+                and all(map(operator.is_, self._got(), self._held))
                 and self.sets == self._set_copies
                 and self._memory() == (self._pointers, self._bytes)
                 and all(map(torch.Tensor.is_contiguous, self.tensors)))
 
-    def _lengths(self) -> list[int]:
-        return [*map(len, self._full), *map(len, self.lists)]
-
-    def _fields(self) -> list[Any]:
-        return [*chain.from_iterable(chain.from_iterable(map(get, objects) for get, objects in self.fields))]
+    def _got(self) -> list[Any]:
+        return [*chain.from_iterable(chain.from_iterable(map(get, objects) for get, objects in self.getters))]
 
     def _memory(self) -> tuple[list[int], list[int]]:
         return list(map(torch.Tensor.data_ptr, self.tensors)), list(map(_NBYTES, self.tensors))
+
+
+def _is_node(value: Any) -> bool:
+    return value is None or isinstance(value, _NODES)
+
+
+def _same_dicts(dicts: list[dict[Any, Any]], sizes: list[int], entries: list[Any], leaf: object,
+                nodes: tuple[type, ...]) -> bool:
+    """recorder/_watch.c's same_dicts, for a source tree whose C modules are not built."""
+    if list(map(len, dicts)) != sizes:
+        return False
+    now = [x for d in dicts for kv in d.items() for x in kv]
+    return len(now) == len(entries) and all(
+        now[i] is entries[i] and (now[i + 1] is entries[i + 1] if entries[i + 1] is not leaf
+                                  else not isinstance(now[i + 1], nodes)) for i in range(0, len(now), 2))
+
+
+def _same_fields(dicts: list[dict[str, Any]], names: list[str], objects: list[Any]) -> bool:
+    """recorder/_watch.c's same_fields, for a source tree whose C modules are not built."""
+    return all(map(operator.is_, map(dict.get, dicts, names), objects))
+
+
+same_dicts, same_fields = (_watch.same_dicts, _watch.same_fields) if _watch else (_same_dicts, _same_fields)
 
 
 def watch_model_and_optimizer(model: torch.nn.Module, optimizer: Any,
@@ -163,8 +182,8 @@ def watch_model_and_optimizer(model: torch.nn.Module, optimizer: Any,
     if len({id(t) for t in by_address.values()}) != len({id(t) for t in held + own}):
         return None   # two tensor objects share an address: which of them counts once may change unseen
     watch = Watch(list({id(t): t for t in held + own}.values()))
-    watch.fields.append((_MODULE_FIELDS, [vars(m) for m in modules]))
     for m in modules:
+        watch.fields += [(vars(m), name) for name in _MODULE_FIELDS]
         watch.dicts += [m._modules, m._parameters, m._buffers, m._state_dict_hooks, m._state_dict_pre_hooks]
         watch.sets.append(m._non_persistent_buffers_set)
     return watch.freeze() if _watch_optimizer(watch, optimizer) else None
@@ -178,7 +197,7 @@ def _watch_optimizer(watch: Watch, optimizer: Any) -> bool:
     if not isinstance(groups, list) or not isinstance(state, dict) \
             or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         return False
-    watch.fields.append((_OPTIMIZER_FIELDS, [optimizer]))
+    watch.getters.append((_OPTIMIZER_FIELDS, [optimizer]))
     watch.lists += [groups, *(g["params"] for g in groups)]
     watch.dicts += [*groups, state, *(s for s in state.values() if isinstance(s, dict))]
     return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import google_crc32c
 import numpy as np
+import pytest
 import torch
 
 from replay.recorder import digest as digest_module
@@ -158,10 +159,16 @@ def _changes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list:
             replaced_buffer, non_persistent, untied, optimizer_reloaded, state_replaced, new_group]
 
 
-def test_the_digests_are_the_straightforward_ones_step_after_step_whatever_the_script_changes(monkeypatch):
+@pytest.mark.parametrize("checks", ["C", "Python"])
+def test_the_digests_are_the_straightforward_ones_step_after_step_whatever_the_script_changes(monkeypatch, checks):
     """The digest keeps the list of tensors while a watch over the model and optimizer finds nothing changed:
     after each change a script may make (and steps in between), its digests are exactly those of every
-    tensor named again and checksummed one by one."""
+    tensor named again and checksummed one by one; with the watch's dict checks in C (recorder/_watch.c) or,
+    in a source tree whose C modules are not built, in Python."""
+    assert digest_module._watch is not None, "the C modules are built (pip install -e .)"
+    if checks == "Python":
+        monkeypatch.setattr(digest_module, "same_dicts", digest_module._same_dicts)
+        monkeypatch.setattr(digest_module, "same_fields", digest_module._same_fields)
     model, opt = _stepped()
     digest = StateDigest(TorchTrainState(model, opt), rank=0)
     assert np.array_equal(digest(), _reference(digest.names, model, opt))
@@ -194,3 +201,26 @@ def test_an_unwatchable_state_is_named_again_every_step():
         opt.step()
         assert np.array_equal(digest(), _reference(digest.names, model, opt))
         assert digest._watch is None
+
+
+def test_the_watchs_dict_checks_in_c_answer_as_in_python():
+    """recorder/_watch.c's same_dicts and same_fields against their Python forms, on each kind of change."""
+    from replay.recorder import _watch
+
+    t, u = torch.zeros(1), torch.ones(1)
+    leaf, nodes = digest_module._LEAF, digest_module._NODES
+
+    def snapshot(d):
+        return [len(d)], [x for k, v in d.items() for x in (k, v if v is None or isinstance(v, nodes) else leaf)]
+
+    changes = [lambda d: None, lambda d: d.update(a=u), lambda d: d.update(step=3), lambda d: d.update(step=u),
+               lambda d: d.update(z=None), lambda d: d.pop("none"), lambda d: d.update(none=t),
+               lambda d: (d.pop("a"), d.update(a=t))]   # the same entries in another order
+    for change in changes:
+        d = {"a": t, "step": 2, "none": None}
+        sizes, entries = snapshot(d)
+        change(d)
+        expected = digest_module._same_dicts([d], sizes, entries, leaf, nodes)
+        assert _watch.same_dicts([d], sizes, entries, leaf, nodes) is expected
+        assert _watch.same_fields([d], ["a"], [t]) is digest_module._same_fields([d], ["a"], [t])
+    assert [digest_module._same_dicts([d], *snapshot(d), leaf, nodes) for d in [{"a": t}]] == [True]
