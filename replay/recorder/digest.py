@@ -114,7 +114,7 @@ class Watch:
     def freeze(self) -> Watch:
         """Take the snapshot `unchanged` compares with."""
         self._sizes = list(map(len, self.dicts))
-        self._entries = [x for d in self.dicts for k, v in d.items() for x in (k, v if _is_node(v) else _LEAF)]
+        self._entries = [x for d in self.dicts for k, v in dict.items(d) for x in (k, v if _is_node(v) else _LEAF)]
         self._at, self._names = [d for d, _ in self.fields], [k for _, k in self.fields]
         self._objects = [d.get(k) for d, k in self.fields]
         self._lengths = list(map(len, self.lists))
@@ -150,7 +150,7 @@ def _same_dicts(dicts: list[dict[Any, Any]], sizes: list[int], entries: list[Any
     """recorder/_watch.c's same_dicts, for a source tree whose C modules are not built."""
     if list(map(len, dicts)) != sizes:
         return False
-    now = [x for d in dicts for kv in d.items() for x in kv]
+    now = [x for d in dicts for kv in dict.items(d) for x in kv]
     return len(now) == len(entries) and all(
         now[i] is entries[i] and (now[i + 1] is entries[i + 1] if entries[i + 1] is not leaf
                                   else not isinstance(now[i + 1], nodes)) for i in range(0, len(now), 2))
