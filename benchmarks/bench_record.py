@@ -31,7 +31,8 @@
    --quick), against a training step of one micro-batch of 8 sequences (the gpt2-small preset's; its step is
    4 of them), alternating.
 5. The design's choices, measured: CRC-32 (zlib) against CRC-32C (google-crc32c, the one Zarr's crc32c
-   codec uses), and the chunk size and number of writer threads of a checkpoint's write.
+   codec uses, and store/_crc32c.c's implementations, the state digest's), and the chunk size and number of
+   writer threads of a checkpoint's write.
 
 Run from the repository root; the full run takes about ten minutes, --quick (no GPT-2 small, a few blocks:
 it keeps the script working, its numbers are noise) seconds:
@@ -374,12 +375,15 @@ def bench_choices(workdir: Path, sets: list[str], repeats: int = 3) -> None:
     """The measurements behind the store's design: checksum speed, and chunk size x writer threads."""
     import zlib
 
-    from replay.store import chunks
+    from replay.store import _crc32c, chunks
     from replay.store.tensors import layout
 
     tree, params = trained_state(sets)
     buffer = pack(tree).buffer
-    for name, fn in (("zlib CRC-32", zlib.crc32), ("CRC-32C (google-crc32c)", crc32c)):
+    checksums = [("zlib CRC-32", zlib.crc32), ("CRC-32C (google-crc32c)", crc32c)]
+    checksums += [(f"CRC-32C (store/_crc32c.c, {path})", functools.partial(_crc32c.value, path=path))
+                  for path in _crc32c.paths]   # the state digest's, each implementation this CPU has
+    for name, fn in checksums:
         t = min(_seconds(functools.partial(fn, buffer)) for _ in range(repeats))
         print(f"  checksum {name}: {len(buffer) / MB / t:.0f} MB/s", flush=True)
     lay = layout(tree)

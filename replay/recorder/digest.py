@@ -5,26 +5,38 @@ A replay takes the same digests, so "bit for bit" covers the whole state after e
 losses and the gradient norm: in FP32 a changed attention often moves the loss by less than its last bit
 for a step or two while the weights have parted already (replayer/replays.py compares them).
 
-- A tensor in host memory: the CRC-32C of its bytes (store/integrity.py; about 16 GB/s on one core).
+- A tensor in host memory: the CRC-32C of its bytes (store/_crc32c.c: 30-60 GB/s on one core with AVX-512).
 - A tensor on a GPU: two wrapping 64-bit integer sums of its words (the words, and their squares) reduced
   on the device, so that only 16 bytes per tensor cross to the host; their CRC-32C is the digest. Integer
   sums wrap modulo 2**64 whatever their order, so the digest is the same on every run of the same bits.
 
 The names are the first step's; a tensor that appears later (an optimizer state created late) is folded
 into the last slot, `LATE`, so nothing of the state goes unchecked.
+
+Every step reads every byte of every tensor again, the host tensors' in one C call (store/integrity.py's
+crc32c_spans). What it keeps from the step before is only the list of tensors and where their memory is, while
+a `Watch` over everything that list was read from (each dict, list, set and field of the model and optimizer
+that `model_and_optimizer` reads, and each tensor's address, size and contiguity) finds it unchanged; a state
+that offers no watch (`tensors_watch`: recorder/state.py's TorchTrainState does) is named again every step.
 """
 
 from __future__ import annotations
 
-import ctypes
+import operator
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from itertools import chain
 from typing import Any
 
 import numpy as np
 import torch
 
-from replay.store.integrity import crc32c
+from replay.store.integrity import crc32c, crc32c_spans
+
+try:
+    from replay.recorder import _watch
+except ImportError:   # a source tree whose C modules are not built (`pip install -e .` builds them)
+    _watch = None  # type: ignore[assignment]
 
 LATE = "(tensors that appeared after the first step)"
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -73,6 +85,124 @@ def model_and_optimizer(model: torch.nn.Module, optimizer: Any) -> list[tuple[st
     return out
 
 
+# what a module may override, or hold, that would make its state dict other than its parameters and buffers
+_OWN = ("state_dict", "_save_to_state_dict", "get_extra_state", "named_parameters", "named_modules", "_named_members")
+_MODULE_FIELDS = ("_modules", "_parameters", "_buffers", "_state_dict_hooks", "_state_dict_pre_hooks",
+                  "_non_persistent_buffers_set")
+_OPTIMIZER_FIELDS = operator.attrgetter("param_groups", "state")
+_NBYTES = operator.attrgetter("nbytes")
+_NODES = (torch.Tensor, dict, list, set, torch.nn.Module)   # what a watch holds by identity (None too)
+_LEAF = object()   # in a watch's snapshot: a value that need only still not be a node
+
+
+class Watch:
+    """What a list of tensors was read from, as it was then: dicts (their keys, in order, and values), fields
+    (an object's __dict__ entry), lists, sets, other objects' fields by a getter, and the tensors' memory
+    (address, size in bytes, contiguity). `unchanged()` says whether all of it still is; a value that was not
+    None, a tensor, dict, list, set or module (a step count, a learning rate) need only still not be one. The
+    dicts and fields are checked in C (recorder/_watch.c): after a training step most of them are out of the
+    cache, and one tight loop waits for many of their misses at once."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.dicts: list[dict[Any, Any]] = []
+        self.fields: list[tuple[dict[str, Any], str]] = []   # (an object's __dict__, a name)
+        self.lists: list[list[Any]] = []
+        self.sets: list[set[Any]] = []
+        self.getters: list[tuple[Callable[[Any], tuple[Any, ...]], list[Any]]] = []   # (a getter of 2+ names, objects)
+
+    def freeze(self) -> Watch:
+        """Take the snapshot `unchanged` compares with."""
+        self._sizes = list(map(len, self.dicts))
+        self._entries = [x for d in self.dicts for k, v in dict.items(d) for x in (k, v if _is_node(v) else _LEAF)]
+        self._at, self._names = [d for d, _ in self.fields], [k for _, k in self.fields]
+        self._objects = [d.get(k) for d, k in self.fields]
+        self._lengths = list(map(len, self.lists))
+        self._items = list(chain.from_iterable(self.lists))
+        self._set_copies = [set(s) for s in self.sets]
+        self._held = self._got()
+        self._pointers, self._bytes = self._memory()
+        return self
+
+    def unchanged(self) -> bool:
+        return (same_dicts(self.dicts, self._sizes, self._entries, _LEAF, _NODES)
+                and same_fields(self._at, self._names, self._objects)
+                and list(map(len, self.lists)) == self._lengths
+                and all(map(operator.is_, chain.from_iterable(self.lists), self._items))
+                and all(map(operator.is_, self._got(), self._held))
+                and self.sets == self._set_copies
+                and self._memory() == (self._pointers, self._bytes)
+                and all(map(torch.Tensor.is_contiguous, self.tensors)))
+
+    def _got(self) -> list[Any]:
+        return [*chain.from_iterable(chain.from_iterable(map(get, objects) for get, objects in self.getters))]
+
+    def _memory(self) -> tuple[list[int], list[int]]:
+        return list(map(torch.Tensor.data_ptr, self.tensors)), list(map(_NBYTES, self.tensors))
+
+
+def _is_node(value: Any) -> bool:
+    return value is None or isinstance(value, _NODES)
+
+
+def _same_dicts(dicts: list[dict[Any, Any]], sizes: list[int], entries: list[Any], leaf: object,
+                nodes: tuple[type, ...]) -> bool:
+    """recorder/_watch.c's same_dicts, for a source tree whose C modules are not built."""
+    if list(map(len, dicts)) != sizes:
+        return False
+    now = [x for d in dicts for kv in dict.items(d) for x in kv]
+    return len(now) == len(entries) and all(
+        now[i] is entries[i] and (now[i + 1] is entries[i + 1] if entries[i + 1] is not leaf
+                                  else not isinstance(now[i + 1], nodes)) for i in range(0, len(now), 2))
+
+
+def _same_fields(dicts: list[dict[str, Any]], names: list[str], objects: list[Any]) -> bool:
+    """recorder/_watch.c's same_fields, for a source tree whose C modules are not built."""
+    return all(map(operator.is_, map(dict.get, dicts, names), objects))
+
+
+same_dicts, same_fields = (_watch.same_dicts, _watch.same_fields) if _watch else (_same_dicts, _same_fields)
+
+
+def watch_model_and_optimizer(model: torch.nn.Module, optimizer: Any,
+                              tensors: list[tuple[str, torch.Tensor]]) -> Watch | None:
+    """A watch over what `model_and_optimizer(model, optimizer)` read, having given `tensors`: while it holds, that
+    call would give the same tensors again. None where a watch could not vouch for that: a module with a state
+    dict of its own or a hook on it, a sharded (DTensor) or non-contiguous tensor, two tensors over the same
+    memory, an optimizer not kept in plain dicts and lists."""
+    modules = list(model.modules())
+    if any(getattr(type(m), name) is not getattr(torch.nn.Module, name) for m in modules for name in _OWN) \
+            or any(m._state_dict_hooks or m._state_dict_pre_hooks for m in modules):
+        return None
+    held = list(model.state_dict(keep_vars=True).values())
+    own = [t for _, t in tensors]
+    if any(hasattr(t, "to_local") or not t.is_contiguous() for t in held + own):
+        return None
+    by_address = {t.data_ptr(): t for t in held + own}
+    if len({id(t) for t in by_address.values()}) != len({id(t) for t in held + own}):
+        return None   # two tensor objects share an address: which of them counts once may change unseen
+    watch = Watch(list({id(t): t for t in held + own}.values()))
+    for m in modules:
+        watch.fields += [(vars(m), name) for name in _MODULE_FIELDS]
+        watch.dicts += [m._modules, m._parameters, m._buffers, m._state_dict_hooks, m._state_dict_pre_hooks]
+        watch.sets.append(m._non_persistent_buffers_set)
+    return watch.freeze() if _watch_optimizer(watch, optimizer) else None
+
+
+def _watch_optimizer(watch: Watch, optimizer: Any) -> bool:
+    """Watch the optimizer's param groups (each one's parameters) and its state (each parameter's); False for
+    an optimizer not kept in plain dicts and lists."""
+    groups = getattr(optimizer, "param_groups", None)
+    state = getattr(optimizer, "state", None)
+    if not isinstance(groups, list) or not isinstance(state, dict) \
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return False
+    watch.getters.append((_OPTIMIZER_FIELDS, [optimizer]))
+    watch.lists += [groups, *(g["params"] for g in groups)]
+    watch.dicts += [*groups, state, *(s for s in state.values() if isinstance(s, dict))]
+    return True
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) tensor's piece on this rank."""
     to_local = getattr(t, "to_local", None)
@@ -89,35 +219,63 @@ class StateDigest:
         self.names: list[str] | None = None
         self.kind: str | None = None
         self._index: dict[str, int] = {}
+        self._plan: _Plan | None = None
+        self._watch: Watch | None = None
 
     def __call__(self) -> np.ndarray:
+        if self._plan is None or self._watch is None or not self._watch.unchanged():
+            self._plan = self._new_plan()
+        return self._plan.digests()
+
+    def _new_plan(self) -> _Plan:
         tensors = named_tensors(self.state, self.rank)
         if self.names is None:
             self.names = [name for name, _ in tensors] + [LATE]
             self._index = {name: i for i, name in enumerate(self.names)}
             self.kind = "crc32c+sum64" if any(t.is_cuda for _, t in tensors) else "crc32c"
-        out = np.zeros(len(self.names), dtype=np.uint32)
+        watch = getattr(self.state, "tensors_watch", None)
+        self._watch = watch(tensors) if watch is not None else None
+        return _Plan(tensors, self._index)
+
+
+class _Plan:
+    """How the digests of `tensors` are taken: the host ones' CRC-32Cs in one call over their memory (a
+    non-contiguous one's copied first), the GPU ones' sums on the device; each into its name's slot (`index`),
+    those without one folded into the last. `direct`: every tensor is in host memory, contiguous, in its slot's
+    place, and the call writes the slots itself."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], index: dict[str, int]):
+        self.tensors, self.index, self.width = tensors, index, len(index)
+        self.host = [i for i, (_, t) in enumerate(tensors) if not t.is_cuda]
+        self.strided = [row for row, i in enumerate(self.host) if not tensors[i][1].is_contiguous()]
+        self.spans = np.array([(t.data_ptr(), t.nbytes) for _, t in (tensors[i] for i in self.host)],
+                              dtype=np.int64).reshape(-1, 2)
+        self.direct = (not self.strided and len(self.host) == len(tensors) == self.width - 1
+                       and all(index.get(name) == i for i, (name, _) in enumerate(tensors)))
+
+    def digests(self) -> np.ndarray:
+        out = np.zeros(self.width, dtype=np.uint32)
+        if self.direct:
+            crc32c_spans(self.spans, out[:-1])
+            return out
+        copies = [self.tensors[self.host[row]][1].contiguous() for row in self.strided]
+        for row, copy in zip(self.strided, copies, strict=True):
+            self.spans[row] = (copy.data_ptr(), copy.nbytes)
+        host = np.zeros(len(self.host), dtype=np.uint32)
+        crc32c_spans(self.spans, host)
+        values = dict(zip(self.host, host.tolist(), strict=True))
+        on_device = [i for i, (_, t) in enumerate(self.tensors) if t.is_cuda]
+        values.update(zip(on_device, _device_sums([self.tensors[i][1] for i in on_device]), strict=True))
         late: list[int] = []
-        on_device = [(name, t) for name, t in tensors if t.is_cuda]
-        sums = _device_sums([t for _, t in on_device])
-        for name, t in tensors:
-            value = sums.pop(0) if t.is_cuda else _crc(t)
-            i = self._index.get(name)
-            if i is None:
-                late.append(value)
+        for i, (name, _) in enumerate(self.tensors):
+            slot = self.index.get(name)
+            if slot is None:
+                late.append(values[i])
             else:
-                out[i] = value
+                out[slot] = values[i]
         if late:
             out[-1] = crc32c(np.asarray(late, dtype=np.uint32))
         return out
-
-
-def _crc(t: torch.Tensor) -> int:
-    """The CRC-32C of a host tensor's bytes, read in place (a copy only of a non-contiguous one): the bytes
-    seen through ctypes rather than numpy, which costs a third of the dispatch per tensor."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return crc32c((ctypes.c_char * t.nbytes).from_address(t.data_ptr()))
 
 
 def _device_sums(tensors: list[torch.Tensor]) -> list[int]:

@@ -251,7 +251,7 @@ class Recorder:
                                         len(digest))
         rank_loss, all_ids, all_tokens, digests, self.counted = self._gather(loss, sample_ids, tokens,
                                                                              _padded(digest, width), counts)
-        global_loss = self.last_loss = float(np.mean(rank_loss))
+        global_loss = self.last_loss = float(rank_loss[0] if len(rank_loss) == 1 else np.mean(rank_loss))
         if self.coordinator and step == 0 and self.world > 1 and self.start_from is None:
             _warn_if_unsplit(all_ids)
         if self.coordinator:
@@ -312,6 +312,9 @@ class Recorder:
         """This rank's micro-batches as the run's (micro, sample) array, padded with -1, once every rank has
         seen that all ranks drew as many (one small collective before the ids' own: never a mismatch); and the
         most state digests any rank took (`digests`: this rank's), to which every rank pads its own."""
+        known = self._ids_shape
+        if self.processes == 1 and len(self.ranks) == 1 and known is not None and _fills(micro, known):
+            return np.concatenate(micro).reshape(1, *known), digests   # nothing to pad or agree on
         per = len(micro) // len(self.ranks)
         groups = [micro[i * per:(i + 1) * per] for i in range(len(self.ranks))]
         mine = [(len(g), sum(len(a) for a in g), max((len(a) for a in g), default=0), digests) for g in groups]
@@ -353,7 +356,8 @@ class Recorder:
         played = len(self.ranks)
         counts = None if counts is None else np.asarray(counts, dtype=np.int64)
         if self.processes == 1:
-            return losses, ids, tokens, np.tile(digest, (played, 1)), counts
+            digests = digest[None] if played == 1 else np.tile(digest, (played, 1))
+            return losses, ids, tokens, digests, counts
         parts = [np.asarray([tokens], np.float64), losses, ids.reshape(-1).astype(np.float64),
                  digest.astype(np.float64), (counts if counts is not None else np.zeros(0)).astype(np.float64)]
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -449,8 +453,13 @@ def _warn_if_unsplit(ids: np.ndarray) -> None:
               file=sys.stderr, flush=True)
 
 
+def _fills(micro: list[np.ndarray], shape: tuple[int, int]) -> bool:
+    """The micro-batches fill a (micro, sample) shape exactly."""
+    return len(micro) == shape[0] and all(len(a) == shape[1] for a in micro)
+
+
 def _padded(digest: np.ndarray, width: int) -> np.ndarray:
-    return np.concatenate([digest, np.zeros(width - len(digest), dtype=np.uint32)])
+    return digest if len(digest) == width else np.concatenate([digest, np.zeros(width - len(digest), np.uint32)])
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -14,7 +14,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from replay.errors import UsageError
-from replay.recorder.digest import model_and_optimizer
+from replay.recorder.digest import Watch, model_and_optimizer, watch_model_and_optimizer
 from replay.store import RunStore
 from replay.store.sharding import Sharding
 
@@ -56,6 +56,10 @@ class TorchTrainState:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the per-step digest covers (recorder/digest.py): on every rank, its model and optimizer state."""
         return model_and_optimizer(unwrap(self.model), self.optimizer)
+
+    def tensors_watch(self, tensors: list[tuple[str, torch.Tensor]]) -> Watch | None:
+        """A watch that holds while `named_tensors` would give `tensors` again (recorder/digest.py)."""
+        return watch_model_and_optimizer(unwrap(self.model), self.optimizer, tensors)
 
     def load_state_dict(self, replicated: dict[str, Any], local: dict[str, Any], read_local=None) -> None:
         unwrap(self.model).load_state_dict(replicated["model"])

@@ -22,12 +22,27 @@ import numpy as np
 
 from replay.errors import ChecksumError
 
+try:
+    from replay.store import _crc32c
+except ImportError:   # a source tree whose C module is not built (`pip install -e .` builds it)
+    _crc32c = None  # type: ignore[assignment]
+
 SEAL = "crc32c"
 
 
 def crc32c(data: bytes | np.ndarray | ctypes.Array[ctypes.c_char]) -> int:
     """CRC-32C of bytes, or of a contiguous array's or memory's bytes (read in place, never copied)."""
     return int(google_crc32c.value(data))
+
+
+def crc32c_spans(spans: np.ndarray, out: np.ndarray) -> None:
+    """The CRC-32C of each span of memory, the (address, length) rows of `spans` (int64, C order), into `out`
+    (uint32, one per row): one call for all of them (_crc32c.c, the GIL released), which the memory must outlive."""
+    if _crc32c is not None:
+        _crc32c.spans(spans, out)
+        return
+    for i, (address, length) in enumerate(spans.tolist()):
+        out[i] = crc32c((ctypes.c_char * length).from_address(address))
 
 
 def canonical(doc: Any) -> bytes:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import google_crc32c
 import numpy as np
+import pytest
 import torch
 
+from replay.recorder import digest as digest_module
 from replay.recorder.digest import LATE, StateDigest, _device_sums, model_and_optimizer
 from replay.recorder.state import TorchTrainState
+from replay.store.integrity import crc32c
 
 
 def _tied_model() -> torch.nn.Module:
@@ -91,3 +94,133 @@ def test_the_device_digest_is_a_function_of_the_bits_alone():
     b.view(torch.int32)[500] ^= 1 << 7
     assert _device_sums([a]) != _device_sums([b])
     assert _device_sums([a.to(torch.bfloat16)]) != _device_sums([a])
+
+
+def _reference(names: list[str], model: torch.nn.Module, opt: torch.optim.Optimizer) -> np.ndarray:
+    """The digests taken the straightforward way: every tensor named now, the CRC-32C of its bytes one by one."""
+    out, late = np.zeros(len(names), dtype=np.uint32), []
+    for name, t in model_and_optimizer(model, opt):
+        value = crc32c(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        if name in names[:-1]:
+            out[names.index(name)] = value
+        else:
+            late.append(value)
+    if late:
+        out[-1] = crc32c(np.asarray(late, dtype=np.uint32).tobytes())
+    return out
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+
+
+def _changes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list:
+    """What a script may do to its state between two digests, each unseen by torch's version counters or
+    changing which tensors there are."""
+    emb, norm, head = model[0], model[1], model[2]
+
+    def new_storage():
+        norm.weight.data = norm.weight.data.clone() + 1
+
+    def same_address_fewer_bytes():
+        norm.scratch.data = norm.scratch.data[:2]
+
+    def same_address_transposed():
+        norm.scratch.data = norm.scratch.data.t()
+
+    def new_parameter():
+        norm.bias = torch.nn.Parameter(torch.ones(4))
+
+    def new_buffer():
+        norm.register_buffer("seen", torch.arange(3.0))
+        norm.register_buffer("scratch", torch.arange(12.0).reshape(3, 4))
+
+    def replaced_buffer():
+        norm.seen = torch.arange(3.0) * 2
+
+    def non_persistent():
+        norm.register_buffer("seen", norm.seen, persistent=False)
+
+    def untied():
+        head.weight = torch.nn.Parameter(emb.weight.detach().clone())
+
+    def optimizer_reloaded():
+        opt.load_state_dict(opt.state_dict())
+
+    def state_replaced():
+        opt.state[norm.weight]["exp_avg"] = torch.full_like(norm.weight, 3.0)
+
+    def new_group():
+        opt.add_param_group({"params": [head.weight]})
+
+    return [new_storage, new_parameter, new_buffer, same_address_fewer_bytes, same_address_transposed,
+            replaced_buffer, non_persistent, untied, optimizer_reloaded, state_replaced, new_group]
+
+
+@pytest.mark.parametrize("checks", ["C", "Python"])
+def test_the_digests_are_the_straightforward_ones_step_after_step_whatever_the_script_changes(monkeypatch, checks):
+    """The digest keeps the list of tensors while a watch over the model and optimizer finds nothing changed:
+    after each change a script may make (and steps in between), its digests are exactly those of every
+    tensor named again and checksummed one by one; with the watch's dict checks in C (recorder/_watch.c) or,
+    in a source tree whose C modules are not built, in Python."""
+    assert digest_module._watch is not None, "the C modules are built (pip install -e .)"
+    if checks == "Python":
+        monkeypatch.setattr(digest_module, "same_dicts", digest_module._same_dicts)
+        monkeypatch.setattr(digest_module, "same_fields", digest_module._same_fields)
+    model, opt = _stepped()
+    digest = StateDigest(TorchTrainState(model, opt), rank=0)
+    assert np.array_equal(digest(), _reference(digest.names, model, opt))
+    assert digest._watch is not None   # a plain model and optimizer: watched
+    named = []
+    monkeypatch.setattr(digest_module, "model_and_optimizer",
+                        lambda *a: named.append(1) or model_and_optimizer(*a))
+    for _ in range(3):
+        _step(model, opt)
+        assert np.array_equal(digest(), _reference(digest.names, model, opt))
+    assert not named   # nothing changed: the tensors were not named again
+    for change in _changes(model, opt):
+        change()
+        assert np.array_equal(digest(), _reference(digest.names, model, opt)), change.__name__
+        _step(model, opt)
+        assert np.array_equal(digest(), _reference(digest.names, model, opt)), change.__name__
+
+
+def test_an_unwatchable_state_is_named_again_every_step():
+    """A module with a state_dict of its own: no watch; the digests are still the straightforward ones."""
+    class Own(torch.nn.Linear):
+        def state_dict(self, *args, **kwargs):
+            return super().state_dict(*args, **kwargs)
+
+    model = torch.nn.Sequential(Own(3, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    digest = StateDigest(TorchTrainState(model, opt), rank=0)
+    for _ in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        assert np.array_equal(digest(), _reference(digest.names, model, opt))
+        assert digest._watch is None
+
+
+def test_the_watchs_dict_checks_in_c_answer_as_in_python():
+    """recorder/_watch.c's same_dicts and same_fields against their Python forms, on each kind of change."""
+    from replay.recorder import _watch
+
+    t, u = torch.zeros(1), torch.ones(1)
+    leaf, nodes = digest_module._LEAF, digest_module._NODES
+
+    def snapshot(d):
+        return [len(d)], [x for k, v in d.items() for x in (k, v if v is None or isinstance(v, nodes) else leaf)]
+
+    changes = [lambda d: None, lambda d: d.update(a=u), lambda d: d.update(step=3), lambda d: d.update(step=u),
+               lambda d: d.update(z=None), lambda d: d.pop("none"), lambda d: d.update(none=t),
+               lambda d: (d.pop("a"), d.update(a=t))]   # the same entries in another order
+    for change in changes:
+        d = {"a": t, "step": 2, "none": None}
+        sizes, entries = snapshot(d)
+        change(d)
+        expected = digest_module._same_dicts([d], sizes, entries, leaf, nodes)
+        assert _watch.same_dicts([d], sizes, entries, leaf, nodes) is expected
+        assert _watch.same_fields([d], ["a"], [t]) is digest_module._same_fields([d], ["a"], [t])
+    assert [digest_module._same_dicts([d], *snapshot(d), leaf, nodes) for d in [{"a": t}]] == [True]

@@ -66,3 +66,21 @@ def test_the_detectors_baseline_is_robust_z_bit_for_bit():
                 z, m, s = robust_z(np.fromiter(detector.history, dtype=np.float64), loss)
                 assert (median, spread, score) == (m, s, z)
             detector.update(step, loss)
+
+
+def test_the_kept_order_gives_robust_z_bit_for_bit_with_ties_and_evictions():
+    """The detector keeps its window in order across appends and evictions; its median and spread stay
+    robust_z's, with repeated values, and values on both sides of the median at equal distances."""
+    from replay.recorder.spikes import SpikeDetector, robust_z
+
+    rng = np.random.default_rng(1)
+    for window, losses in ((7, np.round(rng.normal(2.0, 0.5, 300), 1)), (8, rng.integers(0, 4, 300) * 0.5),
+                           (50, rng.normal(3.0, 0.01, 300))):
+        detector = SpikeDetector(SpikeConfig(window=window, warmup=3, threshold=1e9))
+        for step, loss in enumerate(losses.tolist()):
+            if len(detector.history) >= 3:
+                _, median, spread, score = detector.is_spike(loss)
+                z, m, s = robust_z(np.fromiter(detector.history, dtype=np.float64), loss)
+                assert (median, spread) == (m, s) and (score == z or np.isnan(z)), (window, step)
+            detector.update(step, loss)
+            assert detector._sorted == sorted(detector.history)
