@@ -33,6 +33,23 @@ from tests.s3server import S3Server
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _tmpfs(path: str) -> bool:
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(line.split()[1:3] == [path, "tmpfs"] for line in f)
+    except OSError:
+        return False
+
+
+# The session's temporary folders (tmp_path, the shared recordings, the S3 server's data) on a tmpfs where there is
+# one: every commit of a store is made durable (fsync, syncfs: store/integrity.py), which on a disk shared with
+# other work waits for all of its writes; on a tmpfs those calls are made and return at once. (The 3 recorder
+# files of test_loader, test_draws and test_dcp took 12 s against 20 s, 2 cores, 2026-11-26.) PYTEST_DEBUG_TEMPROOT
+# is pytest's own setting of where its temporary folders go (pytest-of-USER/pytest-N under it); set, it is kept.
+if "PYTEST_DEBUG_TEMPROOT" not in os.environ and os.access("/dev/shm", os.W_OK) and _tmpfs("/dev/shm"):
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = "/dev/shm"
+
+
 # The warm ranks the in-process commands of the running test are lent when it asks for them without naming them
 # in each call: set by the `on_rank_pool` fixture for the test, never by the product (which takes them as an argument)
 _lent_for_test: list[RankPool] = []
@@ -109,8 +126,18 @@ def _as_unit_test(item: pytest.Item) -> Iterator[None]:
         _running_unit_test.clear()
 
 
+# The tests in this process compute on one thread: their tensors are small (thousands of tiny ops: a second
+# OpenMP thread gains nothing on them and, on a busy machine, loses many-fold, each op waiting for a
+# descheduled sibling: tests/kernels/test_flash_emu.py took 0.7 s on one thread, 12-16 s on two, 2 cores,
+# 2026-11-26). A run's own thread count is its config's or the script's (recorded, and set again by its
+# replays), so a test that starts one, or sets them itself, gets what it asks for; the next test gets one again.
+TEST_THREADS = 1
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
+    if torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
     return (yield from _as_unit_test(item))
 
 
