@@ -97,9 +97,37 @@ def pytest_collection_modifyitems(items):
             why = f"it uses {', '.join(sorted(uses))}" if uses else "marked `integration`"
             raise pytest.UsageError(f"{item.nodeid} is an integration test ({why}): move it to a file named "
                                     "`*_integration.py` beside this one, unmarked (docs/testing.md)")
-    # Integration tests first: `make test`'s two workers take the files in this order (--no-loadscope-reorder),
-    # and the many short unit tests fill the end of both.
-    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+    # `make test`'s two workers take the files in this order (--no-loadscope-reorder): the integration files
+    # longest first (FILE_SECONDS), so that no long file starts near the end while the other worker runs out of
+    # work, then the other integration files, then the many short unit tests, which fill the end of both.
+    items.sort(key=lambda item: (item.get_closest_marker("integration") is None, -_file_seconds(item.path)))
+
+
+def _file_seconds(path: Path) -> float:
+    tests = REPO / "tests"
+    return FILE_SECONDS.get(path.relative_to(tests).as_posix(), 0) if path.is_relative_to(tests) else 0
+
+
+# The integration files' seconds in `make test` (their tests' setup, call and teardown, summed; tests/conftest.py
+# orders the files by it), the 30 longest, from a run on 2 busy cores (2026-11-26): what matters is their
+# order. A new long file belongs here; the others run after these in collection order.
+FILE_SECONDS = {
+    "store/test_s3_store_integration.py": 238, "launch/test_multinode_integration.py": 229,
+    "examples/test_hf_trainer_integration.py": 168, "examples/test_dataloader_integration.py": 150,
+    "examples/test_nanogpt_integration.py": 138, "test_results_integration.py": 130,
+    "bisect/test_narrow_integration.py": 127, "recorder/test_zero_integration.py": 111,
+    "recorder/test_fsdp2_integration.py": 108, "examples/test_llama_integration.py": 86,
+    "analysis/test_cluster_integration.py": 76, "recorder/test_loop_integration.py": 74,
+    "analysis/test_jobs_integration.py": 71, "launch/test_soak_integration.py": 62,
+    "launch/test_record_deepspeed_integration.py": 59, "launch/test_lifeline_integration.py": 55,
+    "launch/test_forkserver_integration.py": 45, "kernels/test_triton_fa2_integration.py": 44,
+    "train/test_fewer_ranks_integration.py": 43, "recorder/test_environment_integration.py": 38,
+    "analysis/test_report_integration.py": 37, "launch/test_pool_integration.py": 35,
+    "analysis/test_compare_integration.py": 35, "replayer/test_replays_integration.py": 34,
+    "replayer/test_counterfactual_integration.py": 31, "launch/test_writers_integration.py": 28,
+    "test_bad_input_integration.py": 25, "analysis/test_series_integration.py": 25,
+    "replayer/test_reach_integration.py": 22, "recorder/test_loader_integration.py": 16,
+}
 
 
 _running_unit_test: list[str] = []   # the node id of the unit test running in this process, if one is
