@@ -88,6 +88,7 @@ def _user_files() -> list[Path]:
     # under a root where its resolved folder is, or is that root); the file itself is resolved further only where
     # it is a link. The same files as resolving every path from its start (tests/recorder/test_command.py).
     folders: dict[str, tuple[str, bool]] = {}
+    real_folders: dict[str, str] = {}
     cwd = os.getcwd()
     for module in list(sys.modules.values()):
         name = getattr(module, "__file__", None)
@@ -95,8 +96,8 @@ def _user_files() -> list[Path]:
             continue
         folder, base = os.path.split(os.path.join(cwd, name))   # as resolve() takes a relative one
         if folder not in folders:
-            real = Path(folder).resolve()
-            folders[folder] = (str(real), any(real.is_relative_to(root) for root in installed))
+            real = _real_folder(folder, real_folders)
+            folders[folder] = (real, any(Path(real).is_relative_to(root) for root in installed))
         real_folder, under_root = folders[folder]
         full = os.path.join(real_folder, base)
         if os.path.islink(full):
@@ -109,6 +110,21 @@ def _user_files() -> list[Path]:
         if not under_root and path not in installed and path not in files and path.is_file():
             files.append(path)
     return files
+
+
+def _real_folder(folder: str, known: dict[str, str]) -> str:
+    """os.path.realpath(folder), each of its parents resolved once (`known`) rather than once per folder under it."""
+    real = known.get(folder)
+    if real is None:
+        parent, name = os.path.split(folder)
+        if not name or name in (".", "..") or parent == folder:
+            real = os.path.realpath(folder)
+        else:
+            real = os.path.join(_real_folder(parent, known), name)
+            if os.path.islink(real):
+                real = os.path.realpath(real)
+        known[folder] = real
+    return real
 
 
 def _relative(path: Path, cwd: Path) -> str:
