@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -128,6 +129,14 @@ FILE_SECONDS = {
     "test_bad_input_integration.py": 25, "analysis/test_series_integration.py": 25,
     "replayer/test_reach_integration.py": 22, "recorder/test_loader_integration.py": 16,
 }
+
+
+def pytest_collection_finish(session):
+    # What collection imported (torch, transformers, zarr, the package: millions of objects) is set aside from
+    # the garbage collector (gc.freeze, Python's own): a full collection, which accelerate runs after every
+    # Trainer.train (free_memory) and Python whenever enough objects were made, then visits only what was made
+    # since. Nothing frozen is freed; what the tests make is collected as before.
+    gc.freeze()
 
 
 _running_unit_test: list[str] = []   # the node id of the unit test running in this process, if one is
