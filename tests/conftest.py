@@ -139,6 +139,10 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_unconfigure(config):
+    gc.unfreeze()   # the interpreter's exit frees them as usual (nanobind's modules count what is left as leaked)
+
+
 _running_unit_test: list[str] = []   # the node id of the unit test running in this process, if one is
 PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec"}
 
