@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -31,6 +32,23 @@ from tests.disks import Tmpfs, Unavailable
 from tests.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _tmpfs(path: str) -> bool:
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(line.split()[1:3] == [path, "tmpfs"] for line in f)
+    except OSError:
+        return False
+
+
+# The session's temporary folders (tmp_path, the shared recordings, the S3 server's data) on a tmpfs where there is
+# one: every commit of a store is made durable (fsync, syncfs: store/integrity.py), which on a disk shared with
+# other work waits for all of its writes; on a tmpfs those calls are made and return at once. (The 3 recorder
+# files of test_loader, test_draws and test_dcp took 12 s against 20 s, 2 cores, 2026-11-26.) PYTEST_DEBUG_TEMPROOT
+# is pytest's own setting of where its temporary folders go (pytest-of-USER/pytest-N under it); set, it is kept.
+if "PYTEST_DEBUG_TEMPROOT" not in os.environ and os.access("/dev/shm", os.W_OK) and _tmpfs("/dev/shm"):
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = "/dev/shm"
 
 
 # The warm ranks the in-process commands of the running test are lent when it asks for them without naming them
@@ -80,9 +98,49 @@ def pytest_collection_modifyitems(items):
             why = f"it uses {', '.join(sorted(uses))}" if uses else "marked `integration`"
             raise pytest.UsageError(f"{item.nodeid} is an integration test ({why}): move it to a file named "
                                     "`*_integration.py` beside this one, unmarked (docs/testing.md)")
-    # Integration tests first: `make test`'s two workers take the files in this order (--no-loadscope-reorder),
-    # and the many short unit tests fill the end of both.
-    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+    # `make test`'s two workers take the files in this order (--no-loadscope-reorder): the integration files
+    # longest first (FILE_SECONDS), so that no long file starts near the end while the other worker runs out of
+    # work, then the other integration files, then the many short unit tests, which fill the end of both.
+    items.sort(key=lambda item: (item.get_closest_marker("integration") is None, -_file_seconds(item.path)))
+
+
+def _file_seconds(path: Path) -> float:
+    tests = REPO / "tests"
+    return FILE_SECONDS.get(path.relative_to(tests).as_posix(), 0) if path.is_relative_to(tests) else 0
+
+
+# The integration files' seconds in `make test` (their tests' setup, call and teardown, summed; tests/conftest.py
+# orders the files by it), the 30 longest, from a run on 2 busy cores (2026-11-26): what matters is their
+# order. A new long file belongs here; the others run after these in collection order.
+FILE_SECONDS = {
+    "store/test_s3_store_integration.py": 238, "launch/test_multinode_integration.py": 229,
+    "examples/test_hf_trainer_integration.py": 168, "examples/test_dataloader_integration.py": 150,
+    "examples/test_nanogpt_integration.py": 138, "test_results_integration.py": 130,
+    "bisect/test_narrow_integration.py": 127, "recorder/test_zero_integration.py": 111,
+    "recorder/test_fsdp2_integration.py": 108, "examples/test_llama_integration.py": 86,
+    "analysis/test_cluster_integration.py": 76, "recorder/test_loop_integration.py": 74,
+    "analysis/test_jobs_integration.py": 71, "launch/test_soak_integration.py": 62,
+    "launch/test_record_deepspeed_integration.py": 59, "launch/test_lifeline_integration.py": 55,
+    "launch/test_forkserver_integration.py": 45, "kernels/test_triton_fa2_integration.py": 44,
+    "train/test_fewer_ranks_integration.py": 43, "recorder/test_environment_integration.py": 38,
+    "analysis/test_report_integration.py": 37, "launch/test_pool_integration.py": 35,
+    "analysis/test_compare_integration.py": 35, "replayer/test_replays_integration.py": 34,
+    "replayer/test_counterfactual_integration.py": 31, "launch/test_writers_integration.py": 28,
+    "test_bad_input_integration.py": 25, "analysis/test_series_integration.py": 25,
+    "replayer/test_reach_integration.py": 22, "recorder/test_loader_integration.py": 16,
+}
+
+
+def pytest_collection_finish(session):
+    # What collection imported (torch, transformers, zarr, the package: millions of objects) is set aside from
+    # the garbage collector (gc.freeze, Python's own): a full collection, which accelerate runs after every
+    # Trainer.train (free_memory) and Python whenever enough objects were made, then visits only what was made
+    # since. Nothing frozen is freed; what the tests make is collected as before.
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()   # the interpreter's exit frees them as usual (nanobind's modules count what is left as leaked)
 
 
 _running_unit_test: list[str] = []   # the node id of the unit test running in this process, if one is
@@ -109,8 +167,18 @@ def _as_unit_test(item: pytest.Item) -> Iterator[None]:
         _running_unit_test.clear()
 
 
+# The tests in this process compute on one thread: their tensors are small (thousands of tiny ops: a second
+# OpenMP thread gains nothing on them and, on a busy machine, loses many-fold, each op waiting for a
+# descheduled sibling: tests/kernels/test_flash_emu.py took 0.7 s on one thread, 12-16 s on two, 2 cores,
+# 2026-11-26). A run's own thread count is its config's or the script's (recorded, and set again by its
+# replays), so a test that starts one, or sets them itself, gets what it asks for; the next test gets one again.
+TEST_THREADS = 1
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
+    if torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
     return (yield from _as_unit_test(item))
 
 

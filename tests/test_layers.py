@@ -5,6 +5,7 @@ kernels are pure numerics. (The processes that launch the work never load torch:
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def _imports(path: Path, modules: Iterable[str]) -> set[str]:
     return {m for m in found if m == "replay" or m.startswith("replay.")}
 
 
+@functools.cache   # parsed once for the tests that read it (they do not change it)
 def _import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {module: _imports(path, modules) - {module} for module, path in modules.items()}

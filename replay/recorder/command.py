@@ -84,14 +84,47 @@ def _user_files() -> list[Path]:
     script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
     if script is not None and script.is_file():
         files.append(script)
+    # Thousands of modules in a few hundred folders: each folder is resolved and judged once (a module's file is
+    # under a root where its resolved folder is, or is that root); the file itself is resolved further only where
+    # it is a link. The same files as resolving every path from its start (tests/recorder/test_command.py).
+    folders: dict[str, tuple[str, bool]] = {}
+    real_folders: dict[str, str] = {}
+    cwd = os.getcwd()
     for module in list(sys.modules.values()):
         name = getattr(module, "__file__", None)
         if not name or not name.endswith(".py"):
             continue
-        path = Path(name).resolve()
-        if path.is_file() and path not in files and not any(path.is_relative_to(root) for root in installed):
+        folder, base = os.path.split(os.path.join(cwd, name))   # as resolve() takes a relative one
+        if folder not in folders:
+            real = _real_folder(folder, real_folders)
+            folders[folder] = (real, any(Path(real).is_relative_to(root) for root in installed))
+        real_folder, under_root = folders[folder]
+        full = os.path.join(real_folder, base)
+        if os.path.islink(full):
+            path = Path(full).resolve()
+            under_root = path in installed or any(path.is_relative_to(root) for root in installed)
+        elif under_root:
+            continue
+        else:
+            path = Path(full)
+        if not under_root and path not in installed and path not in files and path.is_file():
             files.append(path)
     return files
+
+
+def _real_folder(folder: str, known: dict[str, str]) -> str:
+    """os.path.realpath(folder), each of its parents resolved once (`known`) rather than once per folder under it."""
+    real = known.get(folder)
+    if real is None:
+        parent, name = os.path.split(folder)
+        if not name or name in (".", "..") or parent == folder:
+            real = os.path.realpath(folder)
+        else:
+            real = os.path.join(_real_folder(parent, known), name)
+            if os.path.islink(real):
+                real = os.path.realpath(real)
+        known[folder] = real
+    return real
 
 
 def _relative(path: Path, cwd: Path) -> str:

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from replay.errors import UsageError
-from replay.launch.pool import RankPool
 from replay.replayer.overrides import parse_drop, parse_heads
 from replay.replayer.replays import ReplayRequest, prepare, run
 from replay.store import RunStore
@@ -46,11 +45,11 @@ def _scaled(name: str, unit: tuple[int, int] | None, layer: int | None) -> torch
     return None
 
 
-def test_scoped_lr_scale_halves_only_that_layers_or_heads_update(store_copy):
-    with RankPool(2) as pool:
-        plain = run(store_copy, ReplayRequest(10, 10), ranks=pool)
-        layer = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(lr_scale=0.5, layers=[1])), ranks=pool)
-        head = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(lr_scale=0.5, units=[[1, 0]])), ranks=pool)
+def test_scoped_lr_scale_halves_only_that_layers_or_heads_update(store_copy, rank_pool):
+    # on the worker's warm ranks (tests/conftest.py): the subject is what the replays compute, not how ranks start
+    plain = run(store_copy, ReplayRequest(10, 10), ranks=rank_pool)
+    layer = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(lr_scale=0.5, layers=[1])), ranks=rank_pool)
+    head = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(lr_scale=0.5, units=[[1, 0]])), ranks=rank_pool)
     before = _model(RunStore.open(store_copy), 10)
     after = _model(RunStore.open(plain.location), 11)
     for result, scope in ((layer, {"layer": 1, "unit": None}), (head, {"layer": None, "unit": (1, 0)})):
@@ -69,12 +68,11 @@ def test_scoped_lr_scale_halves_only_that_layers_or_heads_update(store_copy):
                                                 after["transformer.h.1.attn.c_attn.weight"])
 
 
-def test_a_dropped_sample_leaves_the_step_the_mean_loss_of_the_rest(store_copy):
+def test_a_dropped_sample_leaves_the_step_the_mean_loss_of_the_rest(store_copy, rank_pool):
     record = RunStore.open(store_copy)
     ids = np.asarray(record.read_steps(["sample_ids"])["sample_ids"][10])   # (rank, micro, sample)
     dropped = int(ids[0, 0, 1])
-    with RankPool(2) as pool:
-        result = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(drop=[[10, dropped]])), ranks=pool)
+    result = run(store_copy, ReplayRequest(10, 10, overrides=Overrides(drop=[[10, dropped]])), ranks=rank_pool)
     replayed = RunStore.open(result.location).read_steps(["loss", "rank_loss"])
     recorded = record.read_steps(["rank_loss"])["rank_loss"][10]
 
