@@ -47,7 +47,9 @@ def _tmpfs(path: str) -> bool:
 # other work waits for all of its writes; on a tmpfs those calls are made and return at once. (The 3 recorder
 # files of test_loader, test_draws and test_dcp took 12 s against 20 s, 2 cores, 2026-11-26.) PYTEST_DEBUG_TEMPROOT
 # is pytest's own setting of where its temporary folders go (pytest-of-USER/pytest-N under it); set, it is kept.
-if "PYTEST_DEBUG_TEMPROOT" not in os.environ and os.access("/dev/shm", os.W_OK) and _tmpfs("/dev/shm"):
+# Only where it has room to spare (a container's /dev/shm is often 64 MiB): the suite writes about 1 GiB there.
+if "PYTEST_DEBUG_TEMPROOT" not in os.environ and os.access("/dev/shm", os.W_OK) and _tmpfs("/dev/shm") \
+        and shutil.disk_usage("/dev/shm").free >= 4 * 2**30:
     os.environ["PYTEST_DEBUG_TEMPROOT"] = "/dev/shm"
 
 
