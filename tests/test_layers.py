@@ -37,8 +37,9 @@ def _layer(module: str) -> int:
 
 
 def _modules() -> dict[str, Path]:
+    """The package's modules by name, its compiled ones (replay/store/_crc32c.c) by their stubs."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.pyi")]:
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out

@@ -352,7 +352,7 @@ class Loop:
         for kind in ("prime", "check") if self._lookahead else ("check",):
             self.recorder.reload()
             if kind == "prime" or not self._lookahead:   # a loader's stream: from the checkpoint's position
-                self._reposition()
+                self._reposition(skips=False)
             self._current, self._ahead = _Step(step, skipping=False, draws=self._ahead, settling=kind), []
             yield step
             if not self._current.logged:
@@ -361,18 +361,19 @@ class Loop:
                 same = self._as_recorded(step)
         self._current = None
         if not self._lookahead:
-            self._reposition()
+            self._reposition(skips=True)
         if not same:
             return (f"its state after step {step}, trained again from checkpoint {step} in the running script, is not "
                     "the record's: the script keeps state of its own that the loop does not restore (an EMA, a "
                     "counter, a generator)")
         return None
 
-    def _reposition(self) -> None:
-        """A loader's stream started again from the position the replay's checkpoint holds."""
+    def _reposition(self, skips: bool) -> None:
+        """A loader's stream started again from the position the replay's checkpoint holds, passing over the
+        batches of the steps the replay skips (`skips`) or not (the steps of `_settle`)."""
         if self._loader is not None:
             assert self._restored is not None, "a replay starts from a checkpoint"
-            self._loader.reposition(self._restored["loader"], self._schedule())
+            self._loader.reposition(self._restored["loader"], self._schedule(skips))
 
     def _unservable(self) -> str | None:
         """Why the next replay cannot be served by this process as it is, before any step."""
@@ -517,16 +518,23 @@ class Loop:
         return recorded
 
     def _settling_draw(self, now: _Step, draw: _Draw) -> np.ndarray | None:
-        """A draw in a step of `_settle`: the recorded micro-batches of its step, in order, those drawn past
-        them (ahead) from its first again: ids handed out, or a loader's batches as its stream yields them, the
-        stream started again from the checkpoint's position after the step's last micro-batch."""
+        """A draw in a step of `_settle`: the recorded micro-batches of its step, in order (the steps the replay
+        skips play no part in them), then those drawn past them (ahead): the step's first again after "prime",
+        what a fresh start draws before its first step after "check" (past the steps the replay skips). Ids
+        handed out, or a loader's batches as its stream yields them, the stream started again from the
+        checkpoint's position where the draws ahead begin."""
         batches = self._mode.recorded_batches(now.number)
+        index = len(now.draws)
         if draw.batch is not None:
             now.draws.append(draw)
             if self._lookahead and len(now.draws) == len(batches):
-                self._reposition()
+                self._reposition(skips=now.settling == "check")
             return None
-        recorded = batches[len(now.draws) % len(batches)]
+        if index >= len(batches) and now.settling == "check":
+            step, micro = self._belongs(None, index - len(batches))
+            recorded = self._mode.recorded_batches(step)[micro]
+        else:
+            recorded = batches[index % len(batches)]
         if recorded.size != draw.ids.size:
             raise ReplayError(f"step {now.number}: the script draws a micro-batch of {draw.ids.size} samples, the "
                               f"record has {[len(b) for b in batches]}: run the script and settings it was recorded "
@@ -566,12 +574,13 @@ class Loop:
             raise UsageError(f"the script drew {len(self._ahead)} batch(es) before the first step; the checkpoint it "
                              f"starts from has {ahead} drawn ahead: run the script as it was recorded")
 
-    def _schedule(self) -> list[Scheduled]:
-        """A replay: the record's batches from the checkpoint it restores to its window's end, in stream order."""
+    def _schedule(self, skips: bool = True) -> list[Scheduled]:
+        """A replay: the record's batches from the checkpoint it restores to its window's end, in stream order,
+        those of the steps it skips marked so (`skips`)."""
         window = self._mode.window
         if window is None:
             return []
-        return [Scheduled(step, micro, ids, step in window.skip)
+        return [Scheduled(step, micro, ids, skips and step in window.skip)
                 for step in range(self.recorder.first_step(), window.stop + 1)
                 for micro, ids in enumerate(self._mode.recorded_batches(step))]
 
