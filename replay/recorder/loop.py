@@ -609,6 +609,15 @@ class Loop:
         self._ahead = now.draws[trained:]
         if now.settling:   # trained to be undone (`_settle`): nothing of it is recorded
             return None
+        if self.replaying:   # handed out at each draw, or carried from before the step: the record's, in order
+            recorded = self._mode.recorded_batches(now.number)
+            if len(recorded) != trained:
+                raise ReplayError(f"step {now.number}: the script trains {trained} micro-batch(es), the record "
+                                  f"{len(recorded)}: run the script and settings it was recorded with (`replay info "
+                                  f"{self._record().location}` shows them)")
+            assert all(np.array_equal(d.ids.reshape(-1), r.reshape(-1)) for d, r in zip(now.draws, recorded,
+                                                                                     strict=False)), \
+                f"step {now.number} trained on other samples than the record's"
         self._mode.check_step(autocast_used=now.autocast)
         lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
         event = self.recorder.record_step(now.number, sample_ids=[d.ids.reshape(-1) for d in now.draws[:trained]],
