@@ -285,6 +285,8 @@ def _make_dirs(folder: Path) -> None:
             return
         except FileNotFoundError:   # a parent removed between pathlib's making it and the child
             continue
+        except FileExistsError:     # there when made, removed before pathlib looked whether it is a folder
+            continue
     folder.mkdir(parents=True, exist_ok=True)
 
 
