@@ -30,7 +30,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_analysis import cli, hardware  # noqa: E402
 from replay.lifeline import follow_parent  # noqa: E402
 from tests.bisect.planted import RECORD_ARGS, plant_degenerate_samples  # noqa: E402
+from tests.examples.planted import plant_nanogpt_run  # noqa: E402
 
 
 def bisect(store: Path, *args: str) -> dict:
@@ -103,30 +103,8 @@ def warm_vs_fresh(record: list[str], root: Path, windows: list[tuple[int, int]])
 def nanogpt_data_bisect(root: Path) -> None:
     """Section 4: the planted nanoGPT recording, then its data bisect with the script started afresh for each
     probe and with it kept up."""
-    import numpy as np
-
-    from replay.store import RunStore
-
-    example = Path(__file__).resolve().parents[1] / "examples" / "nanogpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    data = root / "nanogpt-data"
-
-    def train(store: Path) -> None:
-        subprocess.run([sys.executable, str(example / "train.py"), f"--data_dir={data}", f"--store={store}",
-                        "--max_iters=100", "--checkpoint_every=4"], cwd=root, env=env, check=True,
-                       capture_output=True)
-
-    subprocess.run([sys.executable, str(example / "prepare.py"), "--out", str(data), "--bytes", "200000"],
-                   check=True, capture_output=True)
-    train(root / "nanogpt-clean")
-    ids = RunStore.open(root / "nanogpt-clean").read_steps(["sample_ids"])["sample_ids"]
-    tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
-    noise = np.random.default_rng(0)
-    for offset in ids[95].ravel():
-        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
-    tokens.flush()
     planted = root / "nanogpt-planted"
-    train(planted)
+    plant_nanogpt_run(planted, root / "nanogpt-data")
     verdicts = {}
     for how in ("fresh", "kept up"):
         copy = fresh_copy(planted, root / f"nanogpt-{how.replace(' ', '-')}")

@@ -36,6 +36,7 @@ from replay.store import RunStore
 from replay.store.dcp import PARTIAL, metadata_of
 from replay.store.location import Location
 from tests.disks import Tmpfs, Unavailable
+from tests.examples.planted import plant_nanogpt_run
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("analyze", "report", "export", "bisect", "bisect-script")
@@ -307,29 +308,6 @@ class ScriptBisect(Bisect):
         return ["bisect", store, "--by", "data", "--workers", "1"]
 
 
-def planted_script_run(store: Location, data: Path) -> None:
-    """The nanoGPT example recorded twice (100 steps, checkpoints every 4): the second time with random bytes
-    above 127 over every window step 95 drew, which the recording's detector flags (tests/examples)."""
-    example = REPO / "examples" / "nanogpt"
-    subprocess.run([sys.executable, str(example / "prepare.py"), "--out", str(data), "--bytes", "200000"],
-                   check=True, capture_output=True)
-    env = {**child_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-
-    def train(into: Location) -> None:
-        subprocess.run([sys.executable, str(example / "train.py"), f"--data_dir={data}", f"--store={into}",
-                        "--max_iters=100", "--checkpoint_every=4"], cwd=data.parent, env=env, check=True,
-                       capture_output=True)
-
-    clean = store.parent / f"{store.name}-clean"
-    train(clean)
-    tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
-    noise = np.random.default_rng(0)
-    for offset in RunStore.open(clean).read_steps(["sample_ids"])["sample_ids"][95].ravel():
-        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
-    tokens.flush()
-    train(store)
-
-
 # -- trials ----------------------------------------------------------------------------------------------
 
 
@@ -463,7 +441,7 @@ def inputs(reference: Location, base: Location, local: Path) -> dict[str, Comman
     checked("record", "--store", spike, "--preset", "spike", "--nproc", "2")
     analyze = Analyze(replayed)
     script = base / "script"
-    planted_script_run(script, local / "script-data")
+    plant_nanogpt_run(script, local / "script-data")
     return {"analyze": analyze, "report": Report(base / "measure-analyze" / "store"), "export": Export(reference),
             "bisect": Bisect(spike), "bisect-script": ScriptBisect(script)}
 

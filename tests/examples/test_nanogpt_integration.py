@@ -21,6 +21,7 @@ from replay.store import RunStore
 from replay.store.overrides import Overrides
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
 from tests.examples.conftest import DETERMINISM, assert_same_run
+from tests.examples.planted import plant_nanogpt_run
 from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "nanogpt"
@@ -192,22 +193,12 @@ def test_analyze_reads_the_nanogpt_layout(torchrun_store):
     assert np.isnan(values["max_logit"]).all()   # the probe runs the built-in model only
 
 
-def test_bisect_finds_the_batch_planted_in_the_token_file(data_dir, tmp_path, ray_local):
+def test_bisect_finds_the_batch_planted_in_the_token_file(tmp_path, ray_local):
     """Record once, then write random bytes above 127 (never in Python source) over every window drawn at
-    step 95, record again (the same RNG draws the same windows): its loss jumps there, and a data bisect
-    names that step's batch."""
-    poisoned = tmp_path / "data"
-    shutil.copytree(data_dir, poisoned)
-    args = [f"--data_dir={poisoned}", "--max_iters=100", "--checkpoint_every=4"]   # the last before 95: 92
-    assert _train(tmp_path, *args, f"--store={tmp_path / 'clean'}").returncode == 0
-    ids = RunStore.open(tmp_path / "clean").read_steps(["sample_ids"])["sample_ids"]
-    tokens = np.memmap(poisoned / "train.bin", dtype=np.uint16, mode="r+")
-    noise = np.random.default_rng(0)
-    for offset in ids[95].ravel():
-        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
-    tokens.flush()
+    step 95, record again (the same RNG draws the same windows; tests/examples/planted.py): its loss jumps
+    there, and a data bisect names that step's batch."""
     store = tmp_path / "spiked"
-    assert _train(tmp_path, *args, f"--store={store}").returncode == 0
+    plant_nanogpt_run(store, tmp_path / "data")   # checkpoints every 4: the last before 95 is 92
     assert [e["step"] for e in RunStore.open(store).spikes] == [95]   # the recording's own detector saw it
     result = replay_cli("bisect", str(store), "--by", "data", "--json")
     assert result.returncode == 0, result.stderr

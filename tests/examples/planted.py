@@ -1,0 +1,41 @@
+"""The nanoGPT example's run with a planted batch, as its test, the soak and benchmarks/bench_bisect.py make it:
+recorded twice (100 steps, checkpoints every 4), the second time with random bytes above 127 (never in Python
+source) over every window step 95 drew, which the recording's own detector flags."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from replay.store import RunStore
+from replay.store.location import Location
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "nanogpt"
+STEP = 95
+
+
+def plant_nanogpt_run(store: Location | Path, data: Path) -> None:
+    """The token file into `data` (examples/nanogpt/prepare.py), a clean recording beside `store` (the same RNG
+    draws the same windows), step 95's windows overwritten in the token file, then the recording into `store`."""
+    subprocess.run([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--bytes", "200000"],
+                   check=True, capture_output=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    def train(into: Location | Path) -> None:
+        subprocess.run([sys.executable, str(EXAMPLE / "train.py"), f"--data_dir={data}", f"--store={into}",
+                        "--max_iters=100", "--checkpoint_every=4"], cwd=data.parent, env=env, check=True,
+                       capture_output=True)
+
+    clean = store.parent / f"{store.name}-clean"
+    train(clean)
+    tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
+    noise = np.random.default_rng(0)
+    for offset in RunStore.open(clean).read_steps(["sample_ids"])["sample_ids"][STEP].ravel():
+        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
+    tokens.flush()
+    train(store)
