@@ -60,7 +60,7 @@ import torch
 from replay.config import RunConfig, build_config
 from replay.lifeline import follow_parent
 from replay.recorder import create_run_store
-from replay.recorder.digest import StateDigest
+from replay.recorder.digest import StateDigest, _device_sums, _sum_digests
 from replay.recorder.environment import configure_determinism
 from replay.recorder.state import TorchTrainState
 from replay.store.integrity import crc32c
@@ -185,7 +185,7 @@ def bench_digest(sets: list[str], micro: int, steps: int, device: str = "cpu") -
     model = build_model(cfg.model, data.vocab_size, cfg.seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     digest = StateDigest(TorchTrainState(model, opt), rank=0)
-    train, taken = [], []
+    train, taken, one_by_one = [], [], []
     for s in range(steps + 1):   # the first step makes AdamW's state: untimed
         ids = order.rank_ids(s, 0, 1, micro)
         t0 = time.perf_counter()
@@ -200,10 +200,21 @@ def bench_digest(sets: list[str], micro: int, steps: int, device: str = "cpu") -
         t1 = time.perf_counter()
         digest()
         t2 = time.perf_counter()
+        if device == "cuda":   # side by side: the sums tensor by tensor, as before the one launch per word width
+            _sum_digests(_device_sums([t for _, t in TorchTrainState(model, opt).named_tensors() if t.is_cuda]))
+            one_by_one.append(time.perf_counter() - t2)
         if s:
             train.append(t1 - t0)
             taken.append(t2 - t1)
     step_s, digest_s = statistics.median(train), statistics.median(taken)
+    if device == "cuda":
+        from replay.kernels.word_sums import WordSums
+
+        tensors = [t for _, t in TorchTrainState(model, opt).named_tensors() if t.is_cuda]
+        same = _sum_digests(WordSums(tensors)()) == _sum_digests(_device_sums(tensors))
+        print(f"state digest on the GPU: {1e3 * digest_s:.2f} ms in one launch per word width vs "
+              f"{1e3 * statistics.median(one_by_one[1:]):.2f} ms tensor by tensor "
+              f"({statistics.median(one_by_one[1:]) / digest_s:.1f}x); the same digests: {same}", flush=True)
     state = sum(t.nbytes for _, t in TorchTrainState(model, opt).named_tensors())
     print(f"state digest per step: {1e3 * digest_s:.1f} ms for {len(digest.names or []) - 1} tensors "
           f"({state / MB:.0f} MB: {n_params(model) / 1e6:.0f}M params + AdamW state, {digest.kind}; "

@@ -15,7 +15,7 @@ Sections (each a command of its own, run in turn; `--only` picks some):
 The report (default runs/gpu-check/report.md) starts with the device, driver, versions and date, then
 each section's command, exit status, wall time and output. Exits non-zero if any section failed.
 
-    python benchmarks/gpu_check.py [--only tests,flash] [--out runs/gpu-check]
+    python benchmarks/gpu_check.py [--only tests,flash] [--out runs/gpu-check] [--replay-steps 200]
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def sections(out: Path) -> dict[str, list[str]]:
+def sections(out: Path, replay_steps: int) -> dict[str, list[str]]:
     py = sys.executable
     return {
         "tests": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", "tests"],
         "flash": [py, "-m", "replay", "microbench", "--mode", "flash", "-o", str(out / "microbench")],
         "speed": [py, "benchmarks/bench_attention.py", "--gpu-only"],
         "record": [py, "benchmarks/bench_record.py", "--device", "cuda"],
-        "replay": [py, "benchmarks/bench_cuda_record.py", "--steps", "200", "--checkpoint-every", "100"],
+        "replay": [py, "benchmarks/bench_cuda_record.py", "--steps", str(replay_steps),
+                   "--checkpoint-every", str(replay_steps // 2)],
     }
 
 
@@ -67,7 +68,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated sections (default: all)")
     parser.add_argument("--out", default="runs/gpu-check", help="directory of the report and the flash check's files")
+    parser.add_argument("--replay-steps", type=int, default=200,
+                        help="steps of each recording in the replay section, a checkpoint at half (default 200)")
     args = parser.parse_args()
+    if args.replay_steps < 2:
+        parser.error("--replay-steps must be at least 2")
     if torch.version.cuda is None:
         print(f"error: this torch ({torch.__version__}) is a CPU build; install the CUDA build, e.g. "
               '`make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"` '
@@ -79,7 +84,7 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commands = sections(out)
+    commands = sections(out, args.replay_steps)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()] or list(commands)
     unknown = [s for s in chosen if s not in commands]
     if unknown:

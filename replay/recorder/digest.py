@@ -7,7 +7,8 @@ for a step or two while the weights have parted already (replayer/replays.py com
 
 - A tensor in host memory: the CRC-32C of its bytes (store/_crc32c.c: 30-60 GB/s on one core with AVX-512).
 - A tensor on a GPU: two wrapping 64-bit integer sums of its words (the words, and their squares) reduced
-  on the device, so that only 16 bytes per tensor cross to the host; their CRC-32C is the digest. Integer
+  on the device, every tensor of a word width in one Triton launch (kernels/word_sums.py), so that only 16
+  bytes per tensor cross to the host; their CRC-32C is the digest. Integer
   sums wrap modulo 2**64 whatever their order, so the digest is the same on every run of the same bits.
 
 The names are the first step's; a tensor that appears later (an optimizer state created late) is folded
@@ -23,7 +24,6 @@ that offers no watch (`tensors_watch`: recorder/state.py's TorchTrainState does)
 from __future__ import annotations
 
 import operator
-import struct
 from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
@@ -252,6 +252,8 @@ class _Plan:
                               dtype=np.int64).reshape(-1, 2)
         self.direct = (not self.strided and len(self.host) == len(tensors) == self.width - 1
                        and all(index.get(name) == i for i, (name, _) in enumerate(tensors)))
+        self.on_device = [i for i, (_, t) in enumerate(tensors) if t.is_cuda]
+        self.device_sums = _fused_sums([tensors[i][1] for i in self.on_device])
 
     def digests(self) -> np.ndarray:
         out = np.zeros(self.width, dtype=np.uint32)
@@ -264,8 +266,9 @@ class _Plan:
         host = np.zeros(len(self.host), dtype=np.uint32)
         crc32c_spans(self.spans, host)
         values = dict(zip(self.host, host.tolist(), strict=True))
-        on_device = [i for i, (_, t) in enumerate(self.tensors) if t.is_cuda]
-        values.update(zip(on_device, _device_sums([self.tensors[i][1] for i in on_device]), strict=True))
+        on_device = [self.tensors[i][1] for i in self.on_device]
+        sums = self.device_sums() if self.device_sums is not None else _device_sums(on_device)
+        values.update(zip(self.on_device, _sum_digests(sums), strict=True))
         late: list[int] = []
         for i, (name, _) in enumerate(self.tensors):
             slot = self.index.get(name)
@@ -278,10 +281,22 @@ class _Plan:
         return out
 
 
-def _device_sums(tensors: list[torch.Tensor]) -> list[int]:
-    """Each GPU tensor's digest, its reductions on the device and one copy of 16 bytes per tensor to the host."""
-    if not tensors:
-        return []
+def _fused_sums(tensors: list[torch.Tensor]) -> Callable[[], torch.Tensor] | None:
+    """The GPU tensors' sums in one Triton launch per word width (kernels/word_sums.py), where every one is
+    contiguous on one CUDA device and Triton runs there; else None, and `_device_sums` takes them one by one.
+    Both give the same sums."""
+    if not tensors or any(not t.is_contiguous() or t.device != tensors[0].device or t.element_size() not in _WORDS
+                          for t in tensors):
+        return None
+    if torch.cuda.get_device_capability(tensors[0].device)[0] < 7:
+        return None   # Triton's oldest target
+    from replay.kernels.word_sums import WordSums
+
+    return WordSums([t.detach() for t in tensors])
+
+
+def _device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's two sums, int64 of shape (len(tensors), 2), tensor by tensor with torch's reductions."""
     rows = []
     for t in tensors:
         flat = t.detach().reshape(-1)
@@ -289,5 +304,14 @@ def _device_sums(tensors: list[torch.Tensor]) -> list[int]:
             flat = flat.contiguous().view(torch.uint8)
         words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
         rows.append(torch.stack([words.sum(), (words * words).sum()]))
-    host = torch.stack(rows).cpu().tolist()
-    return [crc32c(struct.pack("<qq", a, b)) for a, b in host]
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
+
+
+def _sum_digests(sums: torch.Tensor) -> list[int]:
+    """The digest of each row of two sums: the CRC-32C of its 16 bytes (two little-endian int64), in one call."""
+    host = np.ascontiguousarray(sums.cpu().numpy(), dtype="<i8")
+    spans = np.stack([host.ctypes.data + 16 * np.arange(len(host), dtype=np.int64),
+                      np.full(len(host), 16, dtype=np.int64)], axis=1)
+    out = np.zeros(len(host), dtype=np.uint32)
+    crc32c_spans(spans, out)
+    return out.tolist()

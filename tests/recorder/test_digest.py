@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replay.recorder import digest as digest_module
-from replay.recorder.digest import LATE, StateDigest, _device_sums, model_and_optimizer
+from replay.recorder.digest import LATE, StateDigest, _device_sums, _sum_digests, model_and_optimizer
 from replay.recorder.state import TorchTrainState
 from replay.store.integrity import crc32c
 
@@ -88,12 +88,18 @@ def test_a_tensor_that_appears_after_the_first_step_is_covered_by_the_last_slot(
 def test_the_device_digest_is_a_function_of_the_bits_alone():
     """The GPU's digest (integer sums reduced on the device), run here on host tensors: equal bits give equal
     digests, one flipped bit another, whatever tensor holds them."""
+    def digest(t):
+        return _sum_digests(_device_sums([t]))
+
     a = torch.randn(1000)
     b = a.clone()
-    assert _device_sums([a]) == _device_sums([b])
+    assert digest(a) == digest(b)
     b.view(torch.int32)[500] ^= 1 << 7
-    assert _device_sums([a]) != _device_sums([b])
-    assert _device_sums([a.to(torch.bfloat16)]) != _device_sums([a])
+    assert digest(a) != digest(b)
+    assert digest(a.to(torch.bfloat16)) != digest(a)
+    words = a.view(torch.int32).to(torch.int64)
+    pair = np.array([words.sum().item(), (words * words).sum().item()], dtype="<i8")
+    assert digest(a) == [google_crc32c.value(pair.tobytes())]   # the CRC-32C of the two sums' 16 bytes
 
 
 def _reference(names: list[str], model: torch.nn.Module, opt: torch.optim.Optimizer) -> np.ndarray:
