@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from replay import faults
-from replay.bisect.probes import ProbeRunner, request
+from replay.bisect.probes import LocalProbes, ProbeRunner, request
 from replay.bisect.rule import Rule, judge
 from replay.bisect.search import ddmin, ddmin_bound, last_true, last_true_bound
 from replay.bisect.session import (
@@ -58,7 +58,7 @@ from replay.store import RunStore
 from replay.store.capabilities import Capabilities
 from replay.store.lease import Lease, writing
 from replay.store.location import Location, Where
-from replay.store.manifest import Manifest
+from replay.store.manifest import CommandInfo, Manifest
 from replay.store.object_lease import ObjectLease
 from replay.store.overrides import Overrides
 
@@ -177,7 +177,7 @@ class Bisect:
         self.new_probes = 0
         self.started = False
         self.lease: Lease | ObjectLease | None = None
-        self.runner: ProbeRunner | None = None
+        self.runner: ProbeRunner | LocalProbes | None = None
 
     def _pick_spike(self) -> int:
         spikes = self.record.spikes
@@ -281,27 +281,14 @@ class Bisect:
         self.say(f"bisect session {self.id}" + (f" (resumed: {before} probes already done)" if self.resumed else "")
                  + f": spike at step {self.spike}; window up to step {self.stop}")
         self.say(f"rule: {self.rule.describe()}")
-        with ray_session(self.cfg.address):   # a local cluster spans the machine: probes are sized below
+        world = self.record.manifest.world_size
+        # a script's ranks kept up between probes, unless REPLAY_RANKS=fresh; DeepSpeed's start for each probe
+        script = self.record.manifest.command if self.caps.serves_replays and not fresh_ranks() else None
+        local = script is not None and not self._on_cluster()   # no Ray: LocalProbes
+        with contextlib.nullcontext() if local else ray_session(self.cfg.address):
             self.started = True
             self.save(status="running", error=None)
-            world = self.record.manifest.world_size
-            # a script's ranks kept up between probes, unless REPLAY_RANKS=fresh; DeepSpeed's start for each probe
-            script = self.record.manifest.command if self.caps.serves_replays and not fresh_ranks() else None
-            warm = self.caps.warm_ranks and script is None
-            placed = self._placed()
-            if placed is not None:
-                group = RayRanks(*placed)
-                fit = max(1, group.fits())   # none: the first probe's group says why
-                cpus, slots = 0, min(self.cfg.workers or fit, fit)
-                where = f"each on a placement group of its own: {group.describe()}"
-            else:
-                cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
-                kept = "warm " if warm else "the script's, kept up between probes, " if script else ""
-                where = f"each with {world} {kept}rank(s) on {cpus} CPU(s)"
-            self.width = slots
-            with ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm, placed,
-                             script) as self.runner:
-                self.say(f"probes run on {slots} Ray worker(s), {where}")
+            with self._runner(world, script, local) as self.runner:
                 phases = self.session.phases
                 start = self.checkpoints[-1]
                 for phase in PHASES[self.cfg.by]:
@@ -324,11 +311,36 @@ class Bisect:
         self.save(status="complete", verdict=verdict)
         return self.session
 
+    def _runner(self, world: int, script: CommandInfo | None, local: bool) -> ProbeRunner | LocalProbes:
+        """Where the probes run, said in one line; sets the search's width (probes at once)."""
+        if local:
+            assert script is not None, "only a script's kept-up ranks run in this process"
+            self.width = 1
+            self.say(f"probes run one at a time in this process, each with {world} of the script's rank(s), "
+                     "kept up between probes")
+            return LocalProbes(self.store_path, world, self.held().spec, script)
+        warm = self.caps.warm_ranks and script is None
+        placed = self._placed()
+        if placed is not None:
+            group = RayRanks(*placed)
+            fit = max(1, group.fits())   # none: the first probe's group says why
+            cpus, slots = 0, min(self.cfg.workers or fit, fit)
+            where = f"each on a placement group of its own: {group.describe()}"
+        else:   # a local cluster spans the machine: probes are sized to fit it
+            cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
+            kept = "warm " if warm else "the script's, kept up between probes, " if script else ""
+            where = f"each with {world} {kept}rank(s) on {cpus} CPU(s)"
+        self.width = slots
+        self.say(f"probes run on {slots} Ray worker(s), {where}")
+        return ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm, placed, script)
+
+    def _on_cluster(self) -> bool:
+        return bool(self.cfg.address or os.environ.get("RAY_ADDRESS"))
+
     def _placed(self) -> tuple[Manifest, Placing] | None:
         """A run recorded on several nodes, bisected on a cluster (--ray-address or RAY_ADDRESS): its probes keep
         the recorded layout, or pack with --pack. Elsewhere a probe's ranks share one node (or this machine)."""
-        on_cluster = bool(self.cfg.address or os.environ.get("RAY_ADDRESS"))
-        if not (on_cluster and self.caps.multi_node):
+        if not (self._on_cluster() and self.caps.multi_node):
             return None
         return self.record.manifest, Placing(pack=self.cfg.pack)
 

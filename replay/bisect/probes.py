@@ -1,4 +1,5 @@
-"""Probes: the replays a bisect runs, in parallel on Ray actors.
+"""Probes: the replays a bisect runs, in parallel on Ray actors, or, for a script kept up between probes on one
+machine, one after another in the bisect's own process (`LocalProbes`).
 
 Each actor holds one CPU slot and a pool of warm ranks (launch/pool.py) of the record's world size, so
 a probe costs its steps rather than a process start-up; for a script of the user's own, the script's ranks,
@@ -81,6 +82,28 @@ class ProbeWorker:
             self.pool.close()
         if self.cluster is not None:
             self.cluster.close()
+
+
+class LocalProbes:
+    """The probes of a script kept up between them, on one machine: one after another in this process, on one
+    `ScriptServer` (through a `ProbeWorker`), so the script starts once and no Ray cluster is needed. Its probes
+    take a fraction of a second each, less than starting a second copy of the script would."""
+
+    def __init__(self, store: Location, world_size: int, lease: str, script: CommandInfo):
+        self.store, self.lease = store, lease
+        self.worker = ProbeWorker(world_size, warm=False, script=script)
+
+    def run(self, requests: list[ReplayRequest]) -> list[ProbeOutcome]:
+        return [self.worker.run(self.store, req, self.lease) for req in requests]
+
+    def close(self, graceful: bool = True) -> None:
+        self.worker.close()
+
+    def __enter__(self) -> LocalProbes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(graceful=exc[0] is None)
 
 
 class ProbeRunner:

@@ -195,7 +195,8 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(r
     assert result.returncode == 0, result.stderr
     verdict = json.loads(result.stdout)["verdict"]
     assert verdict["data_window"] == [54, 55] and verdict["batches"] == [55] and verdict["samples"] is None
-    assert "the script's, kept up between probes" in result.stderr and "started afresh" not in result.stderr
+    assert "one at a time in this process, each with 2 of the script's rank(s), kept up" in result.stderr
+    assert "started afresh" not in result.stderr
 
 
 def test_analyze_reads_the_layout_the_script_declares(recorded):
