@@ -72,8 +72,8 @@ def run_demo(store: Where, progress: Callable[[str], None]) -> DemoResult:
         _record(store, progress, pool)
         stages["record"], t = time.perf_counter() - t, time.perf_counter()
 
-        with ray_session() as slots:   # one local Ray cluster for the bisect and the analysis
-            progress(f"[2/5] bisect the largest spike with the counterfactual {FIX} ({slots} Ray workers)")
+        with ray_session():   # one local Ray cluster for the bisect (where its probes need one) and the analysis
+            progress(f"[2/5] bisect the largest spike with the counterfactual {FIX}")
             session = bisect(store, BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
             stages["bisect"], t = time.perf_counter() - t, time.perf_counter()
 

@@ -284,7 +284,7 @@ class Bisect:
         world = self.record.manifest.world_size
         # a script's ranks kept up between probes, unless REPLAY_RANKS=fresh; DeepSpeed's start for each probe
         script = self.record.manifest.command if self.caps.serves_replays and not fresh_ranks() else None
-        local = script is not None and not self._on_cluster()   # no Ray: LocalProbes
+        local = not self._on_cluster() and (script is not None or self._local_slots(world) == 1)   # no Ray
         with contextlib.nullcontext() if local else ray_session(self.cfg.address):
             self.started = True
             self.save(status="running", error=None)
@@ -313,13 +313,13 @@ class Bisect:
 
     def _runner(self, world: int, script: CommandInfo | None, local: bool) -> ProbeRunner | LocalProbes:
         """Where the probes run, said in one line; sets the search's width (probes at once)."""
-        if local:
-            assert script is not None, "only a script's kept-up ranks run in this process"
-            self.width = 1
-            self.say(f"probes run one at a time in this process, each with {world} of the script's rank(s), "
-                     "kept up between probes")
-            return LocalProbes(self.store_path, world, self.held().spec, script)
         warm = self.caps.warm_ranks and script is None
+        if local:
+            self.width = 1
+            ranks = "of the script's rank(s), kept up between probes" if script else "warm rank(s)" if warm else \
+                "fresh rank(s)"
+            self.say(f"probes run one at a time in this process, each with {world} {ranks}")
+            return LocalProbes(self.store_path, world, self.held().spec, warm, script)
         placed = self._placed()
         if placed is not None:
             group = RayRanks(*placed)
@@ -327,7 +327,7 @@ class Bisect:
             cpus, slots = 0, min(self.cfg.workers or fit, fit)
             where = f"each on a placement group of its own: {group.describe()}"
         else:   # a local cluster spans the machine: probes are sized to fit it
-            cpus, slots = self._slots(world * max(1, self.run_cfg.threads))
+            cpus, slots = self._slots(world * max(1, self.run_cfg.threads), *cluster_cpus())
             kept = "warm " if warm else "the script's, kept up between probes, " if script else ""
             where = f"each with {world} {kept}rank(s) on {cpus} CPU(s)"
         self.width = slots
@@ -344,14 +344,19 @@ class Bisect:
             return None
         return self.record.manifest, Placing(pack=self.cfg.pack)
 
-    def _slots(self, per_probe: int) -> tuple[int, int]:
-        """(CPUs one probe takes, probes at once). A probe needs its ranks x recorded threads; running
-        more probes than the cores hold oversubscribes them, and threaded kernels then crawl."""
-        total, largest = cluster_cpus()
+    def _local_slots(self, world: int) -> int:
+        """Probes at once on this machine alone (a local cluster spans it)."""
+        here = os.cpu_count() or 1
+        return self._slots(world * max(1, self.run_cfg.threads), here, here, warn=False)[1]
+
+    def _slots(self, per_probe: int, total: int, largest: int, warn: bool = True) -> tuple[int, int]:
+        """(CPUs one probe takes, probes at once) on a cluster of `total` CPUs whose largest node has `largest`.
+        A probe needs its ranks x recorded threads; running more probes than the cores hold oversubscribes
+        them, and threaded kernels then crawl."""
         cpus = min(per_probe, largest)
         fit = max(1, total // cpus)
         slots = min(self.cfg.workers or fit, fit)
-        if self.cfg.workers and self.cfg.workers > fit:
+        if warn and self.cfg.workers and self.cfg.workers > fit:
             self.say(f"warning: --workers {self.cfg.workers}, but {fit} probe(s) fit at once: each takes {cpus} of "
                      f"the cluster's {total} CPUs (ranks x recorded threads); running {fit}")
         return cpus, slots

@@ -1,5 +1,5 @@
-"""Probes: the replays a bisect runs, in parallel on Ray actors, or, for a script kept up between probes on one
-machine, one after another in the bisect's own process (`LocalProbes`).
+"""Probes: the replays a bisect runs, in parallel on Ray actors, or, on one machine where one probe at a time fits
+(and always for a script kept up between probes), one after another in the bisect's own process (`LocalProbes`).
 
 Each actor holds one CPU slot and a pool of warm ranks (launch/pool.py) of the record's world size, so
 a probe costs its steps rather than a process start-up; for a script of the user's own, the script's ranks,
@@ -85,13 +85,13 @@ class ProbeWorker:
 
 
 class LocalProbes:
-    """The probes of a script kept up between them, on one machine: one after another in this process, on one
-    `ScriptServer` (through a `ProbeWorker`), so the script starts once and no Ray cluster is needed. Its probes
-    take a fraction of a second each, less than starting a second copy of the script would."""
+    """Probes one after another in this process, through one `ProbeWorker` (its warm ranks, or the script kept up
+    between probes), with no Ray cluster: on one machine where one probe at a time fits (a kept-up script's
+    probes take a fraction of a second each, less than starting a second copy of the script would)."""
 
-    def __init__(self, store: Location, world_size: int, lease: str, script: CommandInfo):
+    def __init__(self, store: Location, world_size: int, lease: str, warm: bool, script: CommandInfo | None):
         self.store, self.lease = store, lease
-        self.worker = ProbeWorker(world_size, warm=False, script=script)
+        self.worker = ProbeWorker(world_size, warm=warm, script=script)
 
     def run(self, requests: list[ReplayRequest]) -> list[ProbeOutcome]:
         return [self.worker.run(self.store, req, self.lease) for req in requests]

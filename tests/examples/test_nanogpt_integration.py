@@ -204,5 +204,5 @@ def test_bisect_finds_the_batch_planted_in_the_token_file(tmp_path, ray_local):
     assert result.returncode == 0, result.stderr
     verdict = json.loads(result.stdout)["verdict"]
     assert verdict["batches"] == [95] and verdict["samples"] is None
-    assert "one at a time in this process, each with 1 of the script's rank(s), kept up" in result.stderr   # LocalProbes
+    assert "one at a time in this process, each with 1 of the script's rank(s), kept up" in result.stderr
     assert "started afresh" not in result.stderr
