@@ -327,7 +327,7 @@ class Bisect:
             cpus, slots = 0, min(self.cfg.workers or fit, fit)
             where = f"each on a placement group of its own: {group.describe()}"
         else:   # a local cluster spans the machine: probes are sized to fit it
-            cpus, slots = self._slots(world * max(1, self.run_cfg.threads), *cluster_cpus())
+            cpus, slots = self._slots(self._per_probe(world), *cluster_cpus())
             kept = "warm " if warm else "the script's, kept up between probes, " if script else ""
             where = f"each with {world} {kept}rank(s) on {cpus} CPU(s)"
         self.width = slots
@@ -344,15 +344,18 @@ class Bisect:
             return None
         return self.record.manifest, Placing(pack=self.cfg.pack)
 
+    def _per_probe(self, world: int) -> int:
+        """The CPUs a probe needs: its ranks x recorded threads."""
+        return world * max(1, self.run_cfg.threads)
+
     def _local_slots(self, world: int) -> int:
         """Probes at once on this machine alone (a local cluster spans it)."""
         here = os.cpu_count() or 1
-        return self._slots(world * max(1, self.run_cfg.threads), here, here, warn=False)[1]
+        return self._slots(self._per_probe(world), here, here, warn=False)[1]
 
     def _slots(self, per_probe: int, total: int, largest: int, warn: bool = True) -> tuple[int, int]:
-        """(CPUs one probe takes, probes at once) on a cluster of `total` CPUs whose largest node has `largest`.
-        A probe needs its ranks x recorded threads; running more probes than the cores hold oversubscribes
-        them, and threaded kernels then crawl."""
+        """(CPUs one probe takes, probes at once) on a cluster of `total` CPUs whose largest node has `largest`:
+        running more probes than the cores hold oversubscribes them, and threaded kernels then crawl."""
         cpus = min(per_probe, largest)
         fit = max(1, total // cpus)
         slots = min(self.cfg.workers or fit, fit)

@@ -266,8 +266,8 @@ class _Plan:
         host = np.zeros(len(self.host), dtype=np.uint32)
         crc32c_spans(self.spans, host)
         values = dict(zip(self.host, host.tolist(), strict=True))
-        on_device = [self.tensors[i][1] for i in self.on_device]
-        sums = self.device_sums() if self.device_sums is not None else _device_sums(on_device)
+        sums = (self.device_sums() if self.device_sums is not None
+                else _device_sums([self.tensors[i][1] for i in self.on_device]))
         values.update(zip(self.on_device, _sum_digests(sums), strict=True))
         late: list[int] = []
         for i, (name, _) in enumerate(self.tensors):
