@@ -1,4 +1,5 @@
-"""Benchmark the analysis: one GPT-2-small-sized checkpoint on one core, and 2 Ray workers against 1.
+"""Benchmark the analysis: one GPT-2-small-sized checkpoint on one core, 2 Ray workers against 1, and a small
+compare without Ray against one on a local cluster.
 
 The store is a real recording with GPT-2 small's transformer (12 layers, 12 heads, d=768, vocab 50304;
 sequence length 128 instead of 1024, which changes only the position embedding) trained 3 steps on the
@@ -12,7 +13,11 @@ built-in corpus with a checkpoint before every step, through `replay record`.
    on a local Ray cluster of its own) on the same store (analysis removed in between), twice, alternated:
    the speed-up of the work itself (the `seconds` each reports, Ray start-up excluded; target >= 1.7x).
    --quick runs each once, both on one cluster: the one at RAY_ADDRESS where one is set, else a local one
-   of 2 CPUs.
+   of 2 CPUs. Without --quick there is no cluster to join, so `--workers 1` runs its items in this
+   process (analysis/jobs.py `task_slots`), as the command does.
+3. A small `replay compare` end to end, as a user types it with no cluster: two 10-step `tiny` runs, in a
+   fresh process each time, `--workers 1` (its items in the command's own process, no Ray) against
+   `--workers 2` (a local Ray cluster of its own), alternated, best of two each (--quick: once each).
 
     .venv/bin/python benchmarks/bench_analysis.py [--quick]
 """
@@ -117,8 +122,31 @@ def main() -> None:
         print(f"speed-up with 2 workers: {min(seconds[1]) / min(seconds[2]):.2f}x (target >= 1.7x at GPT-2 small; "
               f"best of {len(seconds[1])} run(s) each" + ("; --quick: the first run starts the workers, so this is "
                                                           "no measurement)" if quick else ")"))
+        small_compare(work, quick)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def small_compare(work: Path, quick: bool) -> None:
+    """Part 3: `replay compare A B` of two small runs, in its own process, with and without Ray."""
+    a, b = work / "tiny-a", work / "tiny-b"
+    for store, seed in ((a, 1), (b, 2)):
+        cli("record", "--store", str(store), "--preset", "tiny", "--steps", "10", "--checkpoint-every", "5",
+            "--set", f"seed={seed}")
+    env = {k: v for k, v in child_env().items() if k != "RAY_ADDRESS"}   # no cluster to join, as at a prompt
+    seconds: dict[int, list[float]] = {1: [], 2: []}
+    for workers in (1, 2) if quick else (1, 2, 1, 2):
+        shutil.rmtree(a / "analysis", ignore_errors=True)
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", "replay", "compare", str(a), str(b), "--workers", str(workers),
+                                 "--json"], capture_output=True, text=True, env=env)
+        seconds[workers].append(time.perf_counter() - start)
+        if result.returncode:
+            sys.exit(f"replay compare failed:\n{result.stderr}")
+        where = "in its own process" if "in this process" in result.stderr else "on a local Ray cluster"
+        print(f"replay compare (2 tiny runs, 3 checkpoints) --workers {workers}: {seconds[workers][-1]:.1f} s, {where}")
+    print(f"a small compare without Ray: {min(seconds[2]) / min(seconds[1]):.2f}x faster than on a local cluster of "
+          f"its own (best of {len(seconds[1])} each)")
 
 
 if __name__ == "__main__":

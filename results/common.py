@@ -96,9 +96,12 @@ def cli(ctx: Context, *args: Any, as_json: bool = False, commands: list[str] | N
     log = ctx.log / f"{time.strftime('%H%M%S')}-{args[0]}-{os.urandom(3).hex()}.log"
     print(f"  $ {line}", file=sys.stderr)
     t0 = time.perf_counter()
+    env = child_env()   # it ends with this script, however that ends
+    if _one_worker(args):   # it runs in its own process without Ray, as it does where the user types it
+        env.pop("RAY_ADDRESS", None)
     with open(log, "w") as err:
         proc = subprocess.run([sys.executable, "-m", "replay", *map(str, args)], stdout=subprocess.PIPE, stderr=err,
-                              text=True, env=child_env())   # it ends with this script, however that ends
+                              text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-20:])
         raise CommandFailed(f"`{line}` exited with {proc.returncode} (stderr in {log}):\n{tail}")
@@ -110,13 +113,19 @@ def cli(ctx: Context, *args: Any, as_json: bool = False, commands: list[str] | N
     return json.loads(proc.stdout) if as_json else proc.stdout
 
 
+def _one_worker(args: tuple[Any, ...]) -> bool:
+    """A command given `--workers 1`: an analysis or a bisect that needs no cluster (analysis/jobs.py
+    `task_slots`, bisect/narrow.py), so it is not sent to the shared one."""
+    return any(str(a) == "--workers" and str(b) == "1" for a, b in zip(args, args[1:], strict=False))
+
+
 @contextlib.contextmanager
 def shared_ray() -> Iterator[None]:
     """One local Ray cluster for every command of the pipeline that uses Ray (each would otherwise start
     and stop a cluster of its own: seconds each, and several at once compete for the cores). Commands
     reach it through RAY_ADDRESS, so the command lines shown stay the ones a user types; its processes
     end with this script, however it ends (lifeline.py). Where RAY_ADDRESS is set already, the
-    commands use that cluster."""
+    commands use that cluster. A command given `--workers 1` runs without it (`cli`)."""
     if os.environ.get("RAY_ADDRESS"):
         yield
         return

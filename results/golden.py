@@ -183,7 +183,8 @@ def weights(ctx: Context) -> Section:
             f"against the reference run `{stores['ref'].name}`: " + "; ".join(PAIRS.values()) + ". Per checkpoint, "
             f"the **largest value over the model's {len(distances['a']['tensors'])} weight tensors** (what `replay "
             "compare` prints): max |difference|, and Wasserstein-1 between the value distributions of a tensor in "
-            "the two runs (`scipy.stats.wasserstein_distance`). Each pair runs as `replay compare X REF`, so that "
+            "the two runs (the mean |difference| of their sorted values, as `scipy.stats.wasserstein_distance` "
+            "defines it). Each pair runs as `replay compare X REF`, so that "
             "each stores its table in its own run and the three run at once; both distances are symmetric. Numbers "
             f"from the commands' JSON, kept in `{out}/compare-*.json`."]
     for m, label in METRICS.items():

@@ -1,4 +1,5 @@
-"""`replay analyze` and `replay compare`: plan work items, run them as Ray tasks, keep what is done.
+"""`replay analyze` and `replay compare`: plan work items, run them as Ray tasks (or, asked for one worker with
+no cluster to join, one at a time in the command's own process), keep what is done.
 
 A work item (analysis/items.py) is one checkpoint and one block of layers (metrics), or one checkpoint of
 a replay or of a compared run (weight distances). Each task reads the checkpoint from the store itself
@@ -9,8 +10,10 @@ where it stopped.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +27,7 @@ from replay.analysis.names import DISTANCES
 from replay.analysis.series import is_store, series_of
 from replay.analysis.series import prepare as prepare_series
 from replay.errors import ReplayError, StoreError, UsageError, disk_errors
-from replay.launch.ray_cluster import ray_session, run_tasks, worker_options
+from replay.launch.ray_cluster import RETRIES, cluster_address, ray_session, run_tasks, session_open, worker_options
 from replay.replayer.listing import replays
 from replay.store import RunStore
 from replay.store.foreign import ForeignSeries, open_series
@@ -46,12 +49,15 @@ class Summary:
 
 
 def run_item(item: MetricItem | DistanceItem) -> str:
-    """One work item, start to finish, on a Ray worker (analysis/tasks.py: torch loads there, never in the
-    driver). Returns the node it ran on."""
-    # lazy: the driver never loads torch (1 s)
+    """One work item, start to finish, on a Ray worker (analysis/tasks.py: torch loads there, never in a
+    driver that runs its items on Ray). Returns the node it ran on."""
+    # lazy: ray (0.3 s) and torch (1 s) only where the item runs
+    import ray
+
     from replay.analysis.tasks import run
 
-    return run(item)
+    run(item)
+    return ray.get_runtime_context().get_node_id()
 
 
 # -- planning (driver) ----------------------------------------------------------------------------
@@ -186,13 +192,15 @@ def replay_stores(store: RunStore, progress: Callable[[str], None] = lambda s: N
 
 # -- running (driver) -----------------------------------------------------------------------------
 
-def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lambda s: None,
+def execute(items: list[Any], slots: int | None, progress: Callable[[str], None] = lambda s: None,
             summary: Summary | None = None, every: int = 1) -> Summary:
-    """Run work items on the connected Ray cluster, `slots` at a time (see `ray_session`), reporting every
-    `every`-th finished item (and the last)."""
+    """Run work items on the connected Ray cluster, `slots` at a time (see `ray_session`), or with `slots`
+    None one at a time in this process (see `task_slots`), reporting every `every`-th finished item (and
+    the last)."""
     summary = summary or Summary()
     start = time.monotonic()
-    progress(f"{len(items)} work items on {slots} Ray worker slot(s)")
+    where = "one at a time in this process" if slots is None else f"on {slots} Ray worker slot(s)"
+    progress(f"{len(items)} work items {where}")
 
     def on_result(item, node):
         summary.computed += 1
@@ -201,11 +209,42 @@ def execute(items: list[Any], slots: int, progress: Callable[[str], None] = lamb
             progress(f"[{summary.computed}/{len(items)}] {item.label}")
         faults.hit("analysis-driver-kill", summary.computed)
 
-    if items:
+    if slots is None:
+        for item in items:
+            on_result(item, _run_here(item))
+    elif items:
         _check_store_visible(items[0].store)
         run_tasks(run_item, items, max_in_flight=slots * 2, on_result=on_result)
     summary.seconds += time.monotonic() - start
     return summary
+
+
+def _run_here(item: MetricItem | DistanceItem) -> str:
+    """One item in this process, run again after a transient I/O error as a Ray task would be. Returns
+    this machine's name, as the node it ran on."""
+    # lazy (see run_item)
+    from replay.analysis.tasks import run
+
+    for attempt in range(RETRIES + 1):
+        try:
+            run(item)
+            return socket.gethostname()
+        except OSError:
+            if attempt == RETRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def task_slots(address: str | None, workers: int | None) -> Iterator[int | None]:
+    """How many items run at once (`ray_session`), or None: one at a time in this process, without Ray,
+    when one worker is asked for (`--workers 1`) with no cluster to join and no Ray session open here.
+    A cluster's workers would start, import torch and read the store only to run the items in turn."""
+    if workers == 1 and cluster_address(address) is None and not session_open():
+        yield None
+    else:
+        with ray_session(address, workers) as slots:
+            yield slots
 
 
 def _check_store_visible(store: Location) -> None:
@@ -253,7 +292,7 @@ def _analyze(store_path: Location, address: str | None, workers: int | None, pro
         if not run.checkpoints():
             raise UsageError(f"{store_path} has no committed checkpoint to analyse")
         run.verify_records()   # its probe batch is read from the step log and the data
-    with writing(run.location, "replay analyze") as lease, ray_session(address, workers) as slots:
+    with writing(run.location, "replay analyze") as lease, task_slots(address, workers) as slots:
         items: list[Any] = []
         skipped = 0
         for store in [run, *replay_stores(run, progress)]:
@@ -287,7 +326,7 @@ def compare(a_where: Where, b_where: Where, address: str | None = None, workers:
     a = RunStore.open(a_path) if is_store(a_path) else prepare_series(a_path, None, heads, layout, [])
     table = compare_table_name(a.location, b_path)
     with disk_errors(f"the distances of {b_path} in {a.location}", a.location), \
-            writing(a.location, "replay compare") as lease, ray_session(address, workers) as slots:
+            writing(a.location, "replay compare") as lease, task_slots(address, workers) as slots:
         items, skipped, steps = plan_distances(a, table, reference, other)
         for item in items:
             item.lease = lease.spec

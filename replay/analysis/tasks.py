@@ -7,9 +7,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import ray
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GPT2Model
 
 from replay import faults
 from replay.analysis import metrics as M
@@ -21,11 +19,10 @@ from replay.kernels.registry import hf_attention_modules, per_query_head, regist
 from replay.store import RunStore
 from replay.store.layout import MODEL_KEYS, model_key
 from replay.store.lease import require
-from replay.train.model import BODY, gpt2_config
 
 
-def run(item: MetricItem | DistanceItem) -> str:
-    """One work item, start to finish. Returns the node it ran on."""
+def run(item: MetricItem | DistanceItem) -> None:
+    """One work item, start to finish."""
     torch.set_num_threads(1)
     step = item.ckpt.step if isinstance(item, MetricItem) else item.other.step
     faults.hit("analysis-io", step)
@@ -38,7 +35,6 @@ def run(item: MetricItem | DistanceItem) -> str:
             R.write_metrics(item.store, item.row, item.block, item.block_index, result)
         else:
             R.write_distances(item.store, item.table, item.row, result)
-    return ray.get_runtime_context().get_node_id()
 
 
 def read_layers(src: Source, layers: range) -> list[dict[str, np.ndarray]]:
@@ -81,6 +77,11 @@ def probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     """Run the model's first blocks (FP32, eager attention) on the probe batch and measure each layer
     of the item's block: per head the max attention logit, the BF16 tied-maxima rate and the attention
     entropy; per layer log Z (metrics.py says what each is)."""
+    # lazy, as in hf_probe_metrics: transformers (3 s of CPU) only where a model is built, not for distances
+    from transformers import GPT2Model
+
+    from replay.train.model import BODY, gpt2_config
+
     lo, hi = item.block
     store = RunStore.open(item.ckpt.location)
     index = store.shard_index(item.ckpt.step, 0)
@@ -118,6 +119,9 @@ def hf_probe_metrics(item: MetricItem) -> dict[str, np.ndarray]:
     rate and the entropy, of q and k as the model's attention function receives them (after RoPE, each
     query head with its group's key head); per layer log Z through the decoder's final norm and the output
     embedding (NaN for a model whose decoder has no `norm` and `layers`)."""
+    # lazy (see probe_metrics)
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
     lo, hi = item.block
     store = RunStore.open(item.ckpt.location)
     recorded = item.transformers_config

@@ -49,7 +49,7 @@ from replay.bisect.session import (
 )
 from replay.errors import ReplayError, UsageError
 from replay.launch.ranks import fresh_ranks
-from replay.launch.ray_cluster import cluster_cpus, ray_session
+from replay.launch.ray_cluster import cluster_address, cluster_cpus, ray_session
 from replay.launch.ray_ranks import Placing, RayRanks
 from replay.recorder.command import check_unchanged
 from replay.replayer.overrides import apply, parse_fix
@@ -335,7 +335,7 @@ class Bisect:
         return ProbeRunner(self.store_path, world, cpus, slots, self.held().spec, warm, placed, script)
 
     def _on_cluster(self) -> bool:
-        return bool(self.cfg.address or os.environ.get("RAY_ADDRESS"))
+        return cluster_address(self.cfg.address) is not None
 
     def _placed(self) -> tuple[Manifest, Placing] | None:
         """A run recorded on several nodes, bisected on a cluster (--ray-address or RAY_ADDRESS): its probes keep

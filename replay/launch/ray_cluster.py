@@ -25,6 +25,17 @@ RETRIES = 3
 _connected = False   # whether this process has connected to Ray (see `exit_process`)
 
 
+def cluster_address(address: str | None = None) -> str | None:
+    """The Ray cluster a command joins: --ray-address, else RAY_ADDRESS; None: no cluster (a local one, or none)."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def session_open() -> bool:
+    """Whether this process is already connected to Ray (a test's or a notebook's session, reused)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, workers: int | None = None) -> Iterator[int]:
     """Yields how many tasks may run at once. An address (or RAY_ADDRESS) joins that cluster; without
@@ -35,7 +46,7 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
 
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = cluster_address(address)
     owned = not ray.is_initialized()
     if not owned and address and ":" in address and address != ray.get_runtime_context().gcs_address:
         raise UsageError(f"this process is connected to the Ray cluster at {ray.get_runtime_context().gcs_address}, "

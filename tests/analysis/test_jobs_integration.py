@@ -52,6 +52,19 @@ def test_failed_tasks_are_retried_and_the_results_are_complete(replayed_copy, an
     _same_results(replayed_copy, analysed_store)
 
 
+def test_one_worker_without_a_cluster_computes_the_same_results_in_its_own_process(replayed_copy, analysed_store,
+                                                                                   monkeypatch):
+    """`--workers 1` with no cluster to join: no Ray, the items one at a time in the command's process, and
+    the results bit for bit those of the analysis on Ray workers."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    result = replay_cli("analyze", str(replayed_copy), "--workers", "1", "--json", process=True)
+    assert result.returncode == 0, result.stderr
+    assert "7 work items one at a time in this process" in result.stderr, result.stderr
+    assert "Ray" not in result.stderr, result.stderr
+    assert json.loads(result.stdout)["computed"] == 7
+    _same_results(replayed_copy, analysed_store)
+
+
 def test_an_interrupted_analysis_resumes_without_recomputing(replayed_copy, analysed_store, ray_local):
     """The driver is SIGKILLed after 2 finished items; the next run computes only the rest."""
     killed_by_fault("analysis-driver-kill:2", "analyze", str(replayed_copy), "--workers", "1",
