@@ -4,7 +4,8 @@ calls `sdpa_dispatch` routes), and, per attention module, the torch functions it
 
 A replay's overrides read it to prove that an attention override reached its heads (recorder/overrides.py),
 and to say which path attention really took; a module that ran without any SDPA call it could route (an
-explicit `softmax(q @ k^T) @ v`, as minGPT's) is named with what it called instead.
+explicit `softmax(q @ k^T) @ v`, as minGPT's) is named with what it called instead, and told of
+`kernels.explicit.causal_attention`.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class AttentionReach:
         did = f"called {', '.join(sorted(seen.called))}" if seen.called else "called no attention function replay knows"
         return (f"its attention modules ran ({seen.name}, {seen.kind}: {seen.runs} time(s)) but never called "
                 f"torch.nn.functional.scaled_dot_product_attention, which is what replay routes to another backend; "
-                f"it {did}: it computes attention by hand. The smallest change that makes it reachable: in "
-                f"{seen.kind}.forward, replace the explicit attention (att = softmax(q @ k^T * scale, masked) ... "
-                "y = att @ v, and its attention dropout) with one call, y = torch.nn.functional."
-                "scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=<that dropout's probability> if "
-                "self.training else 0.0), and record again (docs/your-loop.md)")
+                f"it {did}: it computes attention by hand. The smallest change that makes it reachable, and "
+                f"leaves the run bit for bit as it was: in {seen.kind}.forward, replace the explicit attention "
+                "(att = softmax(q @ k^T * scale, masked) ... y = att @ v, with its attention dropout) with one "
+                "call, y = causal_attention(q, k, v, dropout=<that nn.Dropout>) (from replay.kernels.explicit "
+                "import causal_attention), and record again (docs/your-loop.md)")

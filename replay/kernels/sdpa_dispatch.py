@@ -8,7 +8,8 @@ The attention modules are found by a pattern of module names (`transformer.h.*.a
 as the innermost modules whose class name contains "Attention" (else those named `attn`, `attention`,
 `self_attn` or `self_attention`); the i-th of them, in the model's order, is layer i. A forward pre-hook
 on each notes which layer is running, and a TorchFunctionMode hands every SDPA call made inside one of them
-to that layer's backends
+(and every call of `kernels.explicit.causal_attention`, which hand-written attention calls instead of its
+explicit softmax) to that layer's backends
 (`registry.LayerAttention`: per head, with autocast off for our own backends). SDPA called anywhere else,
 and layers whose every head is `sdpa`, run PyTorch's own kernel untouched.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
+from replay.kernels.explicit import causal_attention, dropout_probability
 from replay.kernels.plan import AttentionPlan
 from replay.kernels.reach import AttentionReach
 from replay.kernels.registry import LayerAttention, raise_deferred
@@ -102,27 +105,36 @@ class _PlanMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not _SDPA or not self.active:
+        if func not in (_SDPA, causal_attention) or not self.active:
             if self.active and self.reach is not None:
                 self.reach.called(self.active[-1][0], getattr(func, "__name__", ""))
             return func(*args, **kwargs)
         layer, module = self.active[-1]
-        bound = dict(zip(_PARAMS, args, strict=False)) | kwargs
-        q, k, v = _qkv(bound)
+        if func is _SDPA:
+            bound = dict(zip(_PARAMS, args, strict=False)) | kwargs
+            q, k, v = _qkv(bound)
+            keep, scale = _causal_keep(layer, q, k, bound)
+            dropout = bound.get("dropout_p", 0.0)
+        else:   # kernels/explicit.py: causal, no mask beyond it
+            bound = dict(zip(("q", "k", "v"), args, strict=False)) | kwargs
+            q, k, v = _qkv({"query": bound["q"], "key": bound["k"], "value": bound["v"]})
+            keep = None if q.shape[-2] == k.shape[-2] else causal_mask(q.shape[-2], k.shape[-2], q.device).expand(
+                q.shape[0], 1, -1, -1)
+            scale = bound.get("scale") or 1.0 / math.sqrt(k.shape[-1])
+            dropout = dropout_probability(bound.get("dropout"))
         n_head = q.shape[1]
         attention = self.layers.get((layer, n_head))
         if attention is None:
             self.plan.validate(self.n_layer, n_head)
             attention = self.layers[(layer, n_head)] = LayerAttention(self.plan, layer, n_head, self.reach)
-        if all(spec.name == "sdpa" for spec, _ in attention.groups):
+        if all(spec.name == "sdpa" for spec, _ in attention.groups):   # the model's own attention, untouched
             if self.reach is not None:
                 self.reach.ran(layer, range(n_head), "sdpa")
             return func(*args, **kwargs)
-        keep, scale = _causal_keep(layer, q, k, bound)
         device = q.device.type
         if torch.is_autocast_enabled(device):   # SDPA under autocast computes in the autocast dtype
             q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
-        return attention(module, q, k, v, keep, scale, bound.get("dropout_p", 0.0))
+        return attention(module, q, k, v, keep, scale, dropout)
 
 
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -2,7 +2,8 @@
 in its manifest, and stops, keeping nothing, when an override reached nothing (recorder/overrides.py).
 
 The script is minGPT's shape (its attention computed by hand: q @ k^T, masked_fill, softmax, dropout, @ v,
-which no `--attention` can reach), and, with --sdpa, the documented change that makes it reachable: one call of
+which no `--attention` can reach), and the two changes that make it reachable: with --call, the documented one,
+replay's `causal_attention` (the run's bits unchanged), and with --sdpa, one call of
 torch.nn.functional.scaled_dot_product_attention instead."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
+
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
 
@@ -23,6 +26,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from replay.kernels.explicit import causal_attention
 from replay.recorder import Loop
 
 class CausalSelfAttention(nn.Module):
@@ -38,6 +42,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if "--sdpa" in sys.argv:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True)
+        elif "--call" in sys.argv:
+            y = causal_attention(q, k, v, dropout=self.attn_dropout)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
@@ -72,6 +78,7 @@ COUNTERFACTUAL = ["--from", "2", "--to", "3", "--attention", "reference-emu:dtyp
 
 
 def _record(tmp_path: Path, *flags: str) -> Path:
+    tmp_path.mkdir(exist_ok=True)
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     store = tmp_path / "run"
@@ -90,6 +97,7 @@ def test_an_attention_override_that_reaches_no_call_stops_the_replay_in_one_line
     assert "reached no attention call of layer(s) 0 in step 2, the window's first" in line
     assert "never called torch.nn.functional.scaled_dot_product_attention" in line
     assert "it called masked_fill, matmul, softmax" in line and "nothing of the replay is kept" in line
+    assert "y = causal_attention(q, k, v, dropout=<that nn.Dropout>)" in line
     assert "rank 0:" not in result.stderr   # said once, by the command
     assert not (store / "replays").exists() or not any((store / "replays").iterdir())
     assert tree_snapshot(store) == before
@@ -113,3 +121,33 @@ def test_after_the_documented_change_the_override_reaches_every_call_and_diverge
     info = replay_cli("info", str(store)).stdout
     assert "reached: 4 attention calls on reference-emu:dtype=bf16 over 2 head(s) (0.0, 0.1)" in info
     assert "attention path (rank 0): layer 0 heads 0-1: reference-emu:dtype=bf16 (2 calls each)" in info
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{prefix}/{key}")
+    else:
+        yield prefix, tree
+
+
+def test_the_documented_call_records_the_run_bit_for_bit_and_the_override_reaches_it(tmp_path):
+    hand, call = _record(tmp_path / "hand"), _record(tmp_path / "call", "--call")
+    a, b = RunStore.open(hand), RunStore.open(call)
+    assert [c.step for c in a.checkpoints()] == [c.step for c in b.checkpoints()] == [0, 2, 4, 6]
+    for step in (2, 4, 6):   # every tensor of the state: model, AdamW's moments, torch's RNG state
+        left, right = dict(_leaves(a.read_shard(step, 0))), dict(_leaves(b.read_shard(step, 0)))
+        assert left.keys() == right.keys() and len(left) > 10
+        for key, value in left.items():
+            if key.startswith(("/rng/python", "/rng/numpy")):   # the script seeds torch's alone: these start anew
+                continue
+            same = torch.equal(value, right[key]) if isinstance(value, torch.Tensor) else value == right[key]
+            assert same, (step, key)
+    result = replay_cli("run", str(call), *COUNTERFACTUAL, "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["verification"]["divergence"]["step"] == 2
+    assert answer["reached"]["path"] == [{"layer": 0, "backend": "reference-emu:dtype=bf16", "heads": [0, 1],
+                                          "calls": 2}]
+    plain = json.loads(replay_cli("run", str(call), "--from", "2", "--to", "3", "--json").stdout)
+    assert plain["verification"]["bitwise"]
