@@ -37,6 +37,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from replay.launch.ray_cluster import SYSTEM_CONFIG  # noqa: E402
 from replay.lifeline import child_env, follow_parent, guarded  # noqa: E402
 
 QUICK_RECORD = ["--steps", "3", "--checkpoint-every", "1", "--set", "snapshot_every=0"]
@@ -113,7 +114,8 @@ def main() -> None:
             if quick and not os.environ.get("RAY_ADDRESS"):   # one cluster for both runs, which analyze reuses
                 import ray
 
-                ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+                ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+                         _system_config=SYSTEM_CONFIG)
             for workers in (1, 2) if quick else (1, 2, 1, 2):   # alternated, best of two each: this VM is noisy
                 out = jobs.analyze(str(store), workers=workers)   # what `replay analyze --workers W` runs
                 seconds[workers].append(out.seconds)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replay.launch.ray_cluster import SYSTEM_CONFIG
 from replay.lifeline import child_env, guarded
 
 
@@ -133,7 +134,8 @@ def shared_ray() -> Iterator[None]:
 
     with guarded():
         cluster = Cluster(initialize_head=True, connect=False,
-                          head_node_args={"num_cpus": os.cpu_count() or 1, "include_dashboard": False})
+                          head_node_args={"num_cpus": os.cpu_count() or 1, "include_dashboard": False,
+                                          "_system_config": SYSTEM_CONFIG})
         os.environ["RAY_ADDRESS"] = cluster.address
         try:
             yield

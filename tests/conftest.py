@@ -24,6 +24,7 @@ import torch
 from filelock import FileLock
 
 from replay.launch.pool import RankPool
+from replay.launch.ray_cluster import SYSTEM_CONFIG
 from replay.lifeline import child_env, guarded
 from replay.processes import alive, descendants
 from replay.store.location import Location
@@ -117,7 +118,8 @@ def _file_seconds(path: Path) -> float:
 FILE_SECONDS = {
     "store/test_s3_store_integration.py": 238, "launch/test_multinode_integration.py": 229,
     "examples/test_hf_trainer_integration.py": 168, "examples/test_dataloader_integration.py": 150,
-    "examples/test_nanogpt_integration.py": 138, "test_results_integration.py": 130,
+    "examples/test_nanogpt_integration.py": 138, "examples/test_accelerate_integration.py": 135,
+    "test_results_integration.py": 130,
     "bisect/test_narrow_integration.py": 127, "recorder/test_zero_integration.py": 111,
     "recorder/test_fsdp2_integration.py": 108, "examples/test_llama_integration.py": 86,
     "analysis/test_cluster_integration.py": 76, "recorder/test_loop_integration.py": 74,
@@ -242,7 +244,8 @@ def ray_local() -> Iterator[str]:
     import ray
 
     with guarded():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR,
+                 _system_config=SYSTEM_CONFIG)   # workers at the tests' niceness (launch/ray_cluster.py)
         yield ray.get_runtime_context().gcs_address
         ray.shutdown()
 

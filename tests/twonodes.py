@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.launch.local import free_port
+from replay.launch.ray_cluster import SYSTEM_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,7 @@ def ray_two_nodes(cpus: int = 2) -> Any:
 
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={
         "num_cpus": cpus, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+        "_system_config": {**SYSTEM_CONFIG, "health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     cluster.add_node(num_cpus=cpus)
     cluster.wait_for_nodes(timeout=120)
     return cluster

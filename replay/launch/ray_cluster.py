@@ -24,6 +24,11 @@ from replay.store.s3 import configuration
 RETRIES = 3
 _connected = False   # whether this process has connected to Ray (see `exit_process`)
 
+# Ray starts its workers at niceness 15, below every other process on the machine: beside busy processes a
+# probe's ranks or an analysis task get a sliver of a core (a bisect's probes ran 20x slower beside two busy
+# processes on 2 cores). The clusters replay starts run their workers as any other process.
+SYSTEM_CONFIG = {"worker_niceness": 0}
+
 
 def cluster_address(address: str | None = None) -> str | None:
     """The Ray cluster a command joins: --ray-address, else RAY_ADDRESS; None: no cluster (a local one, or none)."""
@@ -59,7 +64,7 @@ def ray_session(address: str | None = None, workers: int | None = None) -> Itera
         if address:
             kwargs["address"] = address
         else:   # a cluster of our own, even where `ray start` left one running on this machine
-            kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
+            kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1, _system_config=SYSTEM_CONFIG)
         if not address:   # the local cluster's processes must not outlive this one (lifeline.py)
             guardian.start()
         global _connected

@@ -103,12 +103,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class AutocastSeen:
     """The autocast in effect at the model's first training forward, however it was set (`loop.autocast`, a
     launcher's mixed precision wrapping the model's forward, the script's own `torch.autocast`): taken by a
-    pre-hook on every submodule (a wrapped forward enters its autocast after the root module's own hooks), all
-    removed once it is seen. `value`: "off", or the autocast dtype and device ("bf16 on cpu")."""
+    pre-hook on every leaf module (a wrapped forward enters its autocast after its module's own hooks, and
+    the wrapped module may be inside another: accelerate's under DDP), all removed once it is seen. `value`:
+    "off", or the autocast dtype and device ("bf16 on cpu")."""
 
     def __init__(self, model: torch.nn.Module):
         self.value: str | None = None
-        modules = [m for m in model.modules() if m is not model] or [model]
+        modules = [m for m in model.modules() if next(m.children(), None) is None] or [model]
         self._handles = [m.register_forward_pre_hook(self._seen) for m in modules]
 
     def _seen(self, module: torch.nn.Module, args: Any) -> None:

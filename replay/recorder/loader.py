@@ -72,6 +72,7 @@ class Pass:
     number: int
     start: Raw                      # the global generators' states its sampler began drawing from
     iterator: torch.Tensor | None   # torch's state as the DataLoader iterator serving it was made (non-persistent)
+    own: list[torch.Tensor]         # the states of the sampler's own generators as it began (`_own_generators`)
 
 
 @dataclass
@@ -104,6 +105,8 @@ class RecordedLoader:
 
     def __init__(self, dataloader: DataLoader, take: Callable[[Batch], None], seed: int, tell: bool = False,
                  follows: Callable[[], bool] = lambda: True):
+        self._outer = dataloader   # what the stream iterates: the DataLoader, or accelerate's loader around one
+        dataloader = _tapped(dataloader)
         _check(dataloader)
         self._dl, self._take, self._follows = dataloader, take, follows
         self._batched = dataloader.batch_sampler is not None
@@ -144,7 +147,8 @@ class RecordedLoader:
                              "it with that version")
         self._seed = int(state["seed"])
         self._pass_no, self._skip_to, self._number = int(state["pass"]), int(state["position"]), int(state["number"])
-        self._restored = deque(Pass(self._pass_no + i, from_storable(p["start"]), _tensor(p["iterator"]))
+        self._restored = deque(Pass(self._pass_no + i, from_storable(p["start"]), _tensor(p["iterator"]),
+                                    list(p.get("own", [])))   # a checkpoint from before `own`: none
                                for i, p in enumerate(state["passes"]))
         self._restored_iterator = _tensor(state["iterator"])
         self._fetched = {int(number): from_storable(s) for number, s in state["fetched"]}
@@ -172,7 +176,7 @@ class RecordedLoader:
             where = (self._pass_no, self._position, self._number)
             passes = [self._pass] if self._pass is not None else []
         return {"format": FORMAT, "seed": self._seed, "pass": where[0], "position": where[1], "number": where[2],
-                "passes": [{"start": storable(p.start), "iterator": p.iterator} for p in passes],
+                "passes": [{"start": storable(p.start), "iterator": p.iterator, "own": p.own} for p in passes],
                 "iterator": self._persistent_iterator(),
                 "fetched": [[b.number, storable(b.fetched_from)] for b in pending if b.fetched_from is not None]}
 
@@ -233,7 +237,7 @@ class RecordedLoader:
             return data
 
     def __len__(self) -> int:
-        return len(self._dl)
+        return len(self._outer)
 
     def close(self) -> None:
         """Let go of the DataLoader's iterator, whose workers then stop at once (the loop's close calls it).
@@ -246,15 +250,17 @@ class RecordedLoader:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._dl, name)
+        return getattr(self._outer, name)
 
     def _begin_pass(self) -> None:
         # the sampler told its epoch: a batch sampler's own (or the sampler it batches), or the plain sampler
         told: Any = self._inner if hasattr(self._inner, "set_epoch") else getattr(self._inner, "sampler", None)
         if hasattr(told, "set_epoch"):
             told.set_epoch(self._pass_no)
+        if self._outer is not self._dl:   # accelerate's loader sets the epoch from its own count of passes
+            self._outer.iteration = self._pass_no
         self._queue.clear()
-        self._it = iter(self._dl)
+        self._it = iter(self._outer)
 
     def _make_iterator(self) -> Any:
         """The DataLoader makes an iterator (drawing its workers' base seed from torch's generator): in a
@@ -280,8 +286,12 @@ class RecordedLoader:
         if self._driving:
             self._driver_pass()
         restored = self._restored.popleft() if self._restored else None   # begun before the restored checkpoint
+        own = _own_generators(self._inner)
+        for generator, state in zip(own, restored.own if restored else [], strict=False):
+            generator.set_state(state)   # the sampler draws on from where the record's began this pass
         with _swapped(restored.start if restored else None):
-            begun = restored or Pass(self._pass_no, _raw(), None if self._persistent else self._made)
+            begun = restored or Pass(self._pass_no, _raw(), None if self._persistent else self._made,
+                                     [g.get_state() for g in own])
             inner = iter(self._inner)
             before = list(itertools.islice(inner, self._skip_to))   # a restored pass: on to the checkpoint's position
             sampled = next(inner, None) if len(before) == self._skip_to else None
@@ -349,6 +359,36 @@ class _Tap(torch.utils.data.Sampler):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _tapped(dataloader: Any) -> Any:
+    """The DataLoader whose sampler is tapped: accelerate's prepared loaders (`DataLoaderShard`) iterate a
+    DataLoader of their own (`base_dataloader`) and pass as one (`isinstance`); the stream iterates them, so
+    their synchronised generator, device placement and end-of-data flag are theirs."""
+    base = getattr(dataloader, "base_dataloader", None)
+    if base is None:
+        return dataloader
+    if type(dataloader).__name__ == "DataLoaderDispatcher":   # type(): its __class__ says DataLoader
+        raise UsageError("loop.loader(...) taps a sampler on every rank; accelerate's DataLoaderDispatcher samples on "
+                         "rank 0 only and sends the batches: prepare the loader with "
+                         "DataLoaderConfiguration(dispatch_batches=False)")
+    return base
+
+
+def _own_generators(sampler: Any) -> list[torch.Generator]:
+    """The generators a sampler (or the sampler a batch sampler batches, down the chain) draws from instead of
+    the global ones: a RandomSampler's `generator=`, accelerate's synchronised one. A pass keeps their states
+    as it began, so that a replay samples it again as the record did."""
+    found: list[torch.Generator] = []
+    seen: set[int] = set()
+    node = sampler
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        generator = getattr(node, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found.append(generator)
+        node = getattr(node, "batch_sampler", None) or getattr(node, "sampler", None)
+    return found
 
 
 def _check(dataloader: Any) -> None:

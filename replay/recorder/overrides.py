@@ -212,7 +212,7 @@ class ReplayOverrides:
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer a wrapper holds (accelerate's AcceleratedOptimizer, DeepSpeed's), or itself."""
     inner = optimizer
-    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+    while getattr(inner, "optimizer", inner) is not inner:   # AcceleratedOptimizer is an Optimizer without its hooks
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         raise UsageError(f"--lr-scale: the loop's optimizer is a {type(optimizer).__name__}, not a torch optimizer "

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from replay.launch.ray_cluster import SYSTEM_CONFIG
 from tests.conftest import error_line, replay_cli, tree_snapshot
 
 
@@ -16,7 +17,7 @@ def two_node_cluster():
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+                      head_node_args={"num_cpus": 1, "include_dashboard": False, "_system_config": SYSTEM_CONFIG})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes(timeout=120)
     yield cluster

@@ -1,8 +1,11 @@
 """The examples' token file, written once by examples/nanogpt/prepare.py (the standard library's bytes), and
-the comparison of an example's run recorded with the same run without replay (`--record=False`)."""
+the comparison of an example's run recorded with the same run without replay (`--record=False`), and a
+recording's kill."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from replay.errors import StoreError
+from replay.processes import descendants, start_time
 from replay.store import RunStore
-from tests.conftest import REPO, tensors_equal
+from tests.conftest import REPO, assert_gone, tensors_equal
 
 # the line a recording prints when it turned PyTorch's deterministic algorithms on (recorder/environment.py)
 DETERMINISM = "replay: this recording runs with torch.use_deterministic_algorithms(True)"
@@ -35,7 +40,7 @@ def assert_resumed_as_recorded(resumed: Path, recorded: Path, resumed_from: int,
     assert ours.manifest.status == "complete" and [r.from_step for r in ours.manifest.resumes] == [resumed_from]
     fields = ["sample_ids", "loss", "grad_norm", "lr", "state_digest"]
     mine, record = ours.read_steps(fields), theirs.read_steps(fields)
-    assert all(np.array_equal(mine[f], record[f]) for f in fields)
+    assert all(np.array_equal(mine[f], record[f], equal_nan=mine[f].dtype.kind == "f") for f in fields)   # no norm: NaN
     after, expected = (s.read_shard(checkpoint, 0)["state"]["replicated"]["model"] for s in (ours, theirs))
     assert all(torch.equal(after[k], expected[k]) for k in expected)
 
@@ -49,3 +54,23 @@ def assert_same_run(recorded: Path, plain: Path, steps: int) -> None:
     assert differ == [], f"first differing step, recorded and not: {differ[0]}"
     assert a["model"].keys() == b["model"].keys()
     assert [k for k in a["model"] if not tensors_equal(a["model"][k], b["model"][k])] == []
+
+
+def committed_steps(store: Path) -> list[int]:
+    try:
+        return [c.step for c in RunStore.open(store).checkpoints()]
+    except StoreError:   # not created yet
+        return []
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun, its ranks and their DataLoader workers at once, as a machine going down does
+    (torchrun starts each rank in a session of its own: killing torchrun's group alone leaves them
+    running)."""
+    start = start_time(proc.pid)
+    assert start is not None, "torchrun is running"
+    procs = {proc.pid: start, **descendants(proc.pid)}
+    for pgid in {os.getpgid(pid) for pid in procs}:
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+    assert_gone(procs)

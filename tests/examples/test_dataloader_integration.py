@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,15 +18,13 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from replay.errors import StoreError
 from replay.launch.script import ScriptServer
-from replay.processes import descendants, start_time
 from replay.recorder.loader import WORKERS_DRAW
 from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.overrides import Overrides
-from tests.conftest import REPO, assert_gone, replay_cli
-from tests.examples.conftest import DETERMINISM, assert_same_run
+from tests.conftest import REPO, replay_cli
+from tests.examples.conftest import DETERMINISM, assert_same_run, committed_steps, kill_all
 from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "dataloader" / "train.py"
@@ -213,35 +210,15 @@ def test_analyze_reads_the_layout_the_script_declares(recorded):
                                 model[f"h.{layer}.attn.c_proj.weight"], n_head=2)
 
 
-def _committed(store: Path) -> list[int]:
-    try:
-        return [c.step for c in RunStore.open(store).checkpoints()]
-    except StoreError:   # not created yet
-        return []
-
-
-def _kill_all(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun, its ranks and their DataLoader workers at once, as a machine going down does
-    (torchrun starts each rank in a session of its own: killing torchrun's group alone leaves them
-    running)."""
-    start = start_time(proc.pid)
-    assert start is not None, "torchrun is running"
-    procs = {proc.pid: start, **descendants(proc.pid)}
-    for pgid in {os.getpgid(pid) for pid in procs}:
-        os.killpg(pgid, signal.SIGKILL)
-    proc.wait()
-    assert_gone(procs)
-
-
 def test_a_recording_killed_mid_run_resumes_to_the_uninterrupted_one(recorded, data_dir, tmp_path):
     store = tmp_path / "cut"
     args = [f"--data_dir={data_dir}", f"--store={store}", *SETTINGS]
     proc = _torchrun(tmp_path, *args, popen=True)
     deadline = time.monotonic() + 120
-    while not any(step >= 20 for step in _committed(store)):
+    while not any(step >= 20 for step in committed_steps(store)):
         assert proc.poll() is None and time.monotonic() < deadline, "the recording ended before it was killed"
         time.sleep(0.02)
-    _kill_all(proc)
+    kill_all(proc)
     cut = RunStore.open(store)
     last = cut.checkpoints()[-1].step
     assert cut.manifest.status != "complete" and 20 <= last < STEPS

@@ -171,6 +171,7 @@ SAMPLERS = {
     "with-replacement": lambda: RandomSampler(Numbers(), replacement=True, num_samples=7),   # minGPT's kind
     "weighted": lambda: WeightedRandomSampler(torch.linspace(0.1, 1.0, N), num_samples=N),
     "distributed": lambda: DistributedSampler(Numbers(), num_replicas=2, rank=0, shuffle=True, seed=1),
+    "own-generator": lambda: RandomSampler(Numbers(), generator=torch.Generator().manual_seed(7)),   # accelerate's
 }
 
 

@@ -1,0 +1,100 @@
+"""A causal language model trained with Hugging Face Accelerate, in the shape of transformers'
+examples/pytorch/language-modeling/run_clm_no_trainer.py, with replay's loop API added (the lines marked
+`# replay`).
+
+One process:          python train.py
+Two ranks:            torchrun --standalone --nproc-per-node 2 train.py
+
+A Llama built from a config (no download), token blocks of the file examples/nanogpt/prepare.py writes
+(run_clm's `group_texts`, without `datasets`), `accelerator.prepare` of the model, the optimizer, the
+DataLoader and the scheduler, `accelerator.accumulate` and `accelerator.backward` as written. Options are
+`--name=value` for any of the settings below. Run as it is, the script records into --store; `replay run
+STORE --from A --to B` starts it again in replay mode (see README.md).
+"""
+
+import ast
+import os
+import sys
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader, Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator, get_scheduler
+
+from replay.recorder import Loop  # replay
+
+# -- settings ------------------------------------------------------------------------------------------
+data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "nanogpt", "data")
+store = "runs/accelerate"            # replay: where the run is recorded
+checkpoint_every = 4                 # replay
+resume = False                       # replay: continue the run in `store`
+n_blocks, block_size = 64, 32        # the data set: the first n_blocks blocks of train.bin
+per_device_train_batch_size = 4
+gradient_accumulation_steps = 2
+learning_rate, weight_decay, num_warmup_steps = 3e-3, 0.0, 2
+max_train_steps = 12                 # optimizer steps
+mixed_precision = "no"               # accelerate's: "no", "bf16" (autocast on CPU and GPU) or "fp16" (GPU)
+use_seedable_sampler = False         # accelerate's DataLoaderConfiguration: default, a synchronised generator
+seed = 1337
+for arg in sys.argv[1:]:             # --name=value, each checked against the settings above
+    name, _, value = arg.removeprefix("--").partition("=")
+    if name not in globals() or name.startswith("_"):
+        sys.exit(f"unknown setting --{name}")
+    current = globals()[name]
+    globals()[name] = value if isinstance(current, str) else type(current)(ast.literal_eval(value))
+
+
+class Blocks(Dataset):
+    """run_clm's grouped texts: fixed blocks of tokens, the labels the inputs (the model shifts them)."""
+
+    def __init__(self, path: str):
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.blocks = torch.from_numpy(tokens[:n_blocks * block_size].astype(np.int64)).view(n_blocks, block_size)
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision,
+                          cpu=not torch.cuda.is_available(),
+                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=use_seedable_sampler))
+set_seed(seed)
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=block_size,
+                     attn_implementation="sdpa")
+model = LlamaForCausalLM(config)
+train_dataloader = DataLoader(Blocks(os.path.join(data_dir, "train.bin")), shuffle=True,
+                              collate_fn=default_data_collator, batch_size=per_device_train_batch_size)
+no_decay = ["bias", "layer_norm.weight", "norm.weight"]
+groups = [{"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+           "weight_decay": weight_decay},
+          {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)], "weight_decay": 0.0}]
+optimizer = torch.optim.AdamW(groups, lr=learning_rate)
+lr_scheduler = get_scheduler("linear", optimizer=optimizer,   # run_clm's: its prepared scheduler steps once a rank
+                             num_warmup_steps=num_warmup_steps * accelerator.num_processes,
+                             num_training_steps=max_train_steps * accelerator.num_processes)
+model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader, lr_scheduler)
+
+precision = "bf16" if mixed_precision == "bf16" else "fp16" if mixed_precision == "fp16" else "fp32"  # replay
+loop = Loop(store, model, optimizer, scheduler=lr_scheduler, total_steps=max_train_steps,  # replay
+            precision=precision, checkpoint_every=checkpoint_every, layout="hf-llama", resume=resume)  # replay
+batches = loop.loader(train_dataloader)  # replay: accelerate's prepared loader, an endless stream of its epochs
+model.train()
+with loop:  # replay
+    for step in loop.steps():  # replay: was `for epoch ...: for step, batch in enumerate(train_dataloader):`
+        for _ in range(gradient_accumulation_steps):  # replay
+            batch = next(batches)  # replay
+            with accelerator.accumulate(model):
+                outputs = model(**batch)
+                loss = outputs.loss
+                accelerator.backward(loss)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+        loop.log(loss=loss)  # replay
+        accelerator.print(f"step {step}: loss {loss.item():.6f}")

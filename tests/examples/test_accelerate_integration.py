@@ -1,0 +1,133 @@
+"""examples/accelerate: run_clm_no_trainer's shape (a Llama from a config, `accelerator.prepare` of the model, the
+optimizer, the DataLoader and the scheduler, `accumulate` and `backward` as written), recorded under torchrun
+(gloo, 2 ranks: accelerate's MULTI_CPU) and replayed, resumed and changed by the product's commands. Every run
+is a real process; accelerate is the real package."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replay.launch.script import ScriptServer
+from replay.replayer.replays import ReplayRequest, run
+from replay.store import RunStore
+from replay.store.overrides import Overrides
+from tests.conftest import REPO, replay_cli
+from tests.examples.conftest import assert_resumed_as_recorded, committed_steps, kill_all
+
+pytest.importorskip("accelerate")
+
+EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+BLOCKS, BATCH, ACCUM, STEPS = 64, 4, 2, 12   # 32 blocks a rank: an epoch is 8 batches, 4 steps
+SETTINGS = [f"--n_blocks={BLOCKS}", f"--per_device_train_batch_size={BATCH}",
+            f"--gradient_accumulation_steps={ACCUM}", f"--max_train_steps={STEPS}", "--checkpoint_every=3"]
+
+
+def _torchrun(workdir: Path, *args: str, popen: bool = False):
+    """The example under torchrun, as its user starts it: from their own directory, not through replay."""
+    cmd = [*TORCHRUN, str(EXAMPLE), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if popen:
+        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def recorded(token_file, tmp_path_factory) -> Path:
+    """12 steps on 2 ranks, 3 epochs of accelerate's default sampler (a generator it synchronises across the
+    ranks), checkpoints every 3 steps: at 3 and 9 in the middle of an epoch, at 6 in epoch 1's."""
+    workdir = tmp_path_factory.mktemp("accelerate")
+    done = _torchrun(workdir, f"--data_dir={token_file.parent}", f"--store={workdir / 'run'}", *SETTINGS)
+    assert done.returncode == 0, done.stderr
+    return workdir / "run"
+
+
+def test_each_rank_records_its_shard_of_every_epoch(recorded):
+    store = RunStore.open(recorded)
+    assert store.manifest.status == "complete" and store.manifest.world_size == 2
+    assert store.manifest.command.launcher == "torchrun"
+    ids = store.read_steps(["sample_ids"])["sample_ids"]
+    assert ids.shape == (STEPS, 2, ACCUM, BATCH)
+    epochs = [np.sort(ids[e * 4:(e + 1) * 4].ravel()) for e in range(3)]   # both ranks, 4 steps
+    assert all(np.array_equal(e, np.arange(BLOCKS)) for e in epochs)      # each block once an epoch
+    orders = [ids[e * 4:(e + 1) * 4, 0].ravel() for e in range(3)]
+    assert not np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[1], orders[2])   # reshuffled
+
+
+def test_replays_from_each_epoch_are_bit_for_bit_and_a_halved_rate_diverges_at_from(recorded, tmp_path):
+    """A fresh start from checkpoint 6 (epoch 1: its order comes from the sampler's generator as the epoch
+    began, not as the script starts), then, on the script's ranks kept up, windows from the checkpoints in
+    epochs 0 and 2 and a halved learning rate from step 4, whose first step already differs."""
+    fresh = replay_cli("run", str(recorded), "--from", "7", "--to", "8", "--verify")
+    assert fresh.returncode == 0, fresh.stderr
+    assert "verify: every replayed step equals the record bit for bit" in fresh.stdout, fresh.stdout
+    requests = [ReplayRequest(3, 5), ReplayRequest(9, 11), ReplayRequest(4, 5, overrides=Overrides(lr_scale=0.5))]
+    with ScriptServer(RunStore.open(recorded).manifest.command) as server:
+        results = [run(recorded, req, ranks=server) for req in requests]
+        assert server.refused is None
+    assert [(r.verification.bitwise, r.verification.level) for r in results[:2]] == [(True, "state")] * 2
+    changed = results[2].verification
+    assert not changed.bitwise and changed.divergence is not None and changed.divergence.step == 4
+
+
+def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_file, tmp_path):
+    store = tmp_path / "cut"
+    args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS]
+    proc = _torchrun(tmp_path, *args, popen=True)
+    deadline = time.monotonic() + 120
+    while not any(step >= 6 for step in committed_steps(store)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the recording ended before it was killed"
+        time.sleep(0.02)
+    kill_all(proc)
+    last = RunStore.open(store).checkpoints()[-1].step
+    assert RunStore.open(store).manifest.status != "complete" and 6 <= last < STEPS
+    resumed = _torchrun(tmp_path, *args, "--resume=True")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_resumed_as_recorded(store, recorded, resumed_from=last, checkpoint=STEPS)
+
+
+def test_the_seedable_sampler_and_bf16_replay_bit_for_bit_from_a_later_epoch(token_file, tmp_path):
+    """accelerate's other sampler (reseeded from the epoch) and its mixed precision (autocast wrapping the
+    model's forward, inside DDP): the recording names the autocast, a window from epoch 1 replays bit for bit."""
+    store = tmp_path / "run"
+    done = _torchrun(tmp_path, f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS,
+                     "--max_train_steps=8", "--use_seedable_sampler=True", "--mixed_precision=bf16")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(replay_cli("info", str(store), "--json").stdout)
+    assert info["environment"]["autocast"] == "bf16 on cpu", info["environment"]
+    result = replay_cli("run", str(store), "--from", "6", "--to", "7", "--verify")
+    assert result.returncode == 0, result.stderr
+    assert "verify: every replayed step equals the record bit for bit" in result.stdout, result.stdout
+
+
+def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(token_file, tmp_path):
+    """48 steps in one epoch (800 blocks), recorded; then random bytes above 127 (never in Python source) over
+    every block step 45 drew, recorded again (the sampler draws the same blocks): the recording's detector
+    flags step 45, and a data bisect names that step's batches."""
+    settings = ["--n_blocks=800", "--max_train_steps=48", "--checkpoint_every=4"]
+    clean = _torchrun(tmp_path, f"--data_dir={token_file.parent}", f"--store={tmp_path / 'clean'}", *settings)
+    assert clean.returncode == 0, clean.stderr
+    poisoned = tmp_path / "data"
+    poisoned.mkdir()
+    tokens = np.fromfile(token_file, dtype=np.uint16)
+    noise = np.random.default_rng(0)
+    for block in RunStore.open(tmp_path / "clean").read_steps(["sample_ids"])["sample_ids"][45].ravel():
+        tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
+    tokens.tofile(poisoned / "train.bin")
+    store = tmp_path / "spiked"
+    done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *settings)
+    assert done.returncode == 0, done.stderr
+    assert [e["step"] for e in RunStore.open(store).spikes] == [45]
+    result = replay_cli("bisect", str(store), "--by", "data", "--json")
+    assert result.returncode == 0, result.stderr
+    verdict = json.loads(result.stdout)["verdict"]
+    assert verdict["batches"] == [45] and verdict["data_window"] == [44, 45]
