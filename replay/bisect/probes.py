@@ -15,6 +15,7 @@ session, not by `replay run` with the same arguments.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -45,7 +46,7 @@ class ProbeWorker:
 
     def __init__(self, world_size: int, warm: bool = True, placed: tuple[Manifest, Placing] | None = None,
                  script: CommandInfo | None = None):
-        log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{os.getpid()}.log"
+        self.log = log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{os.getpid()}.log"
         self.cluster = RayRanks(*placed, log=log) if placed else None
         self.script = ScriptServer(script) if script is not None and placed is None else None
         self.pool = RankPool(world_size, log=log) if warm and placed is None and self.script is None else None
@@ -82,6 +83,9 @@ class ProbeWorker:
             self.pool.close()
         if self.cluster is not None:
             self.cluster.close()
+        with contextlib.suppress(OSError):   # kept where the ranks said anything
+            if self.log.stat().st_size == 0:
+                self.log.unlink()
 
 
 class LocalProbes:

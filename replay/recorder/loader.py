@@ -13,7 +13,8 @@ generators, where and when they would. What makes the stream replayable from any
 - **Each pass (epoch) keeps the generators' states it began with.** A checkpoint says where the stream
   stands (its pass, the position in it) and, for every pass that had begun before it, the Python, numpy and
   torch states its sampler began drawing from and torch's state as the DataLoader iterator serving it was
-  made (its base seed's draw). A replay or a resumed run makes that iterator and samples that pass again
+  made (its base seed's draw), and the states of the sampler's own generators (a `RandomSampler(generator=)`,
+  the one Accelerate gives it) as it began. A replay or a resumed run makes that iterator and samples that pass again
   with those states swapped in, skips to the position (indices only: nothing is fetched), and puts the
   training's states back: the sampler's order carries on as recorded, and the training's generators are
   not drawn from for what the record drew before the checkpoint. With persistent workers the record made
@@ -29,6 +30,10 @@ generators, where and when they would. What makes the stream replayable from any
   the script's without replay (docs/your-loop.md).
 - **`set_epoch(n)`** is called on the sampler at the start of the loader's n-th pass, when it has one
   (DistributedSampler), as accelerate does: the loader, not the script, numbers the passes.
+
+Accelerate's prepared loader (`DataLoaderShard`) iterates a DataLoader of its own: that one is tapped, and
+the stream iterates Accelerate's, which synchronises its sampler's generator across the ranks, numbers the
+epochs and tells `accelerator.accumulate` where the data ends.
 
 The loader is an endless stream: `iter(loop.loader(dl))` passes over the data again and again, starting
 each pass itself; `len()` and every other attribute are the DataLoader's. A driver that iterates the

@@ -26,14 +26,17 @@ pytest.importorskip("accelerate")
 
 EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+PYTHON = [sys.executable]
 BLOCKS, BATCH, ACCUM, STEPS = 64, 4, 2, 12   # 32 blocks a rank: an epoch is 8 batches, 4 steps
 SETTINGS = [f"--n_blocks={BLOCKS}", f"--per_device_train_batch_size={BATCH}",
-            f"--gradient_accumulation_steps={ACCUM}", f"--max_train_steps={STEPS}", "--checkpoint_every=3"]
+            f"--gradient_accumulation_steps={ACCUM}", f"--max_train_steps={STEPS}", "--checkpoint_every=3",
+            "--mixed_precision=bf16"]
 
 
-def _torchrun(workdir: Path, *args: str, popen: bool = False):
-    """The example under torchrun, as its user starts it: from their own directory, not through replay."""
-    cmd = [*TORCHRUN, str(EXAMPLE), *args]
+def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: list[str] = TORCHRUN):
+    """The example under torchrun (or `launcher`), as its user starts it: from their own directory, not through
+    replay."""
+    cmd = [*launcher, str(EXAMPLE), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     if popen:
         return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -43,18 +46,21 @@ def _torchrun(workdir: Path, *args: str, popen: bool = False):
 
 @pytest.fixture(scope="module")
 def recorded(token_file, tmp_path_factory) -> Path:
-    """12 steps on 2 ranks, 3 epochs of accelerate's default sampler (a generator it synchronises across the
-    ranks), checkpoints every 3 steps: at 3 and 9 in the middle of an epoch, at 6 in epoch 1's."""
+    """12 steps on 2 ranks under accelerate's BF16 mixed precision, 3 epochs of its default sampler (a
+    generator it synchronises across the ranks), checkpoints every 3 steps: at 3 and 9 in the middle of an
+    epoch, at 6 in epoch 1's."""
     workdir = tmp_path_factory.mktemp("accelerate")
     done = _torchrun(workdir, f"--data_dir={token_file.parent}", f"--store={workdir / 'run'}", *SETTINGS)
     assert done.returncode == 0, done.stderr
     return workdir / "run"
 
 
-def test_each_rank_records_its_shard_of_every_epoch(recorded):
+def test_each_rank_records_its_shard_of_every_epoch_and_accelerates_autocast(recorded):
     store = RunStore.open(recorded)
     assert store.manifest.status == "complete" and store.manifest.world_size == 2
     assert store.manifest.command.launcher == "torchrun"
+    info = json.loads(replay_cli("info", str(recorded), "--json").stdout)
+    assert info["environment"]["autocast"] == "bf16 on cpu", info["environment"]   # inside DDP, around forward
     ids = store.read_steps(["sample_ids"])["sample_ids"]
     assert ids.shape == (STEPS, 2, ACCUM, BATCH)
     epochs = [np.sort(ids[e * 4:(e + 1) * 4].ravel()) for e in range(3)]   # both ranks, 4 steps
@@ -95,26 +101,14 @@ def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_fil
     assert_resumed_as_recorded(store, recorded, resumed_from=last, checkpoint=STEPS)
 
 
-def test_the_seedable_sampler_and_bf16_replay_bit_for_bit_from_a_later_epoch(token_file, tmp_path):
-    """accelerate's other sampler (reseeded from the epoch) and its mixed precision (autocast wrapping the
-    model's forward, inside DDP): the recording names the autocast, a window from epoch 1 replays bit for bit."""
-    store = tmp_path / "run"
-    done = _torchrun(tmp_path, f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS,
-                     "--max_train_steps=8", "--use_seedable_sampler=True", "--mixed_precision=bf16")
-    assert done.returncode == 0, done.stderr
-    info = json.loads(replay_cli("info", str(store), "--json").stdout)
-    assert info["environment"]["autocast"] == "bf16 on cpu", info["environment"]
-    result = replay_cli("run", str(store), "--from", "6", "--to", "7", "--verify")
-    assert result.returncode == 0, result.stderr
-    assert "verify: every replayed step equals the record bit for bit" in result.stdout, result.stdout
-
-
 def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(token_file, tmp_path):
-    """48 steps in one epoch (800 blocks), recorded; then random bytes above 127 (never in Python source) over
-    every block step 45 drew, recorded again (the sampler draws the same blocks): the recording's detector
-    flags step 45, and a data bisect names that step's batches."""
+    """One process (the bisect's subject is the data, not the ranks): 48 steps in one epoch (800 blocks),
+    recorded; then random bytes above 127 (never in Python source) over every block step 45 drew, recorded
+    again (the sampler draws the same blocks): the recording's detector flags step 45, and a data bisect names
+    that step's batches."""
     settings = ["--n_blocks=800", "--max_train_steps=48", "--checkpoint_every=4"]
-    clean = _torchrun(tmp_path, f"--data_dir={token_file.parent}", f"--store={tmp_path / 'clean'}", *settings)
+    clean = _torchrun(tmp_path, f"--data_dir={token_file.parent}", f"--store={tmp_path / 'clean'}", *settings,
+                      launcher=PYTHON)
     assert clean.returncode == 0, clean.stderr
     poisoned = tmp_path / "data"
     poisoned.mkdir()
@@ -124,7 +118,7 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(t
         tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
     tokens.tofile(poisoned / "train.bin")
     store = tmp_path / "spiked"
-    done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *settings)
+    done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *settings, launcher=PYTHON)
     assert done.returncode == 0, done.stderr
     assert [e["step"] for e in RunStore.open(store).spikes] == [45]
     result = replay_cli("bisect", str(store), "--by", "data", "--json")

@@ -172,7 +172,14 @@ SAMPLERS = {
     "weighted": lambda: WeightedRandomSampler(torch.linspace(0.1, 1.0, N), num_samples=N),
     "distributed": lambda: DistributedSampler(Numbers(), num_replicas=2, rank=0, shuffle=True, seed=1),
     "own-generator": lambda: RandomSampler(Numbers(), generator=torch.Generator().manual_seed(7)),   # accelerate's
+    "accelerate-seedable": lambda: _seedable(),   # reseeded from its epoch (use_seedable_sampler=True)
 }
+
+
+def _seedable():
+    from accelerate.data_loader import SeedableRandomSampler
+
+    return SeedableRandomSampler(data_source=Numbers(), data_seed=11)
 
 
 @pytest.mark.parametrize("kind", SAMPLERS)
