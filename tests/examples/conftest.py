@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,6 +65,19 @@ def committed_steps(store: Path) -> list[int]:
         return []
 
 
+def kill_after_checkpoint(proc: subprocess.Popen, store: Path, step: int) -> int:
+    """Once `store` has committed a checkpoint at `step` or later, SIGKILL the recording (`kill_all`); returns
+    its last committed checkpoint, of a store left incomplete."""
+    deadline = time.monotonic() + 120
+    while not any(s >= step for s in committed_steps(store)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the recording ended before it was killed"
+        time.sleep(0.02)
+    kill_all(proc)
+    cut = RunStore.open(store)
+    assert cut.manifest.status != "complete", "killed before it completed"
+    return cut.checkpoints()[-1].step
+
+
 def kill_all(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun, its ranks and their DataLoader workers at once, as a machine going down does
     (torchrun starts each rank in a session of its own: killing torchrun's group alone leaves them
@@ -74,3 +89,18 @@ def kill_all(proc: subprocess.Popen) -> None:
         os.killpg(pgid, signal.SIGKILL)
     proc.wait()
     assert_gone(procs)
+
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+
+
+def run_example(example: Path, workdir: Path, *args: str, popen: bool = False,
+                launcher: tuple[str, ...] = TORCHRUN) -> Any:
+    """An example under torchrun (or `launcher`), as its user starts it: from their own directory, not through
+    replay. A CompletedProcess, or with `popen` the running Popen (in a session of its own, output dropped)."""
+    cmd = [*launcher, str(example), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if popen:
+        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)

@@ -6,10 +6,7 @@ is a real process; accelerate is the real package."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,28 +17,20 @@ from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.overrides import Overrides
 from tests.conftest import REPO, replay_cli
-from tests.examples.conftest import assert_resumed_as_recorded, committed_steps, kill_all
+from tests.examples.conftest import TORCHRUN, assert_resumed_as_recorded, kill_after_checkpoint, run_example
 
 pytest.importorskip("accelerate")
 
 EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-PYTHON = [sys.executable]
+PYTHON = (sys.executable,)
 BLOCKS, BATCH, ACCUM, STEPS = 64, 4, 2, 12   # 32 blocks a rank: an epoch is 8 batches, 4 steps
 SETTINGS = [f"--n_blocks={BLOCKS}", f"--per_device_train_batch_size={BATCH}",
             f"--gradient_accumulation_steps={ACCUM}", f"--max_train_steps={STEPS}", "--checkpoint_every=3",
             "--mixed_precision=bf16"]
 
 
-def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: list[str] = TORCHRUN):
-    """The example under torchrun (or `launcher`), as its user starts it: from their own directory, not through
-    replay."""
-    cmd = [*launcher, str(EXAMPLE), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    if popen:
-        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: tuple[str, ...] = TORCHRUN):
+    return run_example(EXAMPLE, workdir, *args, popen=popen, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +77,8 @@ def test_replays_from_each_epoch_are_bit_for_bit_and_a_halved_rate_diverges_at_f
 def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_file, tmp_path):
     store = tmp_path / "cut"
     args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS]
-    proc = _torchrun(tmp_path, *args, popen=True)
-    deadline = time.monotonic() + 120
-    while not any(step >= 6 for step in committed_steps(store)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the recording ended before it was killed"
-        time.sleep(0.02)
-    kill_all(proc)
-    last = RunStore.open(store).checkpoints()[-1].step
-    assert RunStore.open(store).manifest.status != "complete" and 6 <= last < STEPS
+    last = kill_after_checkpoint(_torchrun(tmp_path, *args, popen=True), store, 6)
+    assert 6 <= last < STEPS
     resumed = _torchrun(tmp_path, *args, "--resume=True")
     assert resumed.returncode == 0, resumed.stderr
     assert_resumed_as_recorded(store, recorded, resumed_from=last, checkpoint=STEPS)

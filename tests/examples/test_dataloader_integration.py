@@ -6,11 +6,8 @@ and run without replay, bit for bit the same. Every run is a real process."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,25 +21,17 @@ from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.overrides import Overrides
 from tests.conftest import REPO, replay_cli
-from tests.examples.conftest import DETERMINISM, assert_same_run, committed_steps, kill_all
+from tests.examples.conftest import DETERMINISM, TORCHRUN, assert_same_run, kill_after_checkpoint, run_example
 from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "dataloader" / "train.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 BLOCKS, BATCH, ACCUM, SEED, STEPS = 900, 4, 2, 1337, 60   # 450 blocks a rank: 112 batches of 4, then one of 2
 SETTINGS = [f"--n_blocks={BLOCKS}", f"--batch_size={BATCH}", f"--gradient_accumulation_steps={ACCUM}",
             f"--seed={SEED}", f"--max_iters={STEPS}", "--checkpoint_every=10"]
 
 
-def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: tuple[str, ...] = tuple(TORCHRUN)):
-    """The example under torchrun (or `launcher`), as its user starts it: from their own directory, not through
-    replay."""
-    cmd = [*launcher, str(EXAMPLE), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    if popen:
-        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: tuple[str, ...] = TORCHRUN):
+    return run_example(EXAMPLE, workdir, *args, popen=popen, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
@@ -213,15 +202,8 @@ def test_analyze_reads_the_layout_the_script_declares(recorded):
 def test_a_recording_killed_mid_run_resumes_to_the_uninterrupted_one(recorded, data_dir, tmp_path):
     store = tmp_path / "cut"
     args = [f"--data_dir={data_dir}", f"--store={store}", *SETTINGS]
-    proc = _torchrun(tmp_path, *args, popen=True)
-    deadline = time.monotonic() + 120
-    while not any(step >= 20 for step in committed_steps(store)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the recording ended before it was killed"
-        time.sleep(0.02)
-    kill_all(proc)
-    cut = RunStore.open(store)
-    last = cut.checkpoints()[-1].step
-    assert cut.manifest.status != "complete" and 20 <= last < STEPS
+    last = kill_after_checkpoint(_torchrun(tmp_path, *args, popen=True), store, 20)
+    assert 20 <= last < STEPS
     resumed = _torchrun(tmp_path, *args, "--resume=True")
     assert resumed.returncode == 0, resumed.stderr
     a, b = RunStore.open(recorded), RunStore.open(store)
