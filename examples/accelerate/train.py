@@ -9,12 +9,16 @@ A Llama built from a config (no download), token blocks of the file examples/nan
 (run_clm's `group_texts`, without `datasets`), `accelerator.prepare` of the model, the optimizer, the
 DataLoader and the scheduler, `accelerator.accumulate` and `accelerator.backward` as written. Options are
 `--name=value` for any of the settings below. Run as it is, the script records into --store; `replay run
-STORE --from A --to B` starts it again in replay mode (see README.md).
+STORE --from A --to B` starts it again in replay mode (see README.md). `--record=False` runs it without its
+replay lines, `--out=FILE` saves each step's loss and the final weights: the same run recorded and not,
+compared (docs/your-loop.md, "What changes when a run is recorded").
 """
 
 import ast
+import itertools
 import os
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -23,13 +27,13 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator, get_scheduler
 
-from replay.recorder import Loop  # replay
-
 # -- settings ------------------------------------------------------------------------------------------
 data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "nanogpt", "data")
 store = "runs/accelerate"            # replay: where the run is recorded
 checkpoint_every = 4                 # replay
 resume = False                       # replay: continue the run in `store`
+record = True                        # replay (False: the script without its replay lines, a plain loop)
+out = ""                             # a file for each step's loss and the final weights (torch.save), to compare runs
 n_blocks, block_size = 64, 32        # the data set: the first n_blocks blocks of train.bin
 per_device_train_batch_size = 4
 gradient_accumulation_steps = 2
@@ -80,15 +84,21 @@ lr_scheduler = get_scheduler("linear", optimizer=optimizer,   # run_clm's: its p
                              num_training_steps=max_train_steps * accelerator.num_processes)
 model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader, lr_scheduler)
 
-precision = "bf16" if mixed_precision == "bf16" else "fp16" if mixed_precision == "fp16" else "fp32"  # replay
-loop = Loop(store, model, optimizer, scheduler=lr_scheduler, total_steps=max_train_steps,  # replay
-            precision=precision, checkpoint_every=checkpoint_every, layout="hf-llama", resume=resume)  # replay
-batches = loop.loader(train_dataloader)  # replay: accelerate's prepared loader, an endless stream of its epochs
+if record:  # replay
+    from replay.recorder import Loop  # replay
+    precision = {"bf16": "bf16", "fp16": "fp16"}.get(mixed_precision, "fp32")  # replay: what the Loop records
+    loop = Loop(store, model, optimizer, scheduler=lr_scheduler, total_steps=max_train_steps,  # replay
+                precision=precision, checkpoint_every=checkpoint_every, layout="hf-llama", resume=resume)  # replay
+# accelerate's prepared loader, epoch after epoch (each pass of it is an epoch: it sets the sampler's epoch itself)
+plain = (batch for _ in itertools.count() for batch in train_dataloader)
+batches = loop.loader(train_dataloader) if record else plain  # replay
+
+step_losses = []
 model.train()
-with loop:  # replay
-    for step in loop.steps():  # replay: was `for epoch ...: for step, batch in enumerate(train_dataloader):`
-        for _ in range(gradient_accumulation_steps):  # replay
-            batch = next(batches)  # replay
+with loop if record else nullcontext():  # replay
+    for step in loop.steps() if record else range(max_train_steps):  # replay
+        for _ in range(gradient_accumulation_steps):
+            batch = next(batches)
             with accelerator.accumulate(model):
                 outputs = model(**batch)
                 loss = outputs.loss
@@ -96,5 +106,9 @@ with loop:  # replay
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        loop.log(loss=loss)  # replay
+        step_losses.append(loss.item())
+        if record:  # replay
+            loop.log(loss=loss)  # replay
         accelerator.print(f"step {step}: loss {loss.item():.6f}")
+if out and accelerator.is_main_process and not (record and loop.replaying):   # a replay writes no files of its own
+    torch.save({"losses": step_losses, "model": accelerator.unwrap_model(model).state_dict()}, out)

@@ -17,7 +17,13 @@ from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.overrides import Overrides
 from tests.conftest import REPO, replay_cli
-from tests.examples.conftest import TORCHRUN, assert_resumed_as_recorded, kill_after_checkpoint, run_example
+from tests.examples.conftest import (
+    TORCHRUN,
+    assert_resumed_as_recorded,
+    assert_same_run,
+    kill_after_checkpoint,
+    run_example,
+)
 
 pytest.importorskip("accelerate")
 
@@ -82,6 +88,19 @@ def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_fil
     resumed = _torchrun(tmp_path, *args, "--resume=True")
     assert resumed.returncode == 0, resumed.stderr
     assert_resumed_as_recorded(store, recorded, resumed_from=last, checkpoint=STEPS)
+
+
+def test_a_recording_trains_as_the_script_without_replay_bit_for_bit(token_file, tmp_path):
+    """One process, 3 epochs of the prepared loader: with its replay lines and without them (--record=False,
+    run_clm's loop over the prepared loader, epoch after epoch), every step's loss and the final weights are the
+    same."""
+    args = [f"--data_dir={token_file.parent}", *SETTINGS[:-1], "--n_blocks=32"]   # fp32; 32 blocks: epochs of 4 steps
+    recorded = _torchrun(tmp_path, *args, f"--store={tmp_path / 'run'}", f"--out={tmp_path / 'recorded.pt'}",
+                         launcher=PYTHON)
+    assert recorded.returncode == 0, recorded.stderr
+    plain = _torchrun(tmp_path, *args, "--record=False", f"--out={tmp_path / 'plain.pt'}", launcher=PYTHON)
+    assert plain.returncode == 0 and "replay" not in plain.stderr, plain.stderr
+    assert_same_run(tmp_path / "recorded.pt", tmp_path / "plain.pt", steps=STEPS)
 
 
 def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(token_file, tmp_path):
