@@ -6,6 +6,7 @@ import errno
 import functools
 import json
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -26,9 +27,10 @@ from replay.launch import ranks
 from replay.launch.job import RankLauncher
 from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
+from replay.launch.script import ScriptServer
 from replay.lifeline import follow_parent
 from replay.replayer.overrides import parse_drop, parse_fix, parse_heads, parse_steps
-from replay.replayer.replays import NotBitForBit, ReplayRequest, run_on_ray
+from replay.replayer.replays import NotBitForBit, ReplayRequest, check_replayable, run_on_ray
 from replay.replayer.replays import run as run_replay
 from replay.store import RunStore
 from replay.store.lease import current_spec, writing
@@ -328,6 +330,73 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
             click.echo(f"verify: {v.describe()}")
     if plain and not v.bitwise:
         raise NotBitForBit(f"the replay is not bit for bit: {v.describe()}")
+
+
+@main.command()
+@click.argument("store", type=STORE)
+@click.option("--file", "lines", type=click.File("r"), default="-", show_default="standard input",
+              help="The replays to run: the options of one `replay run` of STORE per line ('#' starts a comment).")
+@_main_errors
+def session(store, lines) -> None:
+    """Run replays of the run in STORE one after another on ranks kept up between them.
+
+    Each line is what follows `replay run STORE` (a leading `run` may be written too), and runs and prints as
+    that command would. A script of your own is started once and each next replay is restored into it in place
+    (checked against the record, else the script starts afresh, said in one line); the built-in trainer's
+    ranks are forked from one fork server. A line that fails says why in one line and the session goes on; the
+    exit status is non-zero if any failed.
+    """
+    ctx = click.get_current_context()
+    parent = RunStore.open(store)
+    check_replayable(parent, "replay session")
+    manifest = parent.manifest
+    lent = _lent_ranks()   # a caller's warm ranks, where they take this run's
+    taken = lent is not None and lent.takes(manifest.launcher, manifest.world_size)
+    own = None if taken else ranks.kept_up(manifest)
+    kept = own or lent
+    failed: list[int] = []
+    replays = 0
+    try:
+        for number, line in enumerate(lines, 1):
+            args = shlex.split(line, comments=True)
+            if args[:1] == ["run"]:
+                args = args[1:]
+            if not args:
+                continue
+            replays += 1
+            click.echo(f"$ replay run {store} {shlex.join(args)}", err=True)
+            if _session_line(ctx, store, args, kept) != 0:
+                failed.append(number)
+            if isinstance(kept, ScriptServer) and kept.refused is not None:
+                click.echo(f"the script is started afresh from here on: {kept.refused}", err=True)
+    finally:
+        if own is not None:
+            own.close()
+    summary = f"session: {replays} replay{'s' if replays != 1 else ''}"
+    if failed:
+        lines_of = "line" + ("s" if len(failed) > 1 else "")
+        summary += f", {len(failed)} failed ({lines_of} {', '.join(map(str, failed))} of the input)"
+    if isinstance(kept, ScriptServer) and kept.starts:
+        summary += "; the script was started " + ("once" if kept.starts == 1 else f"{kept.starts} times")
+    click.echo(summary, err=True)
+    if failed:
+        sys.exit(2)   # each failed line said why in its own `error:` line
+
+
+def _session_line(ctx: click.Context, store: Location, args: list[str], kept: RankLauncher | None) -> int:
+    """`replay run STORE ARGS` in this process on `kept`; its exit status."""
+    try:
+        with run_cmd.make_context("run", [str(store), *args], parent=ctx.find_root()) as sub:
+            sub.obj = kept
+            run_cmd.invoke(sub)
+    except click.UsageError as e:
+        _one_line(e).show()
+        return 2
+    except SystemExit as e:   # `_main_errors` said the error
+        if e.code == 130:   # interrupted: the session ends with its line
+            raise
+        return e.code if isinstance(e.code, int) else 1
+    return 0
 
 
 def _csv(kind, parse):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from filelock import FileLock
 
+from replay.launch.job import RankLauncher
 from replay.launch.pool import RankPool
 from replay.launch.ray_cluster import SYSTEM_CONFIG
 from replay.lifeline import child_env, guarded
@@ -60,23 +61,24 @@ _lent_for_test: list[RankPool] = []
 
 
 def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, process: bool = False,
-               ranks: RankPool | None = None) -> subprocess.CompletedProcess:
+               ranks: RankLauncher | None = None, input: str | None = None) -> subprocess.CompletedProcess:
     """Run `replay ARGS` as a user would: in this process (click's own test runner, the output captured at
     the file descriptors, so the ranks' output too), or in a fresh process (`process=True`, and whenever a
     fault is armed: a fault kills the process it fires in), which ends with the test run if that dies.
-    `ranks`: in this process, local 2-rank runs go to those warm ranks (the `rank_pool` fixture; by default
-    the test's `on_rank_pool`), lent to the command as click's context object (cli.py `_lent_ranks`)."""
+    `ranks`: in this process, the runs they take go to those warm ranks (the `rank_pool` fixture, by default
+    the test's `on_rank_pool`; a script's kept-up ranks), lent to the command as click's context object (cli.py
+    `_lent_ranks`). `input`: the command's standard input."""
     ranks = ranks if ranks is not None else next(iter(_lent_for_test), None)
     if process or (env and "REPLAY_FAULT" in env):
         full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))
         return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
-                              env=full_env, timeout=timeout, cwd=REPO)
+                              env=full_env, timeout=timeout, cwd=REPO, input=input)
     from click.testing import CliRunner
 
     from replay.cli import main
 
     result = CliRunner(capture="fd").invoke(main, [str(a) for a in args], env={"REPLAY_FAULT": None, **(env or {})},
-                                            obj=ranks)
+                                            obj=ranks, input=input)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return subprocess.CompletedProcess(["replay", *args], result.exit_code, result.stdout, result.stderr)

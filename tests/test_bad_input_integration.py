@@ -213,6 +213,12 @@ def _cases() -> list[Case]:
         Case("run STORE --from 20 --to 22", "upgrade replay", damage=NEWER_SCHEMA),
         Case("run STORE --from 10 --to 12", "checkpoint 10 rank 0", damage=FLIPPED_TENSOR),
         Case("run STORE --from 20 --to 22", "lease file", damage=BAD_LEASE),
+        # session
+        Case("session NEW", "does not exist"),
+        Case("session REPLAY", "is a replay; replay windows of the run"),
+        Case("session STORE --file NEW", "No such file or directory"),
+        Case("session STORE --file FILE", "Missing option '--from'; see `replay run --help`"),
+        Case("session STORE --file DIR", "Is a directory"),
         # bisect
         Case("bisect STORE --spike 99", "--spike 99 is outside the record"),
         Case("bisect STORE --spike 20", "--fix 'safe-softmax' does not apply to this run"),

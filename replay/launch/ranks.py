@@ -27,9 +27,10 @@ from replay.kernels.plan import check_attention
 from replay.launch.forkserver import ForkServer
 from replay.launch.fresh import FreshRanks
 from replay.launch.job import RankJob, RankLauncher, continued_by
-from replay.launch.script import ScriptRanks
+from replay.launch.script import ScriptRanks, ScriptServer
 from replay.recorder.host import environment_notes
 from replay.store import RunStore
+from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
 from replay.store.lifecycle import continue_command, create_run, resume_run
 from replay.store.location import Location, Where
@@ -298,6 +299,20 @@ def choose_launcher(launcher: Launcher, world_size: int, command: CommandInfo | 
         return InProcess()
     fork = ForkServer()
     return fork if fork.takes(launcher, world_size) and not fresh_ranks() else FreshRanks()
+
+
+def kept_up(manifest: Manifest) -> ScriptServer | ForkServer | None:
+    """Ranks kept up across the replays of one session (`replay session`) of the run recorded as `manifest`: a
+    script's ranks on one machine, each next replay served in place (launch/script.py); the built-in trainer's
+    local ranks, forked from one fork server. None where every replay starts its own anyway (one rank in the
+    command's process, DeepSpeed, a script over several nodes) or REPLAY_RANKS=fresh asks for fresh ranks."""
+    caps = Capabilities.of(manifest)
+    if fresh_ranks():
+        return None
+    if caps.relaunches_script:
+        return ScriptServer(manifest.command) if caps.serves_replays and manifest.command is not None else None
+    fork = ForkServer()
+    return fork if fork.takes(caps.launcher, caps.world_size) else None
 
 
 def fresh_ranks() -> bool:

@@ -86,12 +86,14 @@ class _Served:
 class ScriptServer:
     """A launcher (launch/job.py) of a user's script on this machine that keeps its ranks up between jobs,
     handing each next replay to them (recorder/serving.py). `refused`: why the last job could not be served
-    on the running ranks (the script was started afresh for it, and is for every job after), else None.
+    on the running ranks (the script was started afresh for it, and is for every job after), else None;
+    `starts`: how many times the script was started.
     Close it (or use it as a context) to let the ranks end: they have no more jobs."""
 
     def __init__(self, command: CommandInfo, keep: bool = True):
         self.command = command
         self.refused: str | None = None
+        self.starts = 0
         self._keep = keep   # False (or once a rank refused): the script is started for each job, and ends with it
         self._ranks: list[_Served] = []
 
@@ -124,6 +126,7 @@ class ScriptServer:
         count = len(job.node.ranks) if job.node else (self.command.world_size
                                                        if self.command.launcher == "torchrun" else 1)
         pipes = [(os.pipe(), os.pipe()) for _ in range(count)]   # (jobs: read, write), (answers: read, write)
+        self.starts += 1
         try:
             procs = _start(job.store, self.command, job.resume, job.lease, job.node,
                            serve=[(jobs[0], answers[1]) for jobs, answers in pipes])

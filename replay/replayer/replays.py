@@ -81,6 +81,13 @@ def replay_id(req: ReplayRequest) -> str:
     return req.name or f"steps-{req.start}-{req.stop}{tag}"
 
 
+def check_replayable(parent: RunStore, command: str) -> None:
+    """A run whose windows `command` can replay: a recording (not a replay) whose ranks can be started again."""
+    if parent.kind != "run":
+        raise UsageError(f"{parent.location} is a replay; replay windows of the run it belongs to")
+    parent.check_relaunchable(command)
+
+
 def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = lambda m: None,
             on_cluster: bool = False) -> tuple[Location, RunConfig, bool, bool]:
     """Check the request against the record and create (or rewind) the replay's store; nothing is written
@@ -88,9 +95,7 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
     `warn` hears of what the replay works around (a damaged checkpoint nearer the window). `on_cluster`:
     its ranks run on a Ray cluster's nodes, not on this machine alone."""
     store_path = parent.location
-    if parent.kind != "run":
-        raise UsageError(f"{store_path} is a replay; replay windows of the run it belongs to")
-    parent.check_relaunchable("replay run")
+    check_replayable(parent, "replay run")
     if req.stop < req.start:
         raise UsageError(f"--to {req.stop} is before --from {req.start}")
     if req.start < 0 or req.stop >= parent.end_step:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,13 @@ def _expected_ids(rank: int) -> np.ndarray:
     return np.stack(batches[:STEPS * ACCUM]).reshape(STEPS, ACCUM, BATCH)
 
 
+@pytest.fixture(scope="module")
+def served(recorded) -> Iterator[ScriptServer]:
+    """The recording's script kept up between this file's replays of it (docs/your-loop.md), started at the first."""
+    with ScriptServer(RunStore.open(recorded).manifest.command) as server:
+        yield server
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_recording_trains_as_the_script_without_replay_bit_for_bit(data_dir, tmp_path, workers):
     """One process: the DataLoader's own RandomSampler (its seed drawn from torch's generator every epoch),
@@ -123,9 +131,9 @@ def test_the_step_log_holds_each_ranks_sampler_shard_in_order(recorded):
     assert (ids[np.arange(STEPS) != 56] >= 0).all()
 
 
-def test_a_window_across_the_epoch_end_replays_bit_for_bit(recorded):
+def test_a_window_across_the_epoch_end_replays_bit_for_bit(recorded, served):
     """From checkpoint 50 (in the middle of epoch 0) over the step that ends it and begins epoch 1."""
-    result = replay_cli("run", str(recorded), "--from", "54", "--to", "58", "--verify")
+    result = replay_cli("run", str(recorded), "--from", "54", "--to", "58", "--verify", ranks=served)
     assert result.returncode == 0, result.stderr
     assert "steps 50..58" in result.stdout
     assert "verify: every replayed step equals the record bit for bit" in result.stdout, result.stdout
@@ -135,12 +143,12 @@ def test_a_window_across_the_epoch_end_replays_bit_for_bit(recorded):
     assert np.array_equal(replay["sample_ids"], record["sample_ids"])
 
 
-def test_emulated_bf16_attention_on_layer_0_diverges_exactly_at_from(recorded):
+def test_emulated_bf16_attention_on_layer_0_diverges_exactly_at_from(recorded, served):
     """From checkpoint 20: steps 20..24 as recorded, bit for bit; from step 25 on, each rank's state after every
     update is another (its digests). A rank's loss at a step may still round to the recorded value (it did on
     an Intel Xeon): the state tells."""
     result = replay_cli("run", str(recorded), "--from", "25", "--to", "27", "--verify", "--json",
-                        "--attention", "reference-emu:dtype=bf16", "--layers", "0")
+                        "--attention", "reference-emu:dtype=bf16", "--layers", "0", ranks=served)
     assert result.returncode == 0, result.stderr
     v = json.loads(result.stdout)["verification"]
     assert not v["bitwise"] and v["level"] == "state"

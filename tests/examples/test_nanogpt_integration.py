@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,13 @@ def torchrun_store(data_dir) -> Path:
     return store
 
 
+@pytest.fixture(scope="module")
+def served(torchrun_store) -> Iterator[ScriptServer]:
+    """The recording's script kept up between this file's replays of it (docs/your-loop.md), started at the first."""
+    with ScriptServer(RunStore.open(torchrun_store).manifest.command) as server:
+        yield server
+
+
 def test_a_recording_trains_as_the_script_without_replay_bit_for_bit(data_dir, tmp_path):
     """The script with its replay lines and without them (--record=False), dropout on (torch's generator
     draws the masks as well as the offsets, the first batch's ahead of the first step), rank 0 evaluating at
@@ -86,8 +94,9 @@ def test_torchrun_records_each_ranks_draws_and_the_command(torchrun_store, data_
     assert not np.array_equal(ids[:, 0], ids[:, 1])   # each rank draws its own (seeded by rank)
 
 
-def test_a_window_replays_bit_for_bit_through_the_recorded_command(torchrun_store):
-    result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "22", "--verify", "--json")
+def test_a_window_replays_bit_for_bit_through_the_recorded_command(torchrun_store, served):
+    result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "22", "--verify", "--json",
+                        ranks=served)
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     v = answer["verification"]
@@ -112,26 +121,52 @@ def test_ddp_ranks_kept_up_serve_windows_one_after_another_bit_for_bit(torchrun_
     assert len({o[2] for o in outcomes}) == 1 and len(outcomes[0][2]) == 2   # the same two processes throughout
 
 
-def test_emulated_bf16_attention_on_layer_1_diverges_exactly_at_from(torchrun_store):
+def test_a_session_serves_its_replays_on_the_script_started_once(torchrun_store, tmp_path):
+    """`replay session` as a user types it, one `replay run` per line: a plain window, an emulated BF16
+    attention from step 21, a line with a bad option and a plain window again, on the torchrun ranks started
+    once. Each replay's verdict is the one its own command would give; the bad line fails alone."""
+    store = tmp_path / "ddp"
+    shutil.copytree(torchrun_store, store, ignore=shutil.ignore_patterns("replays"))
+    lines = ("# two plain windows around a counterfactual\n"
+             "--from 12 --to 14 --verify\n"
+             "run --from 21 --to 22 --attention fa2-emu:dtype=bf16 --verify\n"
+             "--from 12 --to 14 --no-such-option\n"
+             "\n"
+             "--from 25 --to 27 --name again\n")
+    result = replay_cli("session", str(store), input=lines, process=True)
+    assert result.returncode == 2, result.stderr
+    assert "--no-such-option" in error_line(result)
+    assert "session: 4 replays, 1 failed (line 4 of the input); the script was started once" in result.stderr
+    verdicts = {}
+    for name in ("steps-12-14", "again"):
+        verdicts[name] = RunStore.open(store / "replays" / name).manifest.replay_spec.verification
+    counterfactual = next(p for p in (store / "replays").iterdir() if p.name.startswith("steps-21-22-"))
+    verdicts["bf16"] = RunStore.open(counterfactual).manifest.replay_spec.verification
+    assert [(v.bitwise, v.level) for v in (verdicts["steps-12-14"], verdicts["again"])] == [(True, "state")] * 2
+    assert verdicts["bf16"].divergence.step == 21 and sorted(p.name for p in (store / "replays").iterdir()) == \
+        sorted(["steps-12-14", "again", counterfactual.name])
+
+
+def test_emulated_bf16_attention_on_layer_1_diverges_exactly_at_from(torchrun_store, served):
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "18", "--verify", "--json",
-                        "--attention", "reference-emu:dtype=bf16", "--layers", "1")
+                        "--attention", "reference-emu:dtype=bf16", "--layers", "1", ranks=served)
     assert result.returncode == 0, result.stderr
     v = json.loads(result.stdout)["verification"]
     assert not v["bitwise"] and v["divergence"]["step"] == 15   # steps 10..14 were bit for bit
 
 
-def test_bf16_autocast_from_from_on_through_loop_autocast(torchrun_store):
+def test_bf16_autocast_from_from_on_through_loop_autocast(torchrun_store, served):
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "16", "--verify", "--json",
-                        "--precision", "bf16")
+                        "--precision", "bf16", ranks=served)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["verification"]["divergence"]["step"] == 15
 
 
-def test_a_halved_learning_rate_changes_the_state_at_from_and_the_loss_one_step_later(torchrun_store):
+def test_a_halved_learning_rate_changes_the_state_at_from_and_the_loss_one_step_later(torchrun_store, served):
     """The step at --from is computed before its scaled update: its loss is the record's, the state after its
     update is not (the verdict's first divergence), and the loss differs from the next step on."""
     result = replay_cli("run", str(torchrun_store), "--from", "15", "--to", "17", "--verify", "--json",
-                        "--lr-scale", "0.5")
+                        "--lr-scale", "0.5", ranks=served)
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     d = answer["verification"]["divergence"]

@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from replay.launch.script import ScriptServer
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tensors_equal, tree_snapshot
 
@@ -103,9 +104,10 @@ def test_an_attention_override_that_reaches_no_call_stops_the_replay_in_one_line
 
 def test_after_the_documented_change_the_override_reaches_every_call_and_diverges_at_from(tmp_path):
     store = _record(tmp_path, "--sdpa")
-    plain = json.loads(replay_cli("run", str(store), "--from", "2", "--to", "3", "--json").stdout)
+    with ScriptServer(RunStore.open(store).manifest.command) as served:   # the script started once for both
+        plain = json.loads(replay_cli("run", str(store), "--from", "2", "--to", "3", "--json", ranks=served).stdout)
+        result = replay_cli("run", str(store), *COUNTERFACTUAL, "--json", ranks=served)
     assert plain["verification"]["bitwise"] and plain["reached"] is None   # nothing to reach
-    result = replay_cli("run", str(store), *COUNTERFACTUAL, "--json")
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     d = answer["verification"]["divergence"]
@@ -131,11 +133,12 @@ def test_the_documented_call_records_the_run_bit_for_bit_and_the_override_reache
             del tree["rng"]["python"], tree["rng"]["numpy"]
         assert left["rng"] and left["state"]
         assert tensors_equal(left, right), step
-    result = replay_cli("run", str(call), *COUNTERFACTUAL, "--json")
+    with ScriptServer(RunStore.open(call).manifest.command) as served:   # the script started once for both
+        result = replay_cli("run", str(call), *COUNTERFACTUAL, "--json", ranks=served)
+        plain = json.loads(replay_cli("run", str(call), "--from", "2", "--to", "3", "--json", ranks=served).stdout)
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["verification"]["divergence"]["step"] == 2
     assert answer["reached"]["path"] == [{"layer": 0, "backend": "reference-emu:dtype=bf16", "heads": [0, 1],
                                           "calls": 2}]
-    plain = json.loads(replay_cli("run", str(call), "--from", "2", "--to", "3", "--json").stdout)
     assert plain["verification"]["bitwise"]
