@@ -220,7 +220,9 @@ def step_batch(path: Where, step: int, rank: int | None = None) -> list[dict[str
     if not store.first_step <= step < store.end_step:
         held = f"steps {store.first_step}..{store.end_step - 1}" if store.n_steps else "no steps yet"
         raise UsageError(f"step {step} is not recorded in {path}: it holds {held}")
-    ids = np.asarray(store.read_steps(["sample_ids"])["sample_ids"][step - store.first_step])   # (rank, micro, sample)
+    fields = store.read_steps(["sample_ids", "sample_digest"])
+    ids = np.asarray(fields["sample_ids"][step - store.first_step])   # (rank, micro, sample)
+    digests = fields["sample_digest"][step - store.first_step] if len(fields["sample_digest"]) else None
     if rank is not None and not 0 <= rank < ids.shape[0]:
         raise UsageError(f"rank {rank} out of range: the run had {ids.shape[0]} ranks")
     m = store.manifest
@@ -230,8 +232,11 @@ def step_batch(path: Where, step: int, rank: int | None = None) -> list[dict[str
     for r in range(ids.shape[0]) if rank is None else [rank]:
         trained = micro_batches(ids[r])   # a smaller last batch of an epoch is padded with -1 in the store
         for micro, batch in enumerate(trained if trained else list(ids[r])):   # none: a step a replay skipped
-            for sid in batch:
+            for i, sid in enumerate(batch):
                 text = ("(skipped: this step was not trained on)" if sid < 0 else
+                        f"(a stream's sample: number {sid} of rank {r}'s stream, CRC-32C "
+                        f"{int(digests[r][micro][i]):08x}; the data is the script's, not in the store)"
+                        if digests is not None else
                         "(the data of a training loop of your own is not in the store)" if data is None else
                         data.describe(int(sid)))
                 rows.append({"step": step, "rank": r, "micro": micro, "sample_id": int(sid), "text": text})

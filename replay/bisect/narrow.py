@@ -508,7 +508,8 @@ class Bisect:
         steps = sorted(steps)
         if not self.caps.can_drop_samples:   # e.g. a script of the user's own: narrowed down to batches
             self.say(f"data: skipping the batches of step(s) {', '.join(map(str, steps))} prevents the spike "
-                     "(single samples cannot be left out of this run's steps: it is narrowed down to batches)")
+                     "(single samples cannot be left out of this run's steps: it is narrowed down to batches)"
+                     + self._stream_places(steps))
             return DataResult(window=[start, self.spike], batches=steps, samples=None, minimal=minimal, bound=bound,
                               rerun=self.command(self._without(start, Overrides(skip=steps))))
         ids = self.record.read_steps(["sample_ids"])["sample_ids"]
@@ -536,6 +537,19 @@ class Bisect:
         """The `replay run` that makes this probe (it is in the store already; run it with --verify, or
         with another --name and --checkpoint-every to look closer)."""
         return f"replay run {self.store_path} --from {req.start} --to {req.stop} {req.overrides.as_args()}".strip()
+
+    def _stream_places(self, steps: list[int]) -> str:
+        """A stream's run (recorder/stream.py): where the samples of `steps` lie in each rank's stream."""
+        fields = self.record.read_steps(["sample_ids", "sample_digest"])
+        if not len(fields["sample_digest"]):
+            return ""
+        first = self.record.first_step
+        places = []
+        for step in steps:
+            ids = np.asarray(fields["sample_ids"][step - first])
+            places += [f"step {step} rank {rank}: samples {', '.join(_spans(ids[rank]))}" for rank in range(len(ids))]
+        return (f"; in the stream: {'; '.join(places)} (`replay batch {self.record.location} --step {steps[0]}` "
+                "lists each with its digest)")
 
     def _without(self, start: int, o: Overrides) -> ReplayRequest:
         """A data probe: skipped batches extend its window, so it trains as many steps past the spike as
@@ -573,3 +587,15 @@ class Bisect:
 def bisect(store_path: Where, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> Session:
     store_path = Location.parse(store_path)
     return Bisect(store_path, cfg, progress).run()
+
+
+def _spans(ids: np.ndarray) -> list[str]:
+    """A rank's sample ids of a step (padded with -1) as runs: "600..607"."""
+    kept = sorted(int(i) for i in np.asarray(ids).ravel() if i >= 0)
+    runs: list[list[int]] = []
+    for i in kept:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [f"{a}..{b}" if a != b else str(a) for a, b in runs]

@@ -100,6 +100,7 @@ class Scheduled:
     micro: int
     ids: np.ndarray
     skipped: bool   # of a step the replay skips: sampled past, never handed out
+    digests: np.ndarray | None = None   # a stream's (recorder/stream.py): each sample's, as recorded
 
 
 class RecordedLoader:
@@ -399,9 +400,7 @@ def _own_generators(sampler: Any) -> list[torch.Generator]:
 def _check(dataloader: Any) -> None:
     if not isinstance(dataloader, DataLoader):
         raise UsageError(f"loop.loader(...) takes a torch.utils.data.DataLoader, not a {type(dataloader).__name__}")
-    if isinstance(dataloader.dataset, IterableDataset):
-        raise UsageError("loop.loader(...) records a sampler's indices; an IterableDataset has no sampler: pass "
-                         "each batch's sample ids through loop.sample_ids(...) instead")
+    assert not isinstance(dataloader.dataset, IterableDataset), "a stream's loader is recorder/stream.py's"
     if not getattr(dataloader, "in_order", True):
         raise UsageError("loop.loader(...) needs the DataLoader's batches in the order they were sampled: "
                          "leave in_order=True")

@@ -63,6 +63,7 @@ from replay.recorder.run_options import PRECISIONS, RunOptions
 from replay.recorder.serving import Serving
 from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState, note_sharding, unwrap
+from replay.recorder.stream import StreamBatch, StreamLoader
 from replay.recorder.zero import engine_state
 from replay.store import RunStore
 from replay.store.lifecycle import complete_run, note_environment
@@ -75,7 +76,7 @@ class _Draw:
     """A training micro-batch the script drew: its sample ids, and the loader batch it is (loop.loader)."""
 
     ids: np.ndarray
-    batch: Batch | None = None
+    batch: Batch | StreamBatch | None = None
 
 
 @dataclass
@@ -173,7 +174,7 @@ class Loop:
         self._ahead: list[_Draw] = []   # drawn ahead of the step that trains on them (a prefetch)
         self._lookahead = 0             # how many: as many as were drawn before the first step
         self._evaluating = 0
-        self._loader: RecordedLoader | None = None
+        self._loader: RecordedLoader | StreamLoader | None = None
         self._serving: Serving | None = None
         self._begun = self._window_open = self._closed = False
 
@@ -444,12 +445,14 @@ class Loop:
             return torch.as_tensor(recorded, dtype=ids.dtype, device=ids.device)
         return recorded.tolist() if isinstance(ids, list) else recorded.astype(np.asarray(ids).dtype)
 
-    def loader(self, dataloader: torch.utils.data.DataLoader) -> RecordedLoader:
+    def loader(self, dataloader: torch.utils.data.DataLoader) -> RecordedLoader | StreamLoader:
         """The training batches from a `DataLoader` over a map-style dataset (any sampler, batch sampler,
         worker processes, prefetch, persistent workers): each batch the script takes is recorded by its
         dataset indices, and a replay or a resumed run continues the loader's stream where the checkpoint
         left it (recorder/loader.py). An endless stream: iterate it with next() or a for loop; it starts each
-        epoch itself, calling the sampler's set_epoch(epoch) when it has one."""
+        epoch itself, calling the sampler's set_epoch(epoch) when it has one. Over an `IterableDataset` (a
+        stream, torchdata's StatefulDataLoader too) each sample is recorded by its place in the stream and a
+        digest of its contents, which a replay checks (recorder/stream.py)."""
         self.start()
         if self._loader is not None:
             raise UsageError("loop.loader(...) is called once: one training loader per loop")
@@ -457,9 +460,12 @@ class Loop:
         if self._restored is not None and restored is None:
             raise UsageError("loop.loader(...): the checkpoint this run starts from was recorded without a loader "
                              "(its batches went through loop.sample_ids): run the script as it was recorded")
-        self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed(),
-                                      tell=not self.replaying and self.rank == 0,
-                                      follows=lambda: self._mode.follows_record)
+        if isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset):
+            self._loader = StreamLoader(dataloader, self._took)
+        else:
+            self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed(),
+                                          tell=not self.replaying and self.rank == 0,
+                                          follows=lambda: self._mode.follows_record)
         if restored is not None:
             self._loader.restore(restored, self._schedule())
         return self._loader
@@ -477,7 +483,7 @@ class Loop:
     def _is_evaluating(self) -> bool:
         return bool(self._evaluating) or not torch.is_grad_enabled() or not self.model.training
 
-    def _took(self, batch: Batch) -> None:
+    def _took(self, batch: Batch | StreamBatch) -> None:
         if self._is_evaluating():
             raise UsageError("a batch of the training loader (loop.loader) was taken for an evaluation: its stream "
                              "is the training's; evaluate with a DataLoader of its own")
@@ -580,7 +586,9 @@ class Loop:
         window = self._mode.window
         if window is None:
             return []
-        return [Scheduled(step, micro, ids, skips and step in window.skip)
+        fed = isinstance(self._loader, StreamLoader)
+        return [Scheduled(step, micro, ids, skips and step in window.skip,
+                          self._mode.recorded_digests(step)[micro] if fed else None)
                 for step in range(self.recorder.first_step(), window.stop + 1)
                 for micro, ids in enumerate(self._mode.recorded_batches(step))]
 
@@ -588,8 +596,10 @@ class Loop:
         """What every checkpoint keeps of the loop: the draws ahead of the step it starts (a prefetch), and the
         training loader's position for that step."""
         out: dict[str, Any] = {"ahead": [d.ids for d in self._ahead if d.batch is None]}
-        if self._loader is not None:
-            out["loader"] = self._loader.position([d.batch for d in self._ahead if d.batch is not None])
+        if isinstance(self._loader, StreamLoader):
+            out["loader"] = self._loader.position([d.batch for d in self._ahead if isinstance(d.batch, StreamBatch)])
+        elif self._loader is not None:
+            out["loader"] = self._loader.position([d.batch for d in self._ahead if isinstance(d.batch, Batch)])
         return out
 
     def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0,
@@ -620,10 +630,12 @@ class Loop:
                 f"step {now.number} trained on other samples than the record's"
         self._mode.check_step(autocast_used=now.autocast)
         lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
+        fed = ([d.batch.digests for d in now.draws[:trained] if isinstance(d.batch, StreamBatch)]
+               if isinstance(self._loader, StreamLoader) else None)
         event = self.recorder.record_step(now.number, sample_ids=[d.ids.reshape(-1) for d in now.draws[:trained]],
                                           loss=_losses(loss), grad_norm=_number(grad_norm), lr=float(lr),
                                           tokens=int(tokens), numerics=numerics, counts=self._mode.counted(),
-                                          finish=False)
+                                          finish=False, sample_digests=fed)
         self._mode.reached(now.number, self.recorder.counted)
         # checkpointed when the next step begins (or at close): it must hold what the script does after log
         self._unfinished = (now.number, event)
@@ -654,7 +666,7 @@ class Loop:
         self.recorder.record_skipped(now.number, sample_ids=self._mode.skip(now.number),
                                      lr=self.optimizer.param_groups[0]["lr"],
                                      numerics=self._skipped_numerics() if self._skipped_numerics else None,
-                                     finish=False)
+                                     finish=False, fed=isinstance(self._loader, StreamLoader))
         if step_scheduler and self.scheduler is not None:
             self.scheduler.step()
         self._unfinished = (now.number, None)   # checkpointed when the next step begins: with the scheduler's step

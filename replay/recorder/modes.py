@@ -104,6 +104,9 @@ class Mode(Protocol):
     def recorded_batches(self, step: int) -> list[np.ndarray]:
         """A replay: this rank's micro-batches of `step` in the record."""
 
+    def recorded_digests(self, step: int) -> list[np.ndarray]:
+        """A replay of a stream's run: the digests of this rank's micro-batches' samples of `step` in the record."""
+
     def close(self) -> None:
         """Take back what the mode put into the model, the optimizer or the store's lease."""
 

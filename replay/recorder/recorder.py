@@ -232,7 +232,8 @@ class Recorder:
     def record_step(self, step: int, *, sample_ids: np.ndarray | list[np.ndarray], loss: float | list[float],
                     grad_norm: float,
                     lr: float, tokens: int, numerics: dict[str, np.ndarray] | None = None,
-                    counts: np.ndarray | None = None, finish: bool = True) -> SpikeEvent | None:
+                    counts: np.ndarray | None = None, finish: bool = True,
+                    sample_digests: list[np.ndarray] | None = None) -> SpikeEvent | None:
         """Record optimizer step `step` (its state is now the one *after* the step: its digest is taken here,
         recorder/digest.py). `sample_ids`: this rank's
         micro-batches' ids, (micro, sample) or a list of micro-batches of any sizes; every rank must train on
@@ -243,21 +244,28 @@ class Recorder:
         `counts`: what a replay's overrides replaced in the step on this process (recorder/overrides.py),
         summed over the processes into `counted`, which every process reads after the call.
         `finish=False` leaves the step's checkpoint cadence (and a spike's snapshots) to `finish_step`,
-        for a caller whose state may still change after it records the step's metrics."""
+        for a caller whose state may still change after it records the step's metrics. `sample_digests`: a
+        stream's (recorder/stream.py), each sample's CRC-32C, shaped as `sample_ids`, on every rank or on none."""
         now = time.perf_counter()
         step_time, self._last_time = now - self._last_time, now
         digest = self.digest()
-        sample_ids, width = self._agree(step, [np.asarray(a, dtype=np.int64).reshape(-1) for a in sample_ids],
-                                        len(digest))
+        micro = [np.asarray(a, dtype=np.int64).reshape(-1) for a in sample_ids]
+        sample_ids, width = self._agree(step, micro, len(digest))
+        if sample_digests is not None:   # shaped as the ids (uint32 < 2**53: exact in the ids' gather)
+            sample_ids = np.concatenate([sample_ids, self._padded_like(sample_ids, sample_digests)], axis=-1)
         rank_loss, all_ids, all_tokens, digests, self.counted = self._gather(loss, sample_ids, tokens,
                                                                              _padded(digest, width), counts)
+        fed: dict[str, np.ndarray] = {}
+        if sample_digests is not None:
+            half = all_ids.shape[-1] // 2
+            all_ids, fed = all_ids[..., :half], {"sample_digest": all_ids[..., half:].astype(np.uint32)}
         global_loss = self.last_loss = float(rank_loss[0] if len(rank_loss) == 1 else np.mean(rank_loss))
         if self.coordinator and step == 0 and self.world > 1 and self.start_from is None:
-            _warn_if_unsplit(all_ids)
+            _warn_if_unsplit(all_ids, fed.get("sample_digest"))
         if self.coordinator:
             self._rows.append({"loss": global_loss, "rank_loss": rank_loss, "grad_norm": float(grad_norm),
                                "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
-                               "sample_ids": all_ids, "state_digest": digests, **(numerics or {})})
+                               "sample_ids": all_ids, "state_digest": digests, **fed, **(numerics or {})})
         event = self.detector.update(step, global_loss)   # every rank sees the same gathered losses
         if finish:
             self.finish_step(step, event)
@@ -278,16 +286,19 @@ class Recorder:
             self._flush_rows()
 
     def record_skipped(self, step: int, *, sample_ids: np.ndarray, lr: float,
-                       numerics: dict[str, np.ndarray] | None = None, finish: bool = True) -> None:
+                       numerics: dict[str, np.ndarray] | None = None, finish: bool = True, fed: bool = False) -> None:
         """A step whose batch was deliberately not trained on (a replay's --skip): a row of NaN metrics
         with sample ids -1 and no state digests (zeros; verification leaves skipped steps out), unseen by the
-        spike detector; checkpoint cadence as usual (`finish` as for `record_step`)."""
+        spike detector; checkpoint cadence as usual (`finish` as for `record_step`). `fed`: the run's data is a
+        stream, whose sample digests the row has too (zeros)."""
         if self.coordinator:
             self._last_time = time.perf_counter()
             self._rows.append({"loss": np.nan, "rank_loss": np.full(self.world, np.nan), "grad_norm": np.nan,
                                "lr": float(lr), "tokens": 0, "step_time": 0.0,
                                "sample_ids": np.full((self.world, *self._skipped_shape(sample_ids)), -1),
                                "state_digest": np.zeros((self.world, self._digest_width()), dtype=np.uint32),
+                               **({"sample_digest": np.zeros((self.world, *self._skipped_shape(sample_ids)),
+                                                             dtype=np.uint32)} if fed else {}),
                                **(numerics or {})})
         if finish:
             self.finish_step(step, None)
@@ -343,6 +354,17 @@ class Recorder:
             for i, a in enumerate(group):
                 padded[played, i, :len(a)] = a
         return padded, max(r[3] for r in rows)
+
+    @staticmethod
+    def _padded_like(ids: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
+        """`values`, one array per micro-batch as the ids were given, laid out as `_agree` laid out the ids (0 where
+        they are padded)."""
+        out = np.zeros(ids.shape, dtype=np.int64)
+        per = len(values) // ids.shape[0]
+        for played in range(ids.shape[0]):
+            for i, a in enumerate(values[played * per:(played + 1) * per]):
+                out[played, i, :len(a)] = np.asarray(a, dtype=np.int64).reshape(-1)
+        return out
 
     def _skipped_shape(self, sample_ids: np.ndarray) -> tuple[int, ...]:
         return self._ids_shape if self._ids_shape is not None else np.shape(sample_ids)
@@ -443,14 +465,17 @@ class Recorder:
         self.writer.submit(lambda: self.store.append_steps(start, records))
 
 
-def _warn_if_unsplit(ids: np.ndarray) -> None:
-    """One line on stderr when every rank trained on the same samples at step 0: the data is not split."""
-    if all(np.array_equal(ids[0], ids[r]) for r in range(1, len(ids))):
+def _warn_if_unsplit(ids: np.ndarray, digests: np.ndarray | None = None) -> None:
+    """One line on stderr when every rank trained on the same samples at step 0: the data is not split. A
+    stream's samples are told apart by their digests (their ids are places in each rank's own stream)."""
+    same = digests if digests is not None else ids
+    if all(np.array_equal(same[0], same[r]) for r in range(1, len(same))):
         shown = ", ".join(map(str, ids[0][ids[0] >= 0][:4].tolist()))
-        print(f"warning: all {len(ids)} ranks trained on the same samples at step 0 ({shown}, ...): the data is not "
-              "split across the ranks, so each repeats the others' work (give the DataLoader a DistributedSampler, "
-              "or let accelerate's prepare or Lightning wrap the loader before loop.loader(...))",
-              file=sys.stderr, flush=True)
+        what = f"samples at step 0 ({shown}, ...)" if digests is None else "samples at step 0 (their digests)"
+        print(f"warning: all {len(ids)} ranks trained on the same {what}: the data is not split across the "
+              "ranks, so each repeats the others' work (give the DataLoader a DistributedSampler, or let "
+              "accelerate's prepare or Lightning wrap the loader before loop.loader(...); a stream shards itself "
+              "by rank)", file=sys.stderr, flush=True)
 
 
 def _fills(micro: list[np.ndarray], shape: tuple[int, int]) -> bool:

@@ -163,6 +163,9 @@ class Recording:
     def recorded_batches(self, step: int) -> list[np.ndarray]:
         raise AssertionError("a recording has no recorded ids to read")
 
+    def recorded_digests(self, step: int) -> list[np.ndarray]:
+        raise AssertionError("a recording has no recorded digests to read")
+
     def close(self) -> None:
         if self._probe is not None:
             self._probe.remove()

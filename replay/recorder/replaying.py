@@ -42,7 +42,8 @@ class Replaying:
                                               snapshot_every=0, snapshot_ring=self.cfg.snapshot_ring,
                                               spike=self.cfg.spike)
         # (step, rank, call, sample): what the parent trained on, from the start checkpoint's step to the end
-        self._ids = self.parent.read_steps(["sample_ids"], start=spec.start_checkpoint, stop=stop)["sample_ids"]
+        fields = self.parent.read_steps(["sample_ids", "sample_digest"], start=spec.start_checkpoint, stop=stop)
+        self._ids, self._digests = fields["sample_ids"], fields["sample_digest"]   # digests: a stream's run only
         self._ranks, self._optimizer, self._scheduler = ranks, optimizer, scheduler
         self._apply_attention = apply_attention
         self._check_draws = True   # the loader draws the recorded ids, until a skipped step moves its randomness
@@ -76,6 +77,15 @@ class Replaying:
     def recorded_batches(self, step: int) -> list[np.ndarray]:
         """The micro-batches this process trains of `step`: those of the recorded rank(s) it plays, in order."""
         return [b for rank in self._ranks for b in micro_batches(self.recorded_ids(step)[rank])]
+
+    def recorded_digests(self, step: int) -> list[np.ndarray]:
+        if not len(self._digests):
+            raise ReplayError(f"{self.parent.location} was recorded without the digests of a stream's samples (its "
+                              "loader was not over an IterableDataset): run the script as it was recorded")
+        row = step - self._spec.start_checkpoint
+        ids, digests = self._ids[row], self._digests[row]
+        return [digests[rank][i][ids[rank][i] >= 0] for rank in self._ranks for i in range(ids.shape[1])
+                if (ids[rank][i] >= 0).any()]
 
     def sample(self, step: int, micro: int, drawn: np.ndarray, drawn_as: tuple[int, int] | None) -> np.ndarray:
         if step > self._spec.stop:   # drawn ahead for a step past the window: never trained

@@ -134,6 +134,8 @@ STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tokens": ("int64", ("step",)),
     "step_time": ("float64", ("step",)),
     "sample_ids": ("int64", ("step", "rank", "micro", "sample")),
+    # only in runs whose data is a stream (recorder/stream.py): each sample's CRC-32C, where its id is its place
+    "sample_digest": ("uint32", ("step", "rank", "micro", "sample")),
     # every rank's digest of its model and optimizer state after the step's update, one per tensor
     # (recorder/digest.py); the tensors' names are the step log's `digests` attribute (`DigestInfo`)
     "state_digest": ("uint32", ("step", "rank", "tensor")),
@@ -146,7 +148,7 @@ STEP_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "wq_tied_err_cos": ("float64", ("step", "layer")),
 }
 NUMERICS_FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "wq_err_cos", "wq_tied_err_cos")
-OPTIONAL_FIELDS = (*NUMERICS_FIELDS, "state_digest")   # not in every step log (stores recorded before digests)
+OPTIONAL_FIELDS = (*NUMERICS_FIELDS, "state_digest", "sample_digest")   # not in every step log
 
 
 def micro_batches(ids: np.ndarray) -> list[np.ndarray]:

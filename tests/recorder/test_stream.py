@@ -1,0 +1,111 @@
+"""recorder/stream.py in this process: each sample's digest, and a stream continued from a position it gave,
+through torch's DataLoader (drawn again from its pass's start) and torchdata's StatefulDataLoader (its state)."""
+
+from __future__ import annotations
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from replay.errors import ReplayError, UsageError
+from replay.recorder.loader import Scheduled
+from replay.recorder.stream import StreamBatch, StreamLoader, sample_digests
+
+
+class Counting(IterableDataset):
+    """Samples 0..n-1 as (a 3-vector of the number, its label), in an order shuffled per epoch from torch's
+    generator as the pass begins (as a stream that draws its order does)."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.epoch)
+        for i in torch.randperm(self.n, generator=g).tolist():
+            yield torch.full((3,), float(i)), i
+
+
+def test_a_samples_digest_is_the_crc32c_of_each_field_then_of_those():
+    x = torch.arange(12, dtype=torch.int64).reshape(4, 3)
+    labels = torch.tensor([7, 8, 9, 10], dtype=torch.int16)
+    digests = sample_digests({"x": x, "label": labels})
+    for i in range(4):
+        fields = np.array([google_crc32c.value(x[i].numpy().tobytes()),
+                           google_crc32c.value(labels[i].numpy().tobytes())], dtype=np.uint32)
+        assert digests[i] == google_crc32c.value(fields.tobytes())
+    assert np.array_equal(sample_digests(x), [google_crc32c.value(row.numpy().tobytes()) for row in x])
+    texts = sample_digests(["a cat", "a dog"])
+    assert texts.tolist() == [google_crc32c.value(b"a cat"), google_crc32c.value(b"a dog")]
+    assert sample_digests((x, labels)).tolist() == digests.tolist()   # a tuple as a dict: the fields in order
+
+
+@pytest.mark.parametrize("batch, says", [
+    ({"x": torch.zeros(4, 3), "y": torch.zeros(3)}, "different numbers of samples"),
+    (torch.tensor(1.0), "a scalar tensor"),
+    ({"x": torch.zeros(2), "meta": object()}, "holds a object"),
+    ({}, "holds no tensor"),
+])
+def test_a_batch_it_cannot_digest_sample_by_sample_is_refused_in_one_line(batch, says):
+    with pytest.raises(UsageError, match=says):
+        sample_digests(batch)
+
+
+def _taken(loader: StreamLoader, taken: list[StreamBatch], count: int) -> list[torch.Tensor]:
+    return [next(loader)[0] for _ in range(count)]
+
+
+def _loader(dataloader) -> tuple[StreamLoader, list[StreamBatch]]:
+    taken: list[StreamBatch] = []
+    return StreamLoader(dataloader, taken.append), taken
+
+
+@pytest.mark.parametrize("kind", ["DataLoader", "StatefulDataLoader"])
+def test_a_stream_continues_from_the_position_before_a_batch_across_a_pass_end(kind):
+    """10 samples in batches of 4 (the last of a pass has 2): from the position before the 3rd batch taken
+    (the last of pass 0), a new loader yields what the first did after it, pass 1's order included; the
+    places count on across the pass."""
+    def make():
+        if kind == "StatefulDataLoader":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+            return StatefulDataLoader(Counting(10), batch_size=4)
+        return DataLoader(Counting(10), batch_size=4)
+
+    torch.manual_seed(0)
+    first, taken = _loader(make())
+    batches = _taken(first, taken, 6)
+    assert [b.ids.tolist() for b in taken[:4]] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    position = taken[2].before
+    assert (position["pass"], position["position"], position["place"]) == (0, 2, 8)
+    assert (position["loader"] is not None) == (kind == "StatefulDataLoader")
+    again, retaken = _loader(make())
+    again.restore(position, [])
+    assert all(torch.equal(a, b) for a, b in zip(_taken(again, retaken, 4), batches[2:], strict=True))
+    assert [b.ids.tolist() for b in retaken] == [b.ids.tolist() for b in taken[2:]]
+    assert [b.digests.tolist() for b in retaken] == [b.digests.tolist() for b in taken[2:]]
+
+
+def test_a_replayed_batch_whose_samples_are_not_the_records_stops_the_replay():
+    first, taken = _loader(DataLoader(Counting(10), batch_size=4))
+    _taken(first, taken, 2)
+    recorded = [Scheduled(7, micro, b.ids, False, b.digests) for micro, b in enumerate(taken)]
+    recorded[1].digests = recorded[1].digests.copy()
+    recorded[1].digests[3] ^= 1
+    again, retaken = _loader(DataLoader(Counting(10), batch_size=4))
+    again.restore(taken[0].before, recorded)
+    next(again)   # the record's first batch
+    with pytest.raises(ReplayError, match="step 7, micro-batch 1: the stream's sample 7 is not the recorded one"):
+        next(again)
+
+
+def test_a_restored_stream_that_ends_before_the_position_is_refused():
+    first, taken = _loader(DataLoader(Counting(10), batch_size=4))
+    _taken(first, taken, 3)
+    short, _ = _loader(DataLoader(Counting(4), batch_size=4))   # one batch a pass, where the record had three
+    short.restore(taken[2].before, [])
+    with pytest.raises(ReplayError, match="ended after fewer batches than the record drew"):
+        next(short)
