@@ -121,6 +121,7 @@ FILE_SECONDS = {
     "store/test_s3_store_integration.py": 238, "launch/test_multinode_integration.py": 229,
     "examples/test_hf_trainer_integration.py": 168, "examples/test_dataloader_integration.py": 150,
     "examples/test_nanogpt_integration.py": 138, "examples/test_accelerate_integration.py": 100,
+    "examples/test_streaming_integration.py": 70,
     "test_results_integration.py": 130,
     "bisect/test_narrow_integration.py": 127, "recorder/test_zero_integration.py": 111,
     "recorder/test_fsdp2_integration.py": 108, "examples/test_llama_integration.py": 86,
