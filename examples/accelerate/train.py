@@ -39,7 +39,7 @@ per_device_train_batch_size = 4
 gradient_accumulation_steps = 2
 learning_rate, weight_decay, num_warmup_steps = 3e-3, 0.0, 2
 max_train_steps = 12                 # optimizer steps
-mixed_precision = "no"               # accelerate's: "no", "bf16" (autocast on CPU and GPU) or "fp16" (GPU)
+mixed_precision = ""                 # accelerate's: "no", "bf16" (autocast) or "fp16" (GPU); "": `accelerate launch`'s
 use_seedable_sampler = False         # accelerate's DataLoaderConfiguration: default, a synchronised generator
 seed = 1337
 for arg in sys.argv[1:]:             # --name=value, each checked against the settings above
@@ -64,8 +64,8 @@ class Blocks(Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
-accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision,
-                          cpu=not torch.cuda.is_available(),
+accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
+                          mixed_precision=mixed_precision or None, cpu=not torch.cuda.is_available(),
                           dataloader_config=DataLoaderConfiguration(use_seedable_sampler=use_seedable_sampler))
 set_seed(seed)
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -86,7 +86,7 @@ model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, op
 
 if record:  # replay
     from replay.recorder import Loop  # replay
-    precision = {"bf16": "bf16", "fp16": "fp16"}.get(mixed_precision, "fp32")  # replay: what the Loop records
+    precision = {"bf16": "bf16", "fp16": "fp16"}.get(accelerator.mixed_precision, "fp32")  # replay: the Loop's
     loop = Loop(store, model, optimizer, scheduler=lr_scheduler, total_steps=max_train_steps,  # replay
                 precision=precision, checkpoint_every=checkpoint_every, layout="hf-llama", resume=resume)  # replay
 # accelerate's prepared loader, epoch after epoch (each pass of it is an epoch: it sets the sampler's epoch itself)

@@ -1,7 +1,7 @@
 """examples/accelerate: run_clm_no_trainer's shape (a Llama from a config, `accelerator.prepare` of the model, the
-optimizer, the DataLoader and the scheduler, `accumulate` and `backward` as written), recorded under torchrun
-(gloo, 2 ranks: accelerate's MULTI_CPU) and replayed, resumed and changed by the product's commands. Every run
-is a real process; accelerate is the real package."""
+optimizer, the DataLoader and the scheduler, `accumulate` and `backward` as written), recorded by `accelerate
+launch` and under torchrun (gloo, 2 ranks: accelerate's MULTI_CPU) and replayed, resumed and changed by the
+product's commands. Every run is a real process; accelerate is the real package."""
 
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
 PYTHON = (sys.executable,)
 BLOCKS, BATCH, ACCUM, STEPS = 64, 4, 2, 12   # 32 blocks a rank: an epoch is 8 batches, 4 steps
 SETTINGS = [f"--n_blocks={BLOCKS}", f"--per_device_train_batch_size={BATCH}",
-            f"--gradient_accumulation_steps={ACCUM}", f"--max_train_steps={STEPS}", "--checkpoint_every=3",
-            "--mixed_precision=bf16"]
+            f"--gradient_accumulation_steps={ACCUM}", f"--max_train_steps={STEPS}", "--checkpoint_every=3"]
+BF16 = "--mixed_precision=bf16"   # the script's own setting (the recording's comes from `accelerate launch`)
+# accelerate's own launcher, 2 processes on this CPU (its multi-GPU launcher is torchrun's agent, gloo without CUDA)
+ACCELERATE_LAUNCH = (str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                     "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no")
 
 
 def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: tuple[str, ...] = TORCHRUN):
@@ -41,11 +44,12 @@ def _torchrun(workdir: Path, *args: str, popen: bool = False, launcher: tuple[st
 
 @pytest.fixture(scope="module")
 def recorded(token_file, tmp_path_factory) -> Path:
-    """12 steps on 2 ranks under accelerate's BF16 mixed precision, 3 epochs of its default sampler (a
-    generator it synchronises across the ranks), checkpoints every 3 steps: at 3 and 9 in the middle of an
-    epoch, at 6 in epoch 1's."""
+    """12 steps on 2 ranks started by `accelerate launch`, under the BF16 mixed precision it configures, 3 epochs
+    of accelerate's default sampler (a generator it synchronises across the ranks), checkpoints every 3 steps: at
+    3 and 9 in the middle of an epoch, at 6 in epoch 1's."""
     workdir = tmp_path_factory.mktemp("accelerate")
-    done = _torchrun(workdir, f"--data_dir={token_file.parent}", f"--store={workdir / 'run'}", *SETTINGS)
+    done = _torchrun(workdir, f"--data_dir={token_file.parent}", f"--store={workdir / 'run'}", *SETTINGS,
+                     launcher=ACCELERATE_LAUNCH)
     assert done.returncode == 0, done.stderr
     return workdir / "run"
 
@@ -53,7 +57,8 @@ def recorded(token_file, tmp_path_factory) -> Path:
 def test_each_rank_records_its_shard_of_every_epoch_and_accelerates_autocast(recorded):
     store = RunStore.open(recorded)
     assert store.manifest.status == "complete" and store.manifest.world_size == 2
-    assert store.manifest.command.launcher == "torchrun"
+    assert store.manifest.command.launcher == "torchrun"   # what `accelerate launch` runs the ranks under
+    assert store.manifest.command.env["ACCELERATE_MIXED_PRECISION"] == "bf16"   # set again for every replay
     info = json.loads(replay_cli("info", str(recorded), "--json").stdout)
     assert info["environment"]["autocast"] == "bf16 on cpu", info["environment"]   # inside DDP, around forward
     ids = store.read_steps(["sample_ids"])["sample_ids"]
@@ -81,8 +86,10 @@ def test_replays_from_each_epoch_are_bit_for_bit_and_a_halved_rate_diverges_at_f
 
 
 def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_file, tmp_path):
+    """Under torchrun, BF16 by the script's own setting: killed after checkpoint 6 and resumed, the run is the one
+    `accelerate launch` recorded, bit for bit."""
     store = tmp_path / "cut"
-    args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS]
+    args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS, BF16]
     last = kill_after_checkpoint(_torchrun(tmp_path, *args, popen=True), store, 6)
     assert 6 <= last < STEPS
     resumed = _torchrun(tmp_path, *args, "--resume=True")
@@ -94,7 +101,7 @@ def test_a_recording_trains_as_the_script_without_replay_bit_for_bit(token_file,
     """One process, 3 epochs of the prepared loader: with its replay lines and without them (--record=False,
     run_clm's loop over the prepared loader, epoch after epoch), every step's loss and the final weights are the
     same."""
-    args = [f"--data_dir={token_file.parent}", *SETTINGS[:-1], "--n_blocks=32"]   # fp32; 32 blocks: epochs of 4 steps
+    args = [f"--data_dir={token_file.parent}", *SETTINGS, "--n_blocks=32"]   # fp32; 32 blocks: epochs of 4 steps
     recorded = _torchrun(tmp_path, *args, f"--store={tmp_path / 'run'}", f"--out={tmp_path / 'recorded.pt'}",
                          launcher=PYTHON)
     assert recorded.returncode == 0, recorded.stderr
