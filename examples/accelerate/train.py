@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator, get_scheduler
 
 # -- settings ------------------------------------------------------------------------------------------
@@ -41,6 +41,7 @@ learning_rate, weight_decay, num_warmup_steps = 3e-3, 0.0, 2
 max_train_steps = 12                 # optimizer steps
 mixed_precision = ""                 # accelerate's: "no", "bf16" (autocast) or "fp16" (GPU); "": `accelerate launch`'s
 use_seedable_sampler = False         # accelerate's DataLoaderConfiguration: default, a synchronised generator
+streaming = False                    # run_clm's --streaming: the blocks as a stream (accelerate dispatches its batches)
 seed = 1337
 for arg in sys.argv[1:]:             # --name=value, each checked against the settings above
     name, _, value = arg.removeprefix("--").partition("=")
@@ -64,6 +65,20 @@ class Blocks(Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
+class StreamedBlocks(IterableDataset):
+    """The blocks as a stream (what `datasets` gives run_clm with --streaming), shuffled each epoch by its seed."""
+
+    def __init__(self, path: str):
+        self.blocks, self.epoch = Blocks(path), 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.blocks), generator=torch.Generator().manual_seed(seed + self.epoch))
+        return (self.blocks[i] for i in order.tolist())
+
+
 accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
                           mixed_precision=mixed_precision or None, cpu=not torch.cuda.is_available(),
                           dataloader_config=DataLoaderConfiguration(use_seedable_sampler=use_seedable_sampler))
@@ -72,7 +87,8 @@ config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=block_size,
                      attn_implementation="sdpa")
 model = LlamaForCausalLM(config)
-train_dataloader = DataLoader(Blocks(os.path.join(data_dir, "train.bin")), shuffle=True,
+train_path = os.path.join(data_dir, "train.bin")
+train_dataloader = DataLoader(StreamedBlocks(train_path) if streaming else Blocks(train_path), shuffle=not streaming,
                               collate_fn=default_data_collator, batch_size=per_device_train_batch_size)
 no_decay = ["bias", "layer_norm.weight", "norm.weight"]
 groups = [{"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],

@@ -52,8 +52,7 @@ class StreamLoader:
 
     def __init__(self, dataloader: Any, take: Callable[[StreamBatch], None]):
         self._dl, self._take = dataloader, take
-        self._stateful = callable(getattr(dataloader, "state_dict", None)) \
-            and callable(getattr(dataloader, "load_state_dict", None))
+        self._stateful = _stateful(dataloader)
         self._pass_no, self._position, self._place, self._number = 0, 0, 0, 0
         self._made: torch.Tensor | None = None    # torch's state as this pass's iterator was made
         self._skip_to = 0                         # a restored pass (no state_dict): batches to draw and drop
@@ -172,6 +171,14 @@ class StreamLoader:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._dl, name)
+
+
+def _stateful(dataloader: Any) -> bool:
+    """Whether the loader says where it stands: `state_dict()` and `load_state_dict()`, which accelerate's prepared
+    loaders have always and serve only when prepared with `use_stateful_dataloader=True` (over torchdata's)."""
+    if getattr(dataloader, "use_stateful_dataloader", True) is False:
+        return False
+    return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
 
 
 def _check(scheduled: Scheduled, ids: np.ndarray, digests: np.ndarray) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 
@@ -83,6 +85,27 @@ def test_replays_from_each_epoch_are_bit_for_bit_and_a_halved_rate_diverges_at_f
     assert [(r.verification.bitwise, r.verification.level) for r in results[:2]] == [(True, "state")] * 2
     changed = results[2].verification
     assert not changed.bitwise and changed.divergence is not None and changed.divergence.step == 4
+
+
+def test_a_stream_accelerate_dispatches_is_recorded_by_place_and_digest_and_replays_bit_for_bit(token_file, tmp_path):
+    """run_clm's --streaming: the blocks as an IterableDataset, which accelerate prepares as a DataLoaderDispatcher
+    (rank 0 reads the batches of both ranks and sends each its slice): each rank's samples by their place in its
+    stream and their digests, each block once an epoch over both ranks; a replay from checkpoint 3 (in epoch
+    0) over the end of epoch 1, the stream drawn again through the dispatcher, bit for bit."""
+    store = tmp_path / "streamed"
+    done = _torchrun(tmp_path, f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS, "--streaming=True")
+    assert done.returncode == 0, done.stderr
+    steps = RunStore.open(store).read_steps(["sample_ids", "sample_digest"])
+    assert np.array_equal(steps["sample_ids"][:, 1].reshape(STEPS, -1), np.arange(STEPS * 8).reshape(STEPS, 8))
+    tokens = np.fromfile(token_file, dtype=np.uint16)[:BLOCKS * 32].astype(np.int64).reshape(BLOCKS, 32)
+    per_field = [google_crc32c.value(block.tobytes()) for block in tokens]   # input_ids, and labels the same
+    blocks = Counter(google_crc32c.value(np.array([c, c], dtype=np.uint32).tobytes()) for c in per_field)
+    for epoch in range(3):   # 4 steps an epoch
+        assert Counter(steps["sample_digest"][epoch * 4:(epoch + 1) * 4].ravel().tolist()) == blocks, epoch
+    result = replay_cli("run", str(store), "--from", "4", "--to", "9", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    v = json.loads(result.stdout)["verification"]
+    assert (v["steps"], v["bitwise"], v["level"]) == ([3, 9], True, "state")
 
 
 def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_file, tmp_path):
