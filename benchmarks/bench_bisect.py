@@ -19,8 +19,13 @@ measurement uses a 1-rank, 1-thread recording, where 2 probes fit.
    does): the script started afresh for every probe (REPLAY_RANKS=fresh) against the script kept up between
    probes (launch/script.py `ScriptServer`), on two fresh copies of the recording. The wall time is the
    session's own (Ray's start included). Target: >= 3x.
+5. `replay session` against `replay run`s: three replays of that nanoGPT recording (two plain windows and an
+   emulated BF16 attention from step 90) as three `replay run` commands and as one `replay session` of the
+   same three lines (the script started once), on fresh copies, in alternating order, twice each.
 
     .venv/bin/python benchmarks/bench_bisect.py [--quick | --only-nanogpt]   (BENCH_SAY=1: each bisect's own lines too)
+
+(`--only-nanogpt`: sections 4 and 5.)
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import io
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_analysis import cli, hardware  # noqa: E402
-from replay.lifeline import follow_parent  # noqa: E402
+from replay.lifeline import child_env, follow_parent  # noqa: E402
 from tests.bisect.planted import RECORD_ARGS, plant_degenerate_samples  # noqa: E402
 from tests.examples.planted import plant_nanogpt_run  # noqa: E402
 
@@ -122,6 +129,30 @@ def nanogpt_data_bisect(root: Path) -> None:
           f"{fresh['batches'] == kept['batches'] and fresh['samples'] == kept['samples']})")
 
 
+SESSION = ["--from 88 --to 92 --verify", "--from 90 --to 93 --attention reference-emu:dtype=bf16 --layers 0",
+           "--from 80 --to 84 --verify"]
+
+
+def session_vs_runs(planted: Path, root: Path) -> None:
+    """Section 5: the same replays as `replay run` commands and as one `replay session`."""
+    times: dict[str, list[float]] = {"replay run x3": [], "replay session": []}
+    for round_ in range(2):
+        for how in (list(times) if round_ % 2 == 0 else list(reversed(times))):
+            copy = fresh_copy(planted, root / f"session-{round_}-{how.replace(' ', '-')}")
+            t = time.perf_counter()
+            if how == "replay session":
+                out = subprocess.run([sys.executable, "-m", "replay", "session", str(copy)], input="\n".join(SESSION),
+                                     capture_output=True, text=True, check=True, env=child_env())
+                assert "the script was started once" in out.stderr, out.stderr
+            else:
+                for line in SESSION:
+                    cli("run", str(copy), *line.split())
+            times[how].append(time.perf_counter() - t)
+    runs, session = (statistics.median(v) for v in times.values())
+    print(f"nanoGPT example, 1 process, {len(SESSION)} replays: as `replay run`s {runs:.1f} s, as one `replay "
+          f"session` {session:.1f} s (medians of 2): {runs / session:.1f}x")
+
+
 def main() -> None:
     import argparse
 
@@ -135,6 +166,7 @@ def main() -> None:
     try:
         if args.only_nanogpt:
             nanogpt_data_bisect(root)
+            session_vs_runs(root / "nanogpt-planted", root)
             return
         if args.quick:
             plant_degenerate_samples(root / "train.bin", 37, [1, 6])
@@ -158,6 +190,7 @@ def main() -> None:
 
         warm_vs_fresh(["--data", str(root / "train.bin"), *RECORD_ARGS], root, [(30, 39), (31, 40), (32, 41)])
         nanogpt_data_bisect(root)
+        session_vs_runs(root / "nanogpt-planted", root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
