@@ -24,6 +24,7 @@ from replay.config import PRECISIONS, Launcher, build_config
 from replay.demo import run_demo
 from replay.errors import ReplayError, UsageError
 from replay.launch import ranks
+from replay.launch.forkserver import ForkServer
 from replay.launch.job import RankLauncher
 from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
@@ -354,21 +355,31 @@ def session(store, lines) -> None:
     taken = lent is not None and lent.takes(manifest.launcher, manifest.world_size)
     own = None if taken else ranks.kept_up(manifest)
     kept = own or lent
-    failed: list[int] = []
+    failed: dict[int, int] = {}   # line -> its exit status
     replays = 0
     try:
         for number, line in enumerate(lines, 1):
-            args = shlex.split(line, comments=True)
+            try:
+                args = shlex.split(line, comments=True)
+            except ValueError as e:   # an unclosed quote
+                replays += 1
+                click.echo(f"error: line {number} of the input: {e}", err=True)
+                failed[number] = 2
+                continue
             if args[:1] == ["run"]:
                 args = args[1:]
             if not args:
                 continue
             replays += 1
             click.echo(f"$ replay run {store} {shlex.join(args)}", err=True)
-            if _session_line(ctx, store, args, kept) != 0:
-                failed.append(number)
+            if isinstance(kept, ScriptServer):
+                kept.refused = None   # said for the line whose replay it refused
+            code = _session_line(ctx, store, args, kept)
+            if code != 0:
+                failed[number] = code
             if isinstance(kept, ScriptServer) and kept.refused is not None:
                 click.echo(f"the script is started afresh from here on: {kept.refused}", err=True)
+        forked = isinstance(kept, ForkServer) and kept.pid is not None
     finally:
         if own is not None:
             own.close()
@@ -378,9 +389,12 @@ def session(store, lines) -> None:
         summary += f", {len(failed)} failed ({lines_of} {', '.join(map(str, failed))} of the input)"
     if isinstance(kept, ScriptServer) and kept.starts:
         summary += "; the script was started " + ("once" if kept.starts == 1 else f"{kept.starts} times")
+    if forked:
+        summary += "; the ranks were forked from one fork server"
     click.echo(summary, err=True)
-    if failed:
-        sys.exit(2)   # each failed line said why in its own `error:` line
+    if failed:   # each failed line said why in its own `error:` line; their status if they share one
+        codes = set(failed.values())
+        sys.exit(codes.pop() if len(codes) == 1 else 2)
 
 
 def _session_line(ctx: click.Context, store: Location, args: list[str], kept: RankLauncher | None) -> int:
@@ -392,6 +406,8 @@ def _session_line(ctx: click.Context, store: Location, args: list[str], kept: Ra
     except click.UsageError as e:
         _one_line(e).show()
         return 2
+    except click.exceptions.Exit as e:   # --help: printed
+        return e.exit_code
     except SystemExit as e:   # `_main_errors` said the error
         if e.code == 130:   # interrupted: the session ends with its line
             raise

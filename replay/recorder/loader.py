@@ -147,6 +147,10 @@ class RecordedLoader:
         if self._it is not None:
             raise UsageError("loop.loader(...): the loader was iterated before the run's first step restored its "
                              "checkpoint; take its first batch inside `for step in loop.steps()` or just before it")
+        if state.get("kind") == "stream":
+            raise UsageError("loop.loader(...): the checkpoint this run starts from was recorded with a loader over an "
+                             "IterableDataset (a stream), this one samples a map-style dataset: run the script as it "
+                             "was recorded")
         if state.get("format") != FORMAT:
             raise UsageError("loop.loader(...): this checkpoint's data loader state was recorded by an earlier "
                              "version of replay (its sampler drew from the loader's own generators): replay or resume "

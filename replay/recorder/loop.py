@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -461,7 +462,7 @@ class Loop:
             raise UsageError("loop.loader(...): the checkpoint this run starts from was recorded without a loader "
                              "(its batches went through loop.sample_ids): run the script as it was recorded")
         if isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset):
-            self._loader = StreamLoader(dataloader, self._took)
+            self._loader = StreamLoader(dataloader, self._took, follows=lambda: self._mode.follows_record)
         else:
             self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed(),
                                           tell=not self.replaying and self.rank == 0,
@@ -586,11 +587,12 @@ class Loop:
         window = self._mode.window
         if window is None:
             return []
-        fed = isinstance(self._loader, StreamLoader)
-        return [Scheduled(step, micro, ids, skips and step in window.skip,
-                          self._mode.recorded_digests(step)[micro] if fed else None)
+        streamed = isinstance(self._loader, StreamLoader)
+        return [Scheduled(step, micro, ids, skips and step in window.skip, digests)
                 for step in range(self.recorder.first_step(), window.stop + 1)
-                for micro, ids in enumerate(self._mode.recorded_batches(step))]
+                for micro, (ids, digests) in enumerate(zip(
+                    self._mode.recorded_batches(step),
+                    self._mode.recorded_digests(step) if streamed else itertools.repeat(None), strict=False))]
 
     def _checkpointed(self) -> dict[str, Any]:
         """What every checkpoint keeps of the loop: the draws ahead of the step it starts (a prefetch), and the
@@ -630,12 +632,14 @@ class Loop:
                 f"step {now.number} trained on other samples than the record's"
         self._mode.check_step(autocast_used=now.autocast)
         lr = self.optimizer.param_groups[0]["lr"] if lr is None else lr
-        fed = ([d.batch.digests for d in now.draws[:trained] if isinstance(d.batch, StreamBatch)]
-               if isinstance(self._loader, StreamLoader) else None)
+        streamed = None
+        if isinstance(self._loader, StreamLoader):   # every draw is the stream's (loop.sample_ids refuses otherwise)
+            streamed = [d.batch.digests for d in now.draws[:trained] if isinstance(d.batch, StreamBatch)]
+            assert len(streamed) == trained, "a stream's step draws from the stream only"
         event = self.recorder.record_step(now.number, sample_ids=[d.ids.reshape(-1) for d in now.draws[:trained]],
                                           loss=_losses(loss), grad_norm=_number(grad_norm), lr=float(lr),
                                           tokens=int(tokens), numerics=numerics, counts=self._mode.counted(),
-                                          finish=False, sample_digests=fed)
+                                          finish=False, sample_digests=streamed)
         self._mode.reached(now.number, self.recorder.counted)
         # checkpointed when the next step begins (or at close): it must hold what the script does after log
         self._unfinished = (now.number, event)
@@ -666,7 +670,7 @@ class Loop:
         self.recorder.record_skipped(now.number, sample_ids=self._mode.skip(now.number),
                                      lr=self.optimizer.param_groups[0]["lr"],
                                      numerics=self._skipped_numerics() if self._skipped_numerics else None,
-                                     finish=False, fed=isinstance(self._loader, StreamLoader))
+                                     finish=False, streamed=isinstance(self._loader, StreamLoader))
         if step_scheduler and self.scheduler is not None:
             self.scheduler.step()
         self._unfinished = (now.number, None)   # checkpointed when the next step begins: with the scheduler's step

@@ -255,17 +255,17 @@ class Recorder:
             sample_ids = np.concatenate([sample_ids, self._padded_like(sample_ids, sample_digests)], axis=-1)
         rank_loss, all_ids, all_tokens, digests, self.counted = self._gather(loss, sample_ids, tokens,
                                                                              _padded(digest, width), counts)
-        fed: dict[str, np.ndarray] = {}
+        by_digest: dict[str, np.ndarray] = {}
         if sample_digests is not None:
             half = all_ids.shape[-1] // 2
-            all_ids, fed = all_ids[..., :half], {"sample_digest": all_ids[..., half:].astype(np.uint32)}
+            all_ids, by_digest = all_ids[..., :half], {"sample_digest": all_ids[..., half:].astype(np.uint32)}
         global_loss = self.last_loss = float(rank_loss[0] if len(rank_loss) == 1 else np.mean(rank_loss))
         if self.coordinator and step == 0 and self.world > 1 and self.start_from is None:
-            _warn_if_unsplit(all_ids, fed.get("sample_digest"))
+            _warn_if_unsplit(all_ids, by_digest.get("sample_digest"))
         if self.coordinator:
             self._rows.append({"loss": global_loss, "rank_loss": rank_loss, "grad_norm": float(grad_norm),
                                "lr": float(lr), "tokens": int(all_tokens), "step_time": step_time,
-                               "sample_ids": all_ids, "state_digest": digests, **fed, **(numerics or {})})
+                               "sample_ids": all_ids, "state_digest": digests, **by_digest, **(numerics or {})})
         event = self.detector.update(step, global_loss)   # every rank sees the same gathered losses
         if finish:
             self.finish_step(step, event)
@@ -286,11 +286,12 @@ class Recorder:
             self._flush_rows()
 
     def record_skipped(self, step: int, *, sample_ids: np.ndarray, lr: float,
-                       numerics: dict[str, np.ndarray] | None = None, finish: bool = True, fed: bool = False) -> None:
+                       numerics: dict[str, np.ndarray] | None = None, finish: bool = True,
+                       streamed: bool = False) -> None:
         """A step whose batch was deliberately not trained on (a replay's --skip): a row of NaN metrics
         with sample ids -1 and no state digests (zeros; verification leaves skipped steps out), unseen by the
-        spike detector; checkpoint cadence as usual (`finish` as for `record_step`). `fed`: the run's data is a
-        stream, whose sample digests the row has too (zeros)."""
+        spike detector; checkpoint cadence as usual (`finish` as for `record_step`). `streamed`: the run's data is
+        a stream, whose sample digests the row has too (zeros)."""
         if self.coordinator:
             self._last_time = time.perf_counter()
             self._rows.append({"loss": np.nan, "rank_loss": np.full(self.world, np.nan), "grad_norm": np.nan,
@@ -298,7 +299,7 @@ class Recorder:
                                "sample_ids": np.full((self.world, *self._skipped_shape(sample_ids)), -1),
                                "state_digest": np.zeros((self.world, self._digest_width()), dtype=np.uint32),
                                **({"sample_digest": np.zeros((self.world, *self._skipped_shape(sample_ids)),
-                                                             dtype=np.uint32)} if fed else {}),
+                                                             dtype=np.uint32)} if streamed else {}),
                                **(numerics or {})})
         if finish:
             self.finish_step(step, None)
@@ -373,7 +374,8 @@ class Recorder:
                 counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray | None]:
         """Every recorded rank's loss, (micro, sample) ids and state digests, in rank order, the tokens of all,
         and `counts` summed over the processes; `ids`: this process's ranks', `digest`: its state's (each rank
-        it plays holds that state). One all_gather of float64 (ids < 2**53, 32-bit digests, counts: exact)."""
+        it plays holds that state). One all_gather of float64 (ids < 2**53, a stream's 32-bit sample digests beside
+        them, 32-bit state digests, counts: exact)."""
         losses = np.asarray(loss, dtype=np.float64).reshape(len(self.ranks))
         played = len(self.ranks)
         counts = None if counts is None else np.asarray(counts, dtype=np.int64)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from replay.errors import ReplayError, UsageError
 from replay.recorder.loader import Scheduled
@@ -50,15 +51,23 @@ class StreamBatch:
 class StreamLoader:
     """`loop.loader(dataloader)` over an IterableDataset; `take` is told of every batch the script takes."""
 
-    def __init__(self, dataloader: Any, take: Callable[[StreamBatch], None]):
-        self._dl, self._take = dataloader, take
+    def __init__(self, dataloader: Any, take: Callable[[StreamBatch], None],
+                 follows: Callable[[], bool] = lambda: True):
+        self._dl, self._take, self._follows = dataloader, take, follows
+        self._base = getattr(dataloader, "base_dataloader", dataloader)   # accelerate's prepared loaders wrap one
         self._stateful = _stateful(dataloader)
+        if not self._stateful and getattr(self._base, "persistent_workers", False):
+            raise UsageError("loop.loader(...): a stream through a DataLoader with persistent_workers=True cannot be "
+                             "continued inside a later pass (its workers' generators carry on from pass to pass): use "
+                             "persistent_workers=False, or a loader with state_dict() (torchdata's StatefulDataLoader)")
         self._pass_no, self._position, self._place, self._number = 0, 0, 0, 0
-        self._made: torch.Tensor | None = None    # torch's state as this pass's iterator was made
-        self._skip_to = 0                         # a restored pass (no state_dict): batches to draw and drop
-        self._made_from: torch.Tensor | None = None   # ... and the state its iterator is made from
+        self._made: torch.Tensor | None = None   # the generator state this pass's DataLoader iterator was made from
+        self._skip_to = 0                        # a restored pass (no state_dict): batches to draw and drop
+        self._made_from: torch.Tensor | None = None   # ... and the state its iterator is to be made from
         self._schedule: deque[Scheduled] = deque()
         self._it: Iterator[Any] | None = None
+        if not self._stateful and isinstance(self._base, DataLoader):   # past its guard: never iterated yet
+            object.__setattr__(self._base, "_get_iterator", self._make_iterator)
 
     # -- what the checkpoint keeps, and a restore from it --------------------------------------------
 
@@ -71,7 +80,9 @@ class StreamLoader:
         return {"format": FORMAT, "kind": "stream", "pass": self._pass_no, "position": self._position,
                 "place": self._place, "number": self._number,
                 "loader": self._dl.state_dict() if self._stateful else None,
-                "iterator": None if self._stateful else self._made}
+                # a position inside a pass: the state the pass's iterator was made from, for a replay to make it so
+                # (at a pass's start the replay makes it as the record did, from the generator as it then is)
+                "iterator": self._made if not self._stateful and self._position > 0 else None}
 
     def restore(self, state: dict[str, Any], schedule: list[Scheduled]) -> None:
         """Continue the stream from a checkpoint's `state`; a replay checks each batch against `schedule`."""
@@ -125,13 +136,15 @@ class StreamLoader:
 
     def _batch(self, data: Any, before: dict[str, Any]) -> StreamBatch | None:
         digests = sample_digests(data)
+        if not len(digests):
+            raise UsageError("loop.loader(...): the stream yielded a batch of no samples; replay records each sample")
         ids = np.arange(self._place, self._place + len(digests), dtype=np.int64)
         self._number, self._position, self._place = self._number + 1, self._position + 1, self._place + len(ids)
         scheduled = self._schedule.popleft() if self._schedule else None
         if scheduled is None:
             return StreamBatch(ids, digests, before)
         if scheduled.digests is not None:
-            _check(scheduled, ids, digests)
+            _check(scheduled, ids, digests, self._follows())
         if scheduled.skipped:
             return None
         return StreamBatch(ids, digests, before, (scheduled.step, scheduled.micro))
@@ -140,17 +153,9 @@ class StreamLoader:
         set_epoch = getattr(getattr(self._dl, "dataset", None), "set_epoch", None)
         if callable(set_epoch):   # an HF datasets stream reshuffles its shards by it
             set_epoch(self._pass_no)
-        made_from, self._made_from = self._made_from, None
-        self._made = made_from if made_from is not None else torch.get_rng_state()
-        if made_from is None or getattr(self._dl, "generator", None) is not None:
-            self._it = iter(self._dl)
-        else:   # the record's iterator again: its workers' seeds drawn from the state the record drew them from
-            self._dl.generator = torch.Generator()
-            self._dl.generator.set_state(made_from)
-            try:
-                self._it = iter(self._dl)
-            finally:
-                self._dl.generator = None
+        if hasattr(self._dl, "iteration"):   # accelerate's loader sets the epoch from its own count of passes
+            self._dl.iteration = self._pass_no
+        self._it = iter(self._dl)
         for _ in range(self._skip_to):   # a restored pass of a loader without state: on to the position
             if next(self._it, None) is None:
                 raise ReplayError(f"the stream's pass {self._pass_no} ended after fewer batches than the record "
@@ -161,11 +166,31 @@ class StreamLoader:
     def __len__(self) -> int:
         return len(self._dl)
 
+    def _make_iterator(self) -> Any:
+        """The DataLoader makes an iterator, drawing its workers' base seed from its own generator or torch's: in a
+        restored pass, from the state the record drew it from (the training's generator is not drawn from)."""
+        base = self._base
+        own = base.generator
+        recorded, self._made_from = self._made_from, None
+        if recorded is None:
+            self._made = own.get_state() if own is not None else torch.get_rng_state()
+            return DataLoader._get_iterator(base)
+        self._made = recorded
+        if own is not None:
+            own.set_state(recorded)
+            return DataLoader._get_iterator(base)
+        base.generator = torch.Generator()
+        base.generator.set_state(recorded)
+        try:
+            return DataLoader._get_iterator(base)
+        finally:
+            base.generator = None
+
     def close(self) -> None:
         """Let go of the loader's iterator, whose workers then stop."""
         self._it = None
-        if getattr(self._dl, "_iterator", None) is not None:   # persistent workers: the DataLoader keeps it too
-            self._dl._iterator = None
+        if getattr(self._base, "_iterator", None) is not None:   # persistent workers: the DataLoader keeps it too
+            self._base._iterator = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -181,8 +206,9 @@ def _stateful(dataloader: Any) -> bool:
     return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
 
 
-def _check(scheduled: Scheduled, ids: np.ndarray, digests: np.ndarray) -> None:
-    """A replay's batch against the record's: the same places, the same samples."""
+def _check(scheduled: Scheduled, ids: np.ndarray, digests: np.ndarray, follows: bool) -> None:
+    """A replay's batch against the record's: the same places, the same samples. `follows`: the replay's
+    generators still draw as the record's (no skipped step or attention plan has moved them yet)."""
     assert scheduled.digests is not None
     where = f"step {scheduled.step}, micro-batch {scheduled.micro}"
     if len(ids) != len(scheduled.ids) or not np.array_equal(ids, scheduled.ids):
@@ -192,10 +218,14 @@ def _check(scheduled: Scheduled, ids: np.ndarray, digests: np.ndarray) -> None:
     differ = np.flatnonzero(digests != scheduled.digests)
     if len(differ):
         i = int(differ[0])
+        why = ("the data, its order or its preprocessing changed since the recording, or the stream is not "
+               "deterministic") if follows else (
+               "this replay moved torch's generator (a skipped step, an attention plan) before a new pass began, and "
+               "the stream's workers draw from the seeds it gives them: such a stream replays bit for bit only "
+               "without overrides past a pass's end")
         raise ReplayError(f"{where}: the stream's sample {ids[i]} is not the recorded one (its digest "
                           f"{int(digests[i]):08x}, the record's {int(scheduled.digests[i]):08x}; {len(differ)} of the "
-                          f"batch's {len(ids)} samples differ): the data, its order or its preprocessing changed "
-                          "since the recording, or the stream is not deterministic")
+                          f"batch's {len(ids)} samples differ): {why}")
 
 
 # -- each sample's digest ------------------------------------------------------------------------------

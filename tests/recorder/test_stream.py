@@ -55,7 +55,7 @@ def test_a_batch_it_cannot_digest_sample_by_sample_is_refused_in_one_line(batch,
         sample_digests(batch)
 
 
-def _taken(loader: StreamLoader, taken: list[StreamBatch], count: int) -> list[torch.Tensor]:
+def _taken(loader: StreamLoader, count: int) -> list[torch.Tensor]:
     return [next(loader)[0] for _ in range(count)]
 
 
@@ -77,21 +77,21 @@ def test_a_stream_continues_from_the_position_before_a_batch_across_a_pass_end(k
 
     torch.manual_seed(0)
     first, taken = _loader(make())
-    batches = _taken(first, taken, 6)
+    batches = _taken(first, 6)
     assert [b.ids.tolist() for b in taken[:4]] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
     position = taken[2].before
     assert (position["pass"], position["position"], position["place"]) == (0, 2, 8)
     assert (position["loader"] is not None) == (kind == "StatefulDataLoader")
     again, retaken = _loader(make())
     again.restore(position, [])
-    assert all(torch.equal(a, b) for a, b in zip(_taken(again, retaken, 4), batches[2:], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_taken(again, 4), batches[2:], strict=True))
     assert [b.ids.tolist() for b in retaken] == [b.ids.tolist() for b in taken[2:]]
     assert [b.digests.tolist() for b in retaken] == [b.digests.tolist() for b in taken[2:]]
 
 
 def test_a_replayed_batch_whose_samples_are_not_the_records_stops_the_replay():
     first, taken = _loader(DataLoader(Counting(10), batch_size=4))
-    _taken(first, taken, 2)
+    _taken(first, 2)
     recorded = [Scheduled(7, micro, b.ids, False, b.digests) for micro, b in enumerate(taken)]
     recorded[1].digests = recorded[1].digests.copy()
     recorded[1].digests[3] ^= 1
@@ -104,8 +104,13 @@ def test_a_replayed_batch_whose_samples_are_not_the_records_stops_the_replay():
 
 def test_a_restored_stream_that_ends_before_the_position_is_refused():
     first, taken = _loader(DataLoader(Counting(10), batch_size=4))
-    _taken(first, taken, 3)
+    _taken(first, 3)
     short, _ = _loader(DataLoader(Counting(4), batch_size=4))   # one batch a pass, where the record had three
     short.restore(taken[2].before, [])
     with pytest.raises(ReplayError, match="ended after fewer batches than the record drew"):
         next(short)
+
+
+def test_a_plain_dataloader_with_persistent_workers_is_refused_in_one_line():
+    with pytest.raises(UsageError, match="persistent_workers=True cannot be continued inside a later pass"):
+        StreamLoader(DataLoader(Counting(10), batch_size=4, num_workers=2, persistent_workers=True), lambda b: None)
