@@ -251,8 +251,10 @@ class Recorder:
         digest = self.digest()
         micro = [np.asarray(a, dtype=np.int64).reshape(-1) for a in sample_ids]
         sample_ids, width = self._agree(step, micro, len(digest))
-        if sample_digests is not None:   # shaped as the ids (uint32 < 2**53: exact in the ids' gather)
-            sample_ids = np.concatenate([sample_ids, self._padded_like(sample_ids, sample_digests)], axis=-1)
+        if sample_digests is not None:   # laid out as the ids (uint32 < 2**53: exact in the ids' gather)
+            digests_laid = _laid_out([np.asarray(d, dtype=np.int64).reshape(-1) for d in sample_digests],
+                                     sample_ids.shape[0], sample_ids.shape[1:], 0)
+            sample_ids = np.concatenate([sample_ids, digests_laid], axis=-1)
         rank_loss, all_ids, all_tokens, digests, self.counted = self._gather(loss, sample_ids, tokens,
                                                                              _padded(digest, width), counts)
         by_digest: dict[str, np.ndarray] = {}
@@ -350,22 +352,7 @@ class Recorder:
             raise UsageError(f"step {step} trains on {shape[0]} micro-batch(es) of up to {shape[1]} samples; the run's "
                              f"first step trained on {self._ids_shape[0]} of {self._ids_shape[1]}: later steps may "
                              "train on fewer or smaller micro-batches, never more or larger")
-        padded = np.full((len(groups), *self._ids_shape), -1, dtype=np.int64)
-        for played, group in enumerate(groups):
-            for i, a in enumerate(group):
-                padded[played, i, :len(a)] = a
-        return padded, max(r[3] for r in rows)
-
-    @staticmethod
-    def _padded_like(ids: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
-        """`values`, one array per micro-batch as the ids were given, laid out as `_agree` laid out the ids (0 where
-        they are padded)."""
-        out = np.zeros(ids.shape, dtype=np.int64)
-        per = len(values) // ids.shape[0]
-        for played in range(ids.shape[0]):
-            for i, a in enumerate(values[played * per:(played + 1) * per]):
-                out[played, i, :len(a)] = np.asarray(a, dtype=np.int64).reshape(-1)
-        return out
+        return _laid_out(micro, len(groups), self._ids_shape, -1), max(r[3] for r in rows)
 
     def _skipped_shape(self, sample_ids: np.ndarray) -> tuple[int, ...]:
         return self._ids_shape if self._ids_shape is not None else np.shape(sample_ids)
@@ -478,6 +465,17 @@ def _warn_if_unsplit(ids: np.ndarray, digests: np.ndarray | None = None) -> None
               "ranks, so each repeats the others' work (give the DataLoader a DistributedSampler, or let "
               "accelerate's prepare or Lightning wrap the loader before loop.loader(...); a stream shards itself "
               "by rank)", file=sys.stderr, flush=True)
+
+
+def _laid_out(micro: list[np.ndarray], played: int, shape: tuple[int, ...], fill: int) -> np.ndarray:
+    """The micro-batches of the `played` ranks (theirs in order, as many each) as (rank, micro, sample), padded
+    with `fill`."""
+    out = np.full((played, *shape), fill, dtype=np.int64)
+    per = len(micro) // played
+    for rank in range(played):
+        for i, a in enumerate(micro[rank * per:(rank + 1) * per]):
+            out[rank, i, :len(a)] = a
+    return out
 
 
 def _fills(micro: list[np.ndarray], shape: tuple[int, int]) -> bool:
