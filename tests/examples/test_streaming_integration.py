@@ -159,16 +159,17 @@ def test_a_recording_killed_mid_run_resumes_to_the_uninterrupted_one(recorded, d
 
 
 def test_bisect_names_the_step_whose_windows_were_overwritten_in_the_token_file(data_dir, tmp_path):
-    """A run of 78 steps over a stream of 1300 windows (one pass, no workers): write random bytes above 127
-    (never in Python source) over the windows its step 75 drew on both ranks (found by their digests), record
-    again (the stream's order does not depend on what the windows hold): the loss jumps there, far above the
-    steps before it (the detector's baseline), and a data bisect names that step's batches."""
-    settings = ["--n_windows=1300", "--max_iters=78", "--checkpoint_every=6", "--num_workers=0"]
-    clean = run_example(EXAMPLE, tmp_path, f"--data_dir={data_dir}", f"--store={tmp_path / 'clean'}", *settings)
+    """One process, 78 steps over a stream of 700 windows (one pass, no workers): write random bytes above 127
+    (never in Python source) over the windows its step 75 drew (found by their digests), record again (the
+    stream's order does not depend on what the windows hold): the loss jumps there, far above the steps before
+    it (the detector's baseline), and a data bisect names that step's batches by their places."""
+    settings = ["--n_windows=700", "--max_iters=78", "--checkpoint_every=6", "--num_workers=0"]
+    clean = run_example(EXAMPLE, tmp_path, f"--data_dir={data_dir}", f"--store={tmp_path / 'clean'}", *settings,
+                        launcher=ONE_PROCESS)
     assert clean.returncode == 0, clean.stderr
     poisoned = tmp_path / "data"
     shutil.copytree(data_dir, poisoned)
-    windows = window_digests(data_dir / "train.bin", 1300)
+    windows = window_digests(data_dir / "train.bin", 700)
     drawn = RunStore.open(tmp_path / "clean").read_steps(["sample_digest"])["sample_digest"][75]
     tokens = np.memmap(poisoned / "train.bin", dtype=np.uint16, mode="r+")
     noise = np.random.default_rng(0)
@@ -176,12 +177,13 @@ def test_bisect_names_the_step_whose_windows_were_overwritten_in_the_token_file(
         tokens[w * BLOCK:(w + 1) * BLOCK + 1] = noise.integers(128, 256, BLOCK + 1)
     tokens.flush()
     store = tmp_path / "spiked"
-    done = run_example(EXAMPLE, tmp_path, f"--data_dir={poisoned}", f"--store={store}", *settings)
+    done = run_example(EXAMPLE, tmp_path, f"--data_dir={poisoned}", f"--store={store}", *settings,
+                       launcher=ONE_PROCESS)
     assert done.returncode == 0, done.stderr
     assert [e["step"] for e in RunStore.open(store).spikes] == [75]
     result = replay_cli("bisect", str(store), "--by", "data", "--json")
     assert result.returncode == 0, result.stderr
     verdict = json.loads(result.stdout)["verdict"]
     assert verdict["batches"] == [75], verdict
-    assert "in the stream: step 75 rank 0: samples 600..607; step 75 rank 1: samples 600..607" in result.stderr
+    assert "in the stream: step 75 rank 0: samples 600..607 (`replay batch" in result.stderr
     assert "started afresh" not in result.stderr
