@@ -22,6 +22,7 @@ as with a sampler's loader (recorder/loader.py): the checkpoint's position is th
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class StreamLoader:
         self._dl, self._take, self._follows = dataloader, take, follows
         self._base = getattr(dataloader, "base_dataloader", dataloader)   # accelerate's prepared loaders wrap one
         self._stateful = _stateful(dataloader)
+        self._state_base: Any = None   # the class whose state_dict() is storable, where the loader's is not
         if not self._stateful and getattr(self._base, "persistent_workers", False):
             raise UsageError("loop.loader(...): a stream through a DataLoader with persistent_workers=True cannot be "
                              "continued inside a later pass (its workers' generators carry on from pass to pass): use "
@@ -79,10 +81,28 @@ class StreamLoader:
     def _where(self) -> dict[str, Any]:
         return {"format": FORMAT, "kind": "stream", "pass": self._pass_no, "position": self._position,
                 "place": self._place, "number": self._number,
-                "loader": self._dl.state_dict() if self._stateful else None,
+                "loader": self._loader_state() if self._stateful else None,
+                "loader_class": self._state_base.__name__ if self._state_base is not None else None,
                 # a position inside a pass: the state the pass's iterator was made from, for a replay to make it so
                 # (at a pass's start the replay makes it as the record did, from the generator as it then is)
                 "iterator": self._made if not self._stateful and self._position > 0 else None}
+
+    def _loader_state(self) -> Any:
+        """The loader's state_dict() now, copied (a state may hold the live buffers a later batch changes: a
+        packing dataset's tokens), as the store can keep it (no pickle). A loader that pickles the state of the
+        StatefulDataLoader it is (torchtitan's, per data-parallel rank) gives that state unpickled instead."""
+        if self._state_base is not None:
+            return copy.deepcopy(self._state_base.state_dict(self._dl))
+        state = self._dl.state_dict()
+        if _storable(state):
+            return copy.deepcopy(state)
+        base: Any = next((c for c in type(self._dl).__mro__[1:] if c.__name__ == "StatefulDataLoader"), None)
+        if base is None or not _storable(state := base.state_dict(self._dl)):
+            raise UsageError(f"loop.loader(...): the loader's state_dict() holds what the store keeps only as pickle "
+                             f"({_unstorable(state)}); replay stores no pickle: give loop.loader a loader whose state "
+                             "is numbers, strings, lists, dicts and tensors")
+        self._state_base = base
+        return copy.deepcopy(state)
 
     def restore(self, state: dict[str, Any], schedule: list[Scheduled]) -> None:
         """Continue the stream from a checkpoint's `state`; a replay checks each batch against `schedule`."""
@@ -99,7 +119,9 @@ class StreamLoader:
                              f"{'had not' if self._stateful else 'had'}: run the script as it was recorded")
         self._pass_no, self._place, self._number = int(state["pass"]), int(state["place"]), int(state["number"])
         if self._stateful:
-            self._dl.load_state_dict(state["loader"])
+            if state.get("loader_class"):   # the state of the StatefulDataLoader it is (`_loader_state`)
+                self._state_base = next(c for c in type(self._dl).__mro__ if c.__name__ == state["loader_class"])
+            (self._state_base or type(self._dl)).load_state_dict(self._dl, state["loader"])
             self._position, self._skip_to, self._made_from = int(state["position"]), 0, None
         else:
             self._position, self._skip_to = 0, int(state["position"])
@@ -204,6 +226,26 @@ def _stateful(dataloader: Any) -> bool:
     if getattr(dataloader, "use_stateful_dataloader", True) is False:
         return False
     return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
+
+
+def _storable(tree: Any) -> bool:
+    return _unstorable(tree) is None
+
+
+def _unstorable(tree: Any) -> str | None:
+    """The first value of a state tree the store cannot keep without pickle, named by its type; None if none."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if not isinstance(key, str):
+                return f"a {type(key).__name__} key"
+            if (found := _unstorable(value)) is not None:
+                return found
+        return None
+    if isinstance(tree, (list, tuple)):
+        return next((found for value in tree if (found := _unstorable(value)) is not None), None)
+    if tree is None or isinstance(tree, (bool, int, float, str, torch.Tensor, np.ndarray)):
+        return None
+    return type(tree).__name__
 
 
 def _check(scheduled: Scheduled, ids: np.ndarray, digests: np.ndarray, follows: bool) -> None:

@@ -114,3 +114,67 @@ def test_a_restored_stream_that_ends_before_the_position_is_refused():
 def test_a_plain_dataloader_with_persistent_workers_is_refused_in_one_line():
     with pytest.raises(UsageError, match="persistent_workers=True cannot be continued inside a later pass"):
         StreamLoader(DataLoader(Counting(10), batch_size=4, num_workers=2, persistent_workers=True), lambda b: None)
+
+
+class Packing(IterableDataset):
+    """Documents 0..n-1 of 3 tokens each packed into rows of 2 tokens, stateful as torchdata asks, its state the
+    live buffer it packs into (as torchtitan's text dataset keeps its token buffers): the tokens left over after a
+    row wait in it, and a later batch changes what an earlier state_dict() returned."""
+
+    def __init__(self, n: int):
+        self.n, self.buffer, self.next = n, [], 0
+
+    def state_dict(self):
+        return {"buffer": self.buffer, "next": self.next}
+
+    def load_state_dict(self, state):
+        self.buffer, self.next = list(state["buffer"]), state["next"]
+
+    def __iter__(self):
+        while self.next < self.n:
+            self.buffer.extend([self.next] * 3)
+            self.next += 1
+            while len(self.buffer) >= 2:
+                row = torch.tensor(self.buffer[:2])
+                del self.buffer[:2]
+                yield row
+
+
+def _pickling_loader(dataset):
+    """A StatefulDataLoader that pickles its state per rank, the shape of torchtitan's ParallelAwareDataloader."""
+    import pickle
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Pickling(StatefulDataLoader):
+        def state_dict(self):
+            return {"dp_rank_0": pickle.dumps(super().state_dict()), "world_size": 1}
+
+        def load_state_dict(self, state):
+            super().load_state_dict(pickle.loads(state["dp_rank_0"]))
+
+    return Pickling(dataset, batch_size=2)
+
+
+def test_a_loader_that_pickles_its_state_is_kept_by_the_state_it_pickles_copied_as_it_was():
+    first, taken = _loader(_pickling_loader(Packing(24)))
+    batches = _taken(first, 5)
+    position = taken[2].before
+    assert position["loader_class"] == "StatefulDataLoader"   # its own state_dict holds bytes: the store keeps no pickle
+    again, retaken = _loader(_pickling_loader(Packing(24)))
+    again.restore(position, [])
+    assert all(torch.equal(a, b) for a, b in zip(_taken(again, 3), batches[2:], strict=True))
+    assert [b.ids.tolist() for b in retaken] == [b.ids.tolist() for b in taken[2:]]
+
+
+def test_a_loader_whose_state_holds_other_objects_is_refused_in_one_line():
+    class Opaque(DataLoader):
+        def state_dict(self):
+            return {"handle": object()}
+
+        def load_state_dict(self, state):
+            pass
+
+    loader, _ = _loader(Opaque(Counting(10), batch_size=4))
+    with pytest.raises(UsageError, match=r"holds what the store keeps only as pickle \(object\)"):
+        next(loader)
