@@ -160,7 +160,7 @@ def test_a_loader_that_pickles_its_state_is_kept_by_the_state_it_pickles_copied_
     first, taken = _loader(_pickling_loader(Packing(24)))
     batches = _taken(first, 5)
     position = taken[2].before
-    assert position["loader_class"] == "StatefulDataLoader"   # its own state_dict holds bytes: the store keeps no pickle
+    assert position["loader_class"] == "StatefulDataLoader"   # its own state holds bytes: the store keeps no pickle
     again, retaken = _loader(_pickling_loader(Packing(24)))
     again.restore(position, [])
     assert all(torch.equal(a, b) for a, b in zip(_taken(again, 3), batches[2:], strict=True))
