@@ -231,12 +231,13 @@ def step_batch(path: Where, step: int, rank: int | None = None) -> list[dict[str
     rows = []
     for r in range(ids.shape[0]) if rank is None else [rank]:
         trained = micro_batches(ids[r])   # a smaller last batch of an epoch is padded with -1 in the store
+        fed = micro_batches(ids[r], digests[r]) if digests is not None else None   # a stream's, by sample
         for micro, batch in enumerate(trained if trained else list(ids[r])):   # none: a step a replay skipped
             for i, sid in enumerate(batch):
                 text = ("(skipped: this step was not trained on)" if sid < 0 else
                         f"(a stream's sample: number {sid} of rank {r}'s stream, CRC-32C "
-                        f"{int(digests[r][micro][i]):08x}; the data is the script's, not in the store)"
-                        if digests is not None else
+                        f"{int(fed[micro][i]):08x}; the data is the script's, not in the store)"
+                        if fed is not None else
                         "(the data of a training loop of your own is not in the store)" if data is None else
                         data.describe(int(sid)))
                 rows.append({"step": step, "rank": r, "micro": micro, "sample_id": int(sid), "text": text})

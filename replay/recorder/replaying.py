@@ -83,9 +83,7 @@ class Replaying:
             raise ReplayError(f"{self.parent.location} was recorded without the digests of a stream's samples (its "
                               "loader was not over an IterableDataset): run the script as it was recorded")
         row = step - self._spec.start_checkpoint
-        ids, digests = self._ids[row], self._digests[row]
-        return [digests[rank][i][ids[rank][i] >= 0] for rank in self._ranks for i in range(ids.shape[1])
-                if (ids[rank][i] >= 0).any()]
+        return [d for rank in self._ranks for d in micro_batches(self._ids[row][rank], self._digests[row][rank])]
 
     def sample(self, step: int, micro: int, drawn: np.ndarray, drawn_as: tuple[int, int] | None) -> np.ndarray:
         if step > self._spec.stop:   # drawn ahead for a step past the window: never trained

@@ -151,9 +151,12 @@ NUMERICS_FIELDS = ("tied_rate", "delta_err", "delta_err_tied", "wq_err_norm", "w
 OPTIONAL_FIELDS = (*NUMERICS_FIELDS, "state_digest", "sample_digest")   # not in every step log
 
 
-def micro_batches(ids: np.ndarray) -> list[np.ndarray]:
-    """One rank's sample ids of one step, (micro, sample) padded with -1, as the micro-batches it trained on."""
-    return [row[row >= 0] for row in np.asarray(ids) if (row >= 0).any()]
+def micro_batches(ids: np.ndarray, of: np.ndarray | None = None) -> list[np.ndarray]:
+    """One rank's sample ids of one step, (micro, sample) padded with -1, as the micro-batches it trained on; with
+    `of` (a field laid out as the ids: a stream's sample digests), that field's values of those samples."""
+    ids = np.asarray(ids)
+    values = ids if of is None else np.asarray(of)
+    return [v[row >= 0] for row, v in zip(ids, values, strict=True) if (row >= 0).any()]
 
 
 @dataclass(frozen=True)
