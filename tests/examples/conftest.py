@@ -37,10 +37,10 @@ def token_file(tmp_path_factory) -> Path:
 
 def assert_resumed_as_recorded(resumed: Path, recorded: Path, resumed_from: int, checkpoint: int) -> None:
     """A run resumed once, at `resumed_from`, equals the uninterrupted recording bit for bit: every step's ids,
-    losses, norms, rates and state digests, and the model at `checkpoint`."""
+    losses, norms, rates, state digests (and a stream's sample digests), and the model at `checkpoint`."""
     ours, theirs = RunStore.open(resumed), RunStore.open(recorded)
     assert ours.manifest.status == "complete" and [r.from_step for r in ours.manifest.resumes] == [resumed_from]
-    fields = ["sample_ids", "loss", "grad_norm", "lr", "state_digest"]
+    fields = ["sample_ids", "sample_digest", "loss", "grad_norm", "lr", "state_digest"]
     mine, record = ours.read_steps(fields), theirs.read_steps(fields)
     assert all(np.array_equal(mine[f], record[f], equal_nan=mine[f].dtype.kind == "f") for f in fields)   # no norm: NaN
     after, expected = (s.read_shard(checkpoint, 0)["state"]["replicated"]["model"] for s in (ours, theirs))

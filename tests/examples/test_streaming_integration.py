@@ -19,7 +19,13 @@ import pytest
 from replay.launch.script import ScriptServer
 from replay.store import RunStore
 from tests.conftest import REPO, error_line, replay_cli, tree_snapshot
-from tests.examples.conftest import DETERMINISM, assert_same_run, kill_after_checkpoint, run_example
+from tests.examples.conftest import (
+    DETERMINISM,
+    assert_resumed_as_recorded,
+    assert_same_run,
+    kill_after_checkpoint,
+    run_example,
+)
 
 pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is a test dependency (pip install -e '.[test]')")
 
@@ -152,10 +158,7 @@ def test_a_recording_killed_mid_run_resumes_to_the_uninterrupted_one(recorded, d
     assert 20 <= last < STEPS
     resumed = run_example(EXAMPLE, tmp_path, *args, "--resume=True")
     assert resumed.returncode == 0, resumed.stderr
-    a, b = RunStore.open(recorded), RunStore.open(store)
-    assert b.manifest.status == "complete" and [r.from_step for r in b.manifest.resumes] == [last]
-    for name in ("sample_ids", "sample_digest", "loss", "grad_norm", "state_digest"):
-        assert np.array_equal(a.read_steps([name])[name], b.read_steps([name])[name]), name
+    assert_resumed_as_recorded(store, recorded, resumed_from=last, checkpoint=STEPS)
 
 
 def test_bisect_names_the_step_whose_windows_were_overwritten_in_the_token_file(data_dir, tmp_path):

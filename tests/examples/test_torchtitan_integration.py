@@ -18,7 +18,7 @@ import pytest
 
 from replay.store import RunStore
 from tests.conftest import REPO, replay_cli
-from tests.examples.conftest import kill_after_checkpoint, run_example
+from tests.examples.conftest import assert_resumed_as_recorded, kill_after_checkpoint, run_example
 
 pytest.importorskip("torchtitan", reason="torchtitan is not a test dependency: install it as "
                                          "examples/torchtitan/README.md says to run these")
@@ -86,7 +86,4 @@ def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, assets, t
     assert 8 <= last < STEPS
     resumed = run_example(EXAMPLE, tmp_path, *args, "--resume=True")
     assert resumed.returncode == 0, resumed.stderr
-    a, b = RunStore.open(recorded), RunStore.open(store)
-    assert b.manifest.status == "complete" and [r.from_step for r in b.manifest.resumes] == [last]
-    for name in ("sample_ids", "sample_digest", "loss", "grad_norm", "state_digest"):
-        assert np.array_equal(a.read_steps([name])[name], b.read_steps([name])[name]), name
+    assert_resumed_as_recorded(store, recorded, resumed_from=last, checkpoint=STEPS)
