@@ -202,6 +202,17 @@ def is_transformers_model(model) -> bool:
     return bool(hf_attention_modules(model)) and hasattr(model, "set_attn_implementation")
 
 
+def transformers_model_in(model):
+    """`model` if it is a transformers model (`is_transformers_model`), else the one such model it holds (a
+    LightningModule, a wrapper of one's own, around a `LlamaForCausalLM`); None if it holds none or several."""
+    if is_transformers_model(model):
+        return model
+    found = [m for m in model.modules() if m is not model and hasattr(m, "set_attn_implementation")
+             and hf_attention_modules(m)]
+    outermost = [m for m in found if not any(m is not o and any(m is x for x in o.modules()) for o in found)]
+    return outermost[0] if len(outermost) == 1 else None
+
+
 def hf_attention_modules(model) -> list:
     """A transformers model's self-attention modules, by layer: those that know their `layer_idx`."""
     found = [m for m in model.modules() if "attention" in type(m).__name__.lower()

@@ -55,7 +55,7 @@ import os
 import sys
 import tempfile
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerState
@@ -68,7 +68,7 @@ from replay.errors import ReplayError, UsageError
 from replay.recorder.command import RESUME_ENV, STORE_ENV
 from replay.recorder.loader import RecordedLoader
 from replay.recorder.loop import Loop
-from replay.recorder.modes import one_line_errors
+from replay.recorder.modes import refuse
 from replay.recorder.state import unwrap
 from replay.store import RunStore
 from replay.store.location import Location, Where
@@ -176,12 +176,12 @@ class TrainerRecorder(TrainerCallback):
         not started through `self.train`), or a Trainer not at the store's step."""
         how = "build the Trainer with callbacks=[recorder] or start it with recorder.train(trainer)"
         if not self._started and not os.environ.get(STORE_ENV):
-            _refuse(f"TrainerRecorder: a Trainer given the recorder after it was built (trainer.add_callback) and "
+            refuse(f"TrainerRecorder: a Trainer given the recorder after it was built (trainer.add_callback) and "
                     f"started by its own train() could not be started past step 0 by a replay: {how}",
                     args.process_index)
         start = self._start_step()
         if state.global_step != start:
-            _refuse(f"TrainerRecorder: the Trainer starts at step {state.global_step}, the store's run at step "
+            refuse(f"TrainerRecorder: the Trainer starts at step {state.global_step}, the store's run at step "
                     f"{start}: {how}", args.process_index)
 
     @staticmethod
@@ -263,13 +263,6 @@ def _trainer_being_built(callback: TrainerCallback) -> Any:
             return candidate
         frame = frame.f_back
     return None
-
-
-def _refuse(message: str, rank: int) -> NoReturn:
-    """A UsageError that, not caught by the script, ends its process in one line (exit code 2), as a replay's
-    errors do, though no loop has started."""
-    sys.excepthook = one_line_errors(sys.excepthook, rank)
-    raise UsageError(message)
 
 
 def _trainer_checkpoint(trainer: Any, step: int, where: str) -> None:

@@ -131,6 +131,7 @@ class RecordedLoader:
         self._schedule: deque[Scheduled] = deque()   # a replay's recorded batches, in stream order
         self._it: Iterator[Any] | None = None
         self._driving = False     # the DataLoader is iterated by a driver (`driven`), not by this stream
+        self._driver_skips = False   # ... which leaves a restored pass's batches before the checkpoint to the tap
         self._driven_passes = 0   # how many passes the driver began
         drew = multiprocessing.Value("b", 0) if tell and self._workers else None   # shared with the workers
         tap = _Tap(self._inner, self._sample_pass)
@@ -200,14 +201,16 @@ class RecordedLoader:
 
     # -- a driver's passes ----------------------------------------------------------------------------
 
-    def driven(self) -> RecordedLoader:
+    def driven(self, skips: bool = False) -> RecordedLoader:
         """Leave the passes to a driver that iterates the DataLoader itself, epoch by epoch: each iteration
-        is the stream's next pass (the first, a restored one, yields the batches before the checkpoint's
-        position unnoted, for the driver to skip itself: accelerate's `skip_first_batches`), the driver
-        calls `take()` for every batch it trains on, in order, and runs the batches of a step the replay
-        skips too (its update left out). Called before the DataLoader is iterated."""
+        is the stream's next pass, the driver calls `take()` for every batch it trains on, in order, and runs
+        the batches of a step the replay skips too (its update left out). A restored pass yields the batches
+        before the checkpoint's position unnoted, for the driver to skip itself (accelerate's
+        `skip_first_batches`), or with `skips` passes over them itself, telling the sampler its pass number
+        first (Lightning, which neither skips nor numbers its sampler's epochs before it iterates a restored
+        one). Called before the DataLoader is iterated."""
         assert self._it is None and not self._driving, "driven before any batch is sampled"
-        self._driving = True
+        self._driving, self._driver_skips = True, skips
         return self
 
     def take(self) -> None:
@@ -263,14 +266,18 @@ class RecordedLoader:
         return getattr(self._outer, name)
 
     def _begin_pass(self) -> None:
-        # the sampler told its epoch: a batch sampler's own (or the sampler it batches), or the plain sampler
-        told: Any = self._inner if hasattr(self._inner, "set_epoch") else getattr(self._inner, "sampler", None)
-        if hasattr(told, "set_epoch"):
-            told.set_epoch(self._pass_no)
+        self._tell_epoch()
         if self._outer is not self._dl:   # accelerate's loader sets the epoch from its own count of passes
             self._outer.iteration = self._pass_no
         self._queue.clear()
         self._it = iter(self._outer)
+
+    def _tell_epoch(self) -> None:
+        """The sampler told the pass's number: a batch sampler's own `set_epoch` (or the sampler's it batches),
+        or the plain sampler's."""
+        told: Any = self._inner if hasattr(self._inner, "set_epoch") else getattr(self._inner, "sampler", None)
+        if hasattr(told, "set_epoch"):
+            told.set_epoch(self._pass_no)
 
     def _make_iterator(self) -> Any:
         """The DataLoader makes an iterator (drawing its workers' base seed from torch's generator): in a
@@ -295,6 +302,8 @@ class RecordedLoader:
         """The tap's pass: the inner sampler's batches, noted (and, in a replay, checked against the record's)."""
         if self._driving:
             self._driver_pass()
+            if self._driver_skips:
+                self._tell_epoch()
         restored = self._restored.popleft() if self._restored else None   # begun before the restored checkpoint
         own = _own_generators(self._inner)
         for generator, state in zip(own, restored.own if restored else [], strict=False):
@@ -306,7 +315,7 @@ class RecordedLoader:
             before = list(itertools.islice(inner, self._skip_to))   # a restored pass: on to the checkpoint's position
             sampled = next(inner, None) if len(before) == self._skip_to else None
         self._pass, self._position = begun, self._skip_to
-        if self._driving:   # unnoted: the driver skips them itself
+        if self._driving and not self._driver_skips:   # unnoted: the driver skips them itself
             yield from before
         sampled = self._past_skipped(sampled, inner)
         while sampled is not None:

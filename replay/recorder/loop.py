@@ -49,7 +49,7 @@ from replay.config import RunConfig, SpikeConfig
 from replay.errors import ReplayError, UsageError
 from replay.kernels.plan import AttentionPlan
 from replay.kernels.reach import AttentionReach
-from replay.kernels.registry import apply_plan, is_transformers_model
+from replay.kernels.registry import apply_plan, transformers_model_in
 from replay.kernels.sdpa_dispatch import sdpa_dispatch
 from replay.lifeline import follow_parent
 from replay.recorder.environment import AutocastSeen, configure_determinism, determinism_notice, fingerprint
@@ -145,7 +145,9 @@ class Loop:
     `skipped_numerics()` gives the numerics row of a step a replay skips. `yield_skipped=True`, for a
     driver that cannot leave a step out (the Trainer, recorder/hf_trainer.py): a step the replay skips is
     yielded with `loop.skipping` true; the driver runs it without its update (and steps its scheduler as
-    usual) and ends it with `loop.log_skipped()` instead of `log`.
+    usual) and ends it with `loop.log_skipped()` instead of `log`. `driver_state()`, for such a driver: its own
+    state (scalars, lists and dicts), kept with every checkpoint and given back by `restored_driver_state`
+    (Lightning's loop progress, recorder/lightning.py).
     """
 
     @_refusals_in_one_line
@@ -155,7 +157,8 @@ class Loop:
                  attention: str | None = None, n_head: int | None = None, layout: str | dict | None = None,
                  resume: bool = False, description: str = "", lease: str | None = None, state: TrainState | None = None,
                  apply_attention: Callable[[AttentionPlan, AttentionReach], Any] | None = None,
-                 skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None, yield_skipped: bool = False):
+                 skipped_numerics: Callable[[], dict[str, np.ndarray]] | None = None, yield_skipped: bool = False,
+                 driver_state: Callable[[], dict[str, Any]] | None = None):
         engine = engine_state(model, optimizer) if state is None else None   # a DeepSpeed engine (recorder/zero.py)
         if engine is not None:   # the engine steps its scheduler; a step the replay skips steps it here
             state, scheduler = engine, scheduler or model.lr_scheduler
@@ -172,6 +175,7 @@ class Loop:
         self._apply_attention = apply_attention or _attention_applier(model, attention)
         self._state = state if state is not None else _train_state(model, optimizer, scheduler, scaler)
         self._skipped_numerics, self._yield_skipped = skipped_numerics, yield_skipped
+        self._driver_state = driver_state
         self._ahead: list[_Draw] = []   # drawn ahead of the step that trains on them (a prefetch)
         self._lookahead = 0             # how many: as many as were drawn before the first step
         self._evaluating = 0
@@ -602,7 +606,14 @@ class Loop:
             out["loader"] = self._loader.position([d.batch for d in self._ahead if isinstance(d.batch, StreamBatch)])
         elif self._loader is not None:
             out["loader"] = self._loader.position([d.batch for d in self._ahead if isinstance(d.batch, Batch)])
+        if self._driver_state is not None:
+            out["driver"] = self._driver_state()
         return out
+
+    @property
+    def restored_driver_state(self) -> dict[str, Any] | None:
+        """What `driver_state()` gave when the checkpoint this run starts from was taken; None for a new run."""
+        return (self.start()._restored or {}).get("driver")
 
     def log(self, loss, grad_norm=float("nan"), lr: float | None = None, tokens: int = 0,
             numerics: dict[str, np.ndarray] | None = None) -> SpikeEvent | None:
@@ -797,8 +808,9 @@ def _attention_applier(model: torch.nn.Module, pattern: str | None) -> Callable[
     transformers model (per query head, grouped-query attention included), else by routing the SDPA calls
     of its attention modules (kernels/sdpa_dispatch.py)."""
     model = unwrap(model)
-    if pattern is None and is_transformers_model(model):
-        return lambda plan, reach: apply_plan(model, plan, reach)
+    inner = transformers_model_in(model) if pattern is None else None
+    if inner is not None:
+        return lambda plan, reach: apply_plan(inner, plan, reach)
     return lambda plan, reach: sdpa_dispatch(model, plan, pattern, reach)
 
 

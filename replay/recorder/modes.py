@@ -13,12 +13,12 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, Protocol
+from typing import Literal, NoReturn, Protocol
 
 import numpy as np
 
 from replay.config import RunConfig
-from replay.errors import ReplayError
+from replay.errors import ReplayError, UsageError
 from replay.recorder import command as cmd
 from replay.recorder.overrides import ReplayOverrides
 from replay.recorder.recorder import RecorderConfig
@@ -126,3 +126,10 @@ def one_line_errors(hook: Hook, rank: int) -> Hook:
         sys.stdout.flush()
         os._exit(value.exit_code)
     return excepthook
+
+
+def refuse(message: str, rank: int) -> NoReturn:
+    """A UsageError that, not caught by the script, ends its process in one line (exit code 2), as a replay's
+    errors do, though no loop has started (a framework's callback refusing a run as it starts)."""
+    sys.excepthook = one_line_errors(sys.excepthook, rank)
+    raise UsageError(message)

@@ -13,9 +13,9 @@ import torch
 
 from replay.config import Cadence, ModelConfig, RunConfig, SpikeConfig
 from replay.errors import UsageError
-from replay.kernels.registry import is_transformers_model
+from replay.kernels.registry import transformers_model_in
 from replay.kernels.sdpa_dispatch import attention_modules
-from replay.store.layout import FAMILIES, resolve_layout
+from replay.store.layout import FAMILIES, ROLES, resolve_layout
 from replay.store.manifest import ModelInfo
 
 PRECISIONS = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -65,11 +65,17 @@ class RunOptions:
         """(weight layout, model info) for the manifest: a transformers model's config rebuilds it for the
         analysis probe, and its family's layout is the default."""
         layout, info = self.layout, None
-        if is_transformers_model(model):
-            config: Any = model.config
+        inner = transformers_model_in(model)
+        if inner is not None:
+            config: Any = inner.config
             info = ModelInfo(json.loads(config.to_json_string(use_diff=False)))
             layout = layout or FAMILIES.get(config.model_type)
-        return resolve_layout(layout, cfg.model), info
+        resolved = resolve_layout(layout, cfg.model)
+        path = next((name for name, m in model.named_modules() if m is inner), "")
+        if resolved is not None and isinstance(layout, str) and path:   # a family's names, under the wrapper's
+            resolved = {role: f"{path}.{key}" if role in ROLES and isinstance(key, str) else key
+                        for role, key in resolved.items()}
+        return resolved, info
 
 
 def _whole(value: Any) -> bool:
@@ -79,8 +85,9 @@ def _whole(value: Any) -> bool:
 def _implementation(model: torch.nn.Module) -> str:
     """The attention the recording runs, as a replay's plan names it: a transformers model's own
     implementation (eager, sdpa; another, such as flash_attention_2, takes no overrides); else SDPA."""
-    if is_transformers_model(model):
-        config: Any = model.config
+    inner = transformers_model_in(model)
+    if inner is not None:
+        config: Any = inner.config
         return str(config.get_text_config()._attn_implementation)
     return "sdpa"
 
@@ -100,7 +107,8 @@ def _attention_shape(model: torch.nn.Module, pattern: str | None, n_head: int | 
         return 0, n_head or 0
     if n_head:
         return len(modules), n_head
-    for owner in (modules[0][1], getattr(model, "config", None), model):
+    inner = transformers_model_in(model)
+    for owner in (modules[0][1], getattr(inner if inner is not None else model, "config", None), model):
         for attr in _HEAD_ATTRS:
             value = getattr(owner, attr, None)
             if isinstance(value, int) and value > 0:

@@ -47,7 +47,7 @@ _LLAMA = {role: f"model.layers.{{layer}}.{key}.weight" for role, key in (
     ("fc", "mlp.up_proj"), ("proj", "mlp.down_proj"))}
 BUILT_IN = {"hf-gpt2": {**_GPT2, "orientation": "in_out"}, "nanogpt": {**_GPT2, "orientation": "out_in"},
             "hf-llama": {**_LLAMA, "orientation": "out_in"}}
-_ROLES = ("qkv", "q", "k", "v", "o", "fc", "proj")
+ROLES = ("qkv", "q", "k", "v", "o", "fc", "proj")
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Layout:
                              f"got {self.orientation!r}")
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
             raise UsageError("a layout names either one fused 'qkv' key or the three keys 'q', 'k' and 'v'")
-        for role in _ROLES:
+        for role in ROLES:
             key = getattr(self, role)
             if key is not None and "{layer}" not in key:
                 raise UsageError(f"layout key {role!r} ({key!r}) has no '{{layer}}' to put the layer number in")
@@ -77,7 +77,7 @@ class Layout:
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         unknown = set(d) - {f for f in cls.__dataclass_fields__}
         if unknown:
-            raise UsageError(f"unknown layout keys {sorted(unknown)}: use {', '.join(_ROLES)} and orientation")
+            raise UsageError(f"unknown layout keys {sorted(unknown)}: use {', '.join(ROLES)} and orientation")
         if "o" not in d:
             raise UsageError("a layout names W_O's key as 'o'")
         return cls(**d)
@@ -87,7 +87,7 @@ class Layout:
 
     def keys(self, layer: int) -> dict[str, str]:
         """The state-dict keys of one layer's matrices, by role."""
-        return {role: key.format(layer=layer) for role in _ROLES if (key := getattr(self, role)) is not None}
+        return {role: key.format(layer=layer) for role in ROLES if (key := getattr(self, role)) is not None}
 
     def matrices(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One layer's matrices as (in, out), by analysis name (q, k, v, o and, where named, fc, proj), from
