@@ -1,12 +1,15 @@
-"""The nanoGPT example's run with a planted batch, as its test, the soak and benchmarks/bench_bisect.py make it:
-recorded twice (100 steps, checkpoints every 4), the second time with random bytes above 127 (never in Python
-source) over every window step 95 drew, which the recording's own detector flags."""
+"""A planted batch: random bytes above 127 (never in Python source) written over what one step drew from a token
+file (`overwrite_with_noise`), and the nanoGPT example's run with one, as its test, the soak and
+benchmarks/bench_bisect.py make it: recorded twice (100 steps, checkpoints every 4), the second time over a token
+file planted at every window step 95 drew, which the recording's own detector flags."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +36,19 @@ def plant_nanogpt_run(store: Location | Path, data: Path) -> None:
 
     clean = store.parent / f"{store.name}-clean"
     train(clean)
+    overwrite_with_noise(data, RunStore.open(clean).read_steps(["sample_ids"])["sample_ids"][STEP].ravel(), 33)
+    train(store)
+
+
+def overwrite_with_noise(data: Path, starts: Iterable[int], length: int, into: Path | None = None) -> Path:
+    """Random bytes above 127 over `length` tokens from each of `starts` in the token file `data`/train.bin, in
+    place or in a copy of the directory `data` made at `into`; returns the directory written."""
+    if into is not None:
+        shutil.copytree(data, into)
+        data = into
     tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
     noise = np.random.default_rng(0)
-    for offset in RunStore.open(clean).read_steps(["sample_ids"])["sample_ids"][STEP].ravel():
-        tokens[offset:offset + 33] = noise.integers(128, 256, 33)
+    for start in starts:
+        tokens[start:start + length] = noise.integers(128, 256, length)
     tokens.flush()
-    train(store)
+    return data

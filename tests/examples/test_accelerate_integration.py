@@ -26,6 +26,7 @@ from tests.examples.conftest import (
     kill_after_checkpoint,
     run_example,
 )
+from tests.examples.planted import overwrite_with_noise
 
 pytest.importorskip("accelerate")
 
@@ -143,13 +144,8 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(t
     clean = _torchrun(tmp_path, f"--data_dir={token_file.parent}", f"--store={tmp_path / 'clean'}", *settings,
                       launcher=PYTHON)
     assert clean.returncode == 0, clean.stderr
-    poisoned = tmp_path / "data"
-    poisoned.mkdir()
-    tokens = np.fromfile(token_file, dtype=np.uint16)
-    noise = np.random.default_rng(0)
-    for block in RunStore.open(tmp_path / "clean").read_steps(["sample_ids"])["sample_ids"][45].ravel():
-        tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
-    tokens.tofile(poisoned / "train.bin")
+    blocks = RunStore.open(tmp_path / "clean").read_steps(["sample_ids"])["sample_ids"][45].ravel()
+    poisoned = overwrite_with_noise(token_file.parent, blocks * 32, 32, into=tmp_path / "data")
     store = tmp_path / "spiked"
     done = _torchrun(tmp_path, f"--data_dir={poisoned}", f"--store={store}", *settings, launcher=PYTHON)
     assert done.returncode == 0, done.stderr

@@ -23,6 +23,7 @@ from replay.store import RunStore
 from replay.store.overrides import Overrides
 from tests.conftest import REPO, replay_cli
 from tests.examples.conftest import DETERMINISM, TORCHRUN, assert_same_run, kill_after_checkpoint, run_example
+from tests.examples.planted import overwrite_with_noise
 from tests.head_norms import assert_fused_head_norms
 
 EXAMPLE = REPO / "examples" / "dataloader" / "train.py"
@@ -170,14 +171,8 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(r
     recording), record again (the sampler draws the same blocks): its loss jumps there, and a data bisect
     of the window from checkpoint 54 names that step's batches. Step 55 is in epoch 0: its blocks were
     never trained on before."""
-    poisoned = tmp_path / "data"
-    shutil.copytree(data_dir, poisoned)
-    ids = RunStore.open(recorded).read_steps(["sample_ids"])["sample_ids"]
-    tokens = np.memmap(poisoned / "train.bin", dtype=np.uint16, mode="r+")
-    noise = np.random.default_rng(0)
-    for block in ids[55].ravel():
-        tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
-    tokens.flush()
+    blocks = RunStore.open(recorded).read_steps(["sample_ids"])["sample_ids"][55].ravel()
+    poisoned = overwrite_with_noise(data_dir, blocks * 32, 32, into=tmp_path / "data")
     store = tmp_path / "spiked"
     # the learning rate's schedule is not the run's length: as recorded; no worker processes (the sampler's
     # batches are the same with or without, and the dataset draws nothing), so the bisect's probes start none

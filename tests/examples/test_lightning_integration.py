@@ -16,6 +16,7 @@ from replay.errors import UsageError
 from replay.store import RunStore
 from tests.conftest import REPO, replay_cli
 from tests.examples.conftest import assert_resumed_as_recorded, assert_same_run, kill_after_checkpoint, run_example
+from tests.examples.planted import overwrite_with_noise
 
 L = pytest.importorskip("lightning")
 
@@ -106,14 +107,8 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(t
     settings = [f"--data_dir={token_file.parent}", "--n_blocks=400", "--max_steps=24", "--checkpoint_every=4"]
     clean = run_example(EXAMPLE, tmp_path, *settings, f"--store={tmp_path / 'clean'}", launcher=PYTHON)
     assert clean.returncode == 0, clean.stderr
-    poisoned = tmp_path / "data"
-    poisoned.mkdir()
-    tokens = np.fromfile(token_file, dtype=np.uint16)
-    noise = np.random.default_rng(0)
-    for block in RunStore.open(tmp_path / "clean").read_steps(["sample_ids"])["sample_ids"][21].ravel():
-        tokens[block * 32:(block + 1) * 32] = noise.integers(128, 256, 32)
-    tokens.tofile(poisoned / "train.bin")
-    (poisoned / "val.bin").write_bytes((token_file.parent / "val.bin").read_bytes())
+    blocks = RunStore.open(tmp_path / "clean").read_steps(["sample_ids"])["sample_ids"][21].ravel()
+    poisoned = overwrite_with_noise(token_file.parent, blocks * 32, 32, into=tmp_path / "data")
     store = tmp_path / "spiked"
     done = run_example(EXAMPLE, tmp_path, *settings[1:], f"--data_dir={poisoned}", f"--store={store}",
                        launcher=PYTHON)

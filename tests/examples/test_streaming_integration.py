@@ -26,6 +26,7 @@ from tests.examples.conftest import (
     kill_after_checkpoint,
     run_example,
 )
+from tests.examples.planted import overwrite_with_noise
 
 pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is a test dependency (pip install -e '.[test]')")
 
@@ -170,15 +171,10 @@ def test_bisect_names_the_step_whose_windows_were_overwritten_in_the_token_file(
     clean = run_example(EXAMPLE, tmp_path, f"--data_dir={data_dir}", f"--store={tmp_path / 'clean'}", *settings,
                         launcher=ONE_PROCESS)
     assert clean.returncode == 0, clean.stderr
-    poisoned = tmp_path / "data"
-    shutil.copytree(data_dir, poisoned)
     windows = window_digests(data_dir / "train.bin", 700)
     drawn = RunStore.open(tmp_path / "clean").read_steps(["sample_digest"])["sample_digest"][75]
-    tokens = np.memmap(poisoned / "train.bin", dtype=np.uint16, mode="r+")
-    noise = np.random.default_rng(0)
-    for w in {w for digest in drawn.ravel() for w in windows[int(digest)]}:
-        tokens[w * BLOCK:(w + 1) * BLOCK + 1] = noise.integers(128, 256, BLOCK + 1)
-    tokens.flush()
+    starts = sorted({w * BLOCK for digest in drawn.ravel() for w in windows[int(digest)]})
+    poisoned = overwrite_with_noise(data_dir, starts, BLOCK + 1, into=tmp_path / "data")
     store = tmp_path / "spiked"
     done = run_example(EXAMPLE, tmp_path, f"--data_dir={poisoned}", f"--store={store}", *settings,
                        launcher=ONE_PROCESS)
