@@ -450,14 +450,15 @@ class Loop:
             return torch.as_tensor(recorded, dtype=ids.dtype, device=ids.device)
         return recorded.tolist() if isinstance(ids, list) else recorded.astype(np.asarray(ids).dtype)
 
-    def loader(self, dataloader: torch.utils.data.DataLoader) -> RecordedLoader | StreamLoader:
+    def loader(self, dataloader: torch.utils.data.DataLoader, *, state: bool = True) -> RecordedLoader | StreamLoader:
         """The training batches from a `DataLoader` over a map-style dataset (any sampler, batch sampler,
         worker processes, prefetch, persistent workers): each batch the script takes is recorded by its
         dataset indices, and a replay or a resumed run continues the loader's stream where the checkpoint
         left it (recorder/loader.py). An endless stream: iterate it with next() or a for loop; it starts each
         epoch itself, calling the sampler's set_epoch(epoch) when it has one. Over an `IterableDataset` (a
         stream, torchdata's StatefulDataLoader too) each sample is recorded by its place in the stream and a
-        digest of its contents, which a replay checks (recorder/stream.py)."""
+        digest of its contents, which a replay checks (recorder/stream.py); a stream continues from the loader's
+        state_dict() where it has one, or with `state=False` by drawing its pass again to the position."""
         self.start()
         if self._loader is not None:
             raise UsageError("loop.loader(...) is called once: one training loader per loop")
@@ -466,7 +467,7 @@ class Loop:
             raise UsageError("loop.loader(...): the checkpoint this run starts from was recorded without a loader "
                              "(its batches went through loop.sample_ids): run the script as it was recorded")
         if isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset):
-            self._loader = StreamLoader(dataloader, self._took, follows=lambda: self._mode.follows_record)
+            self._loader = StreamLoader(dataloader, self._took, follows=lambda: self._mode.follows_record, state=state)
         else:
             self._loader = RecordedLoader(dataloader, self._took, seed=torch.initial_seed(),
                                           tell=not self.replaying and self.rank == 0,

@@ -8,13 +8,19 @@ processes by the dataset itself) and has no sampler to tap, so there are no data
 - **What a checkpoint keeps.** Where the stream stands for the step that begins (its pass, the batches into
   the pass, the place and number of the next batch) and how to get there again: a loader with
   `state_dict()`/`load_state_dict()` (torchdata's `StatefulDataLoader`, torchtitan's loader, a DataLoader of
-  your own that has them) gives its state as it was before that batch was drawn; any other loader is
-  iterated again from the start of that pass (its iterator made from torch's generator state the record made
+  your own that has them) gives its state as it was before that batch was drawn; any other loader, or one
+  given with `state=False` (a state that does not bring the stream back: below), is iterated again from the
+  start of that pass (its iterator made from torch's generator state the record made
   it from, so its workers get the same seeds) and the batches before the position are drawn and dropped.
 - **What a replay proves.** Every batch the stream yields in a replay is compared, sample by sample, with the
   record's digests for its step: a stream that yields anything else (another file, another shard, a
   tokenizer that changed) stops the replay in one line naming the step and the sample. The batches of a step
   the replay skips are drawn and dropped.
+
+A loader's state is trusted only as far as the digests confirm it: a state_dict that does not bring the stream
+back to where it was (Hugging Face `datasets` 4.7: a streamed JSON file's `.map(...)` keeps, in its state, the
+Arrow shard's read position, past the whole file, so a restored stream is empty) stops the replay at its first
+sample, and `loop.loader(dl, state=False)` draws the pass again instead.
 
 Batches the script draws ahead of the step that trains them (a prefetch) belong to the step that takes them,
 as with a sampler's loader (recorder/loader.py): the checkpoint's position is the first one not yet trained.
@@ -53,10 +59,10 @@ class StreamLoader:
     """`loop.loader(dataloader)` over an IterableDataset; `take` is told of every batch the script takes."""
 
     def __init__(self, dataloader: Any, take: Callable[[StreamBatch], None],
-                 follows: Callable[[], bool] = lambda: True):
+                 follows: Callable[[], bool] = lambda: True, state: bool = True):
         self._dl, self._take, self._follows = dataloader, take, follows
         self._base = getattr(dataloader, "base_dataloader", dataloader)   # accelerate's prepared loaders wrap one
-        self._stateful = _stateful(dataloader)
+        self._stateful = state and _stateful(dataloader)   # state=False: drawn again to the position instead
         self._state_base: Any = None   # the class whose state_dict() is storable, where the loader's is not
         if not self._stateful and getattr(self._base, "persistent_workers", False):
             raise UsageError("loop.loader(...): a stream through a DataLoader with persistent_workers=True cannot be "
@@ -196,15 +202,15 @@ class StreamLoader:
         recorded, self._made_from = self._made_from, None
         if recorded is None:
             self._made = own.get_state() if own is not None else torch.get_rng_state()
-            return DataLoader._get_iterator(base)
+            return type(base)._get_iterator(base)
         self._made = recorded
         if own is not None:
             own.set_state(recorded)
-            return DataLoader._get_iterator(base)
+            return type(base)._get_iterator(base)
         base.generator = torch.Generator()
         base.generator.set_state(recorded)
         try:
-            return DataLoader._get_iterator(base)
+            return type(base)._get_iterator(base)
         finally:
             base.generator = None
 

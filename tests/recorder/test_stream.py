@@ -102,6 +102,39 @@ def test_a_replayed_batch_whose_samples_are_not_the_records_stops_the_replay():
         next(again)
 
 
+class ForgetfulState(Counting):
+    """A test double for a stream whose state_dict() does not bring it back (as Hugging Face datasets 4.7's after
+    a `.map` over a streamed JSON file, which keeps the Arrow shard's read position): it says it is at its
+    start whatever it has yielded."""
+
+    def state_dict(self):
+        return {"at": 0}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_loader_state_that_does_not_bring_the_stream_back_is_caught_and_state_false_draws_the_pass_again():
+    """Through torchdata's StatefulDataLoader (which keeps its dataset's state_dict()): from its state, a replay
+    stops at the first sample of the checkpoint's batch; with state=False the pass is drawn again to the position,
+    and the replay's batches are the record's, checked by their digests."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    for state, says in ((True, "step 3, micro-batch 0: the stream's sample 8 is not the recorded one"), (False, None)):
+        torch.manual_seed(0)
+        taken: list[StreamBatch] = []
+        first = StreamLoader(StatefulDataLoader(ForgetfulState(20), batch_size=4), taken.append, state=state)
+        batches = _taken(first, 4)
+        recorded = [Scheduled(3, micro, b.ids, False, b.digests) for micro, b in enumerate(taken[2:])]
+        again = StreamLoader(StatefulDataLoader(ForgetfulState(20), batch_size=4), lambda batch: None, state=state)
+        again.restore(taken[2].before, recorded)
+        if says is not None:
+            with pytest.raises(ReplayError, match=says):
+                next(again)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(_taken(again, 2), batches[2:], strict=True))
+
+
 def test_a_restored_stream_that_ends_before_the_position_is_refused():
     first, taken = _loader(DataLoader(Counting(10), batch_size=4))
     _taken(first, 3)
