@@ -30,6 +30,7 @@ from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
 from replay.launch.script import ScriptServer
 from replay.lifeline import follow_parent
+from replay.replayer.diff import diff as step_diff
 from replay.replayer.overrides import parse_drop, parse_fix, parse_heads, parse_steps
 from replay.replayer.replays import NotBitForBit, ReplayRequest, check_replayable, run_on_ray
 from replay.replayer.replays import run as run_replay
@@ -38,7 +39,7 @@ from replay.store.lease import current_spec, writing
 from replay.store.location import Location
 from replay.store.overrides import Overrides
 from replay.store.run_store import check_outside_stores
-from replay.views import info_lines, sample_lines, step_batch, summarize
+from replay.views import diff_lines, info_lines, sample_lines, step_batch, summarize
 
 
 class LocationType(click.ParamType):
@@ -431,6 +432,35 @@ def _tile(text: str) -> tuple[int, int]:
     if not sep:
         raise ValueError(text)
     return int(r), int(c)
+
+
+@main.command("diff")
+@click.argument("store", type=STORE)
+@click.option("--step", required=True, type=int, help="The step to run twice (a committed checkpoint there).")
+@click.option("--attention", help="Side B's attention backend, for the whole model or --layers / --heads.")
+@click.option("--layers", help="Layers side B's attention override applies to, e.g. 1 or 0,2-3.")
+@click.option("--heads", help="Heads it applies to: 7,8 (within --layers) or layer.head pairs, e.g. 1.0,0.3.")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="Side B's precision.")
+@click.option("--fix", help="safe-softmax[:BETA] on side B's flash backends in scope.")
+@click.option("--hp-delta", is_flag=True, help="Side B's backward delta from an FP32 O on the flash backends in scope.")
+@click.option("--top", type=int, default=8, show_default=True, help="How many differences after the first to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@_main_errors
+def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, top, as_json) -> None:
+    """Run step N of the run in STORE twice from its checkpoint, as recorded (A) and with the overrides (B),
+    and say where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK
+    and dV, and every weight gradient, compared as they are produced; per attention head, the deviations and
+    Qiu & Yao's signals (delta's sign bias, W_Q's gradient error alignment)."""
+    head_list, units = parse_heads(heads) if heads else (None, None)
+    overrides = Overrides(attention=attention, precision=precision, hp_delta=hp_delta, heads=head_list, units=units,
+                          layers=parse_steps(layers, "--layers") if layers else None,
+                          fix=parse_fix(fix) if fix else None)
+    result = step_diff(store, step, overrides)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        for line in diff_lines(result, top):
+            click.echo(line)
 
 
 @main.command("export")

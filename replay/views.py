@@ -13,6 +13,7 @@ from replay.analysis.results import analysis_status
 from replay.bisect.session import Session
 from replay.config import Launcher
 from replay.errors import UsageError
+from replay.replayer.diff import Difference, StepDiff
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
@@ -248,3 +249,40 @@ def sample_lines(row: dict[str, Any]) -> list[str]:
     """One sample as `replay batch` prints it."""
     return [f"--- step {row['step']}  rank {row['rank']}  micro-batch {row['micro']}  sample {row['sample_id']}",
             row["text"]]
+
+
+def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
+    """What `replay diff` prints: the first difference, the largest ones after it, and the attention heads."""
+    sides = f"A = the record, B = {result.overrides}" if result.overrides else "A and B = the record, run twice"
+    lines = [f"diff {result.store} step {result.step} (rank 0's micro-batches): {sides}",
+             f"{result.compared} tensors compared in execution order (forward, backward, weight gradients); "
+             f"{len(result.differences)} differ"]
+    if result.only_in_a:
+        lines.append(f"{len(result.only_in_a)} tensors only side A produced (its attention's other outputs), e.g. "
+                     f"{result.only_in_a[0]}")
+    if result.first is None:
+        return [*lines, "no difference: every tensor of the step is the same bit for bit"]
+    lines.append(f"first difference: {_difference(result.first)}")
+    later = sorted(result.differences[1:], key=lambda d: -d.deviation.relative)[:top]
+    if later:
+        lines.append(f"largest relative differences after it (of {len(result.differences) - 1}):")
+        lines += [f"  {_difference(d)}" for d in later]
+    grads = [d for d in result.differences if d.phase == "gradient"]
+    if grads:
+        lines.append(f"weight gradients: {len(grads)} parameters differ; largest relative: "
+                     + ", ".join(f"{d.where} {d.deviation.relative:.2e}"
+                                 for d in sorted(grads, key=lambda d: -d.deviation.relative)[:3]))
+    if result.heads:
+        lines.append("attention heads (max abs deviation over the step's calls; delta = rowsum(dO * O); sign bias of "
+                     "delta's error, -1..1; alignment of W_Q's gradient error terms across tokens, 0..1):")
+        lines.append(f"  {'head':>6} {'O':>9} {'dO':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'delta':>9} {'bias':>6} "
+                     f"{'align':>6}")
+        lines += [f"  {h.layer:>4}.{h.head:<1} {h.o:9.2e} {h.do:9.2e} {h.dq:9.2e} {h.dk:9.2e} {h.dv:9.2e} "
+                  f"{h.delta:9.2e} {h.delta_sign_bias:+6.2f} {h.wq_alignment:6.2f}" for h in result.heads]
+    return lines
+
+
+def _difference(d: Difference) -> str:
+    v = d.deviation
+    return (f"{d.phase} {d.where} {d.what} {d.shape} {d.dtype}: max abs {v.max_abs:.3e}, mean abs {v.mean_abs:.3e}, "
+            f"relative {v.relative:.3e}, {v.ulps:.0f} ulps")

@@ -1,0 +1,382 @@
+"""`replay diff STORE --step N` with a replay's overrides: where one step, run twice from the same restored
+state, first parts. Side A is the step as recorded, side B the step with the overrides; both restore the
+checkpoint at N (the model and every RNG) and train rank 0's recorded micro-batches of step N (forward and
+backward, no optimizer step) in this process.
+
+Every tensor the step produces is compared, in execution order: each module's output (forward), the gradient
+of each module's output (backward), every attention call's output O and gradients dO, dQ, dK, dV (per head),
+and each parameter's gradient at the end. Side A runs first and keeps each tensor in a temporary file (none in
+memory); side B compares each of its tensors with A's as it is produced, by a CRC-32C of its bytes, and reads
+A's from the file only where they differ, for the deviation (max and mean absolute, relative, in ULPs of the
+format). The first differing tensor in B's order is the first difference. For the attention calls, per head:
+the deviation of O, dO, dQ, dK, dV, and of `delta = rowsum(dO * O)` with the sign bias of its error (Qiu & Yao's
+mechanism: a biased delta error has one sign), and how aligned the rank-1 terms of W_Q's gradient error are
+across tokens (1: every token's term points one way, as a bias does).
+
+Without overrides both sides are the record: a step that runs the same twice in one process reports no
+difference (and one that does not, its first nondeterministic operation). The built-in trainer's runs (GPT-2),
+rank 0's micro-batches; a checkpoint at step N is needed (a replay with `--checkpoint-every 1` writes one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay.config import RunConfig
+from replay.errors import UsageError
+from replay.kernels.plan import AttentionPlan
+from replay.kernels.registry import apply_plan, hf_attention_modules
+from replay.recorder.environment import set_rng_state
+from replay.replayer.overrides import apply as apply_overrides
+from replay.store import RunStore
+from replay.store.integrity import crc32c
+from replay.store.location import Location
+from replay.store.overrides import Overrides
+from replay.train.data import load_data
+from replay.train.model import build_model, lm_loss
+
+_TRACER = "replay-diff"   # the attention implementation a traced side runs its own through
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """How far B's tensor is from A's."""
+
+    max_abs: float
+    mean_abs: float
+    relative: float      # max_abs over A's largest magnitude
+    ulps: float          # max_abs in units in the last place of A's largest magnitude, in its format
+
+    @staticmethod
+    def of(a: torch.Tensor, b: torch.Tensor) -> Deviation:
+        if not a.numel():
+            return Deviation(0.0, 0.0, 0.0, 0.0)
+        d = (b.double() - a.double()).abs()
+        largest, scale = float(d.max()), float(a.double().abs().max())
+        return Deviation(largest, float(d.mean()), largest / scale if scale else (math.inf if largest else 0.0),
+                         _ulps(a, b))
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A tensor that differs between the sides, where it was produced."""
+
+    order: int           # its place in side B's execution order
+    phase: str           # forward, backward or gradient
+    where: str           # a module path, `attention L` for layer L's attention call, or a parameter's name
+    what: str            # output, grad of output, O, dO, dQ, dK, dV, grad
+    shape: list[int]
+    dtype: str
+    deviation: Deviation
+
+
+@dataclass(frozen=True)
+class HeadDiff:
+    """One attention head's deviations (max absolute) over the step's calls, and delta's error sign bias."""
+
+    layer: int
+    head: int
+    o: float
+    do: float
+    dq: float
+    dk: float
+    dv: float
+    delta: float
+    delta_sign_bias: float   # mean sign of delta's error over the rows where it is not 0 (-1..1)
+    wq_alignment: float      # |sum of the tokens' rank-1 terms of W_Q's gradient error| / sum of their norms
+
+
+@dataclass
+class StepDiff:
+    """`replay diff`'s answer."""
+
+    store: str
+    step: int
+    overrides: dict[str, Any]
+    compared: int                                  # tensors compared
+    first: Difference | None                       # None: the sides are the same bit for bit
+    differences: list[Difference] = field(default_factory=list)
+    heads: list[HeadDiff] = field(default_factory=list)
+    only_in_a: list[str] = field(default_factory=list)   # tensors only side A produced (attention weights)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Seen:
+    """A tensor side A produced: its digest, and where it is kept."""
+
+    digest: int
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class _Tracer:
+    """Hooks on a model that hand every tensor of a step, in execution order, to `see(phase, where, what, t)`."""
+
+    def __init__(self, model: torch.nn.Module, see: Callable[[str, str, str, torch.Tensor], None]):
+        self.model, self.see = model, see
+        self.handles: list[Any] = []
+        self.calls: dict[str, int] = defaultdict(int)
+        for name, module in model.named_modules():
+            if not name or module is model:
+                continue
+            self.handles.append(module.register_forward_hook(self._forward(name)))
+            self.handles.append(module.register_full_backward_hook(self._backward(name)))
+
+    def _key(self, name: str) -> str:
+        n = self.calls[name]
+        self.calls[name] += 1
+        return name if n == 0 else f"{name}#{n}"
+
+    def _forward(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            key = self._key(f"forward {name}")
+            for i, t in enumerate(_tensors(output)):
+                self.see("forward", key.removeprefix("forward "), "output" if i == 0 else f"output {i}", t)
+        return hook
+
+    def _backward(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+            key = self._key(f"backward {name}")
+            for i, t in enumerate(_tensors(grad_output)):
+                self.see("backward", key.removeprefix("backward "), "grad of output" + (f" {i}" if i else ""), t)
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
+    """Step `step` of the run at `location`, as recorded (A) and with `overrides` (B)."""
+    store = RunStore.open(location)
+    manifest = store.manifest
+    if not store.capabilities.builtin:
+        raise UsageError(f"replay diff runs the built-in trainer's step; {location} is a run of a script of its own")
+    if not any(c.step == step for c in store.checkpoints()):
+        have = ", ".join(str(c.step) for c in store.checkpoints()) or "none"
+        raise UsageError(f"{location} has no committed checkpoint at step {step} (it has {have}): `replay run "
+                         f"{location} --from {step} --to {step} --checkpoint-every 1` makes a replay that has one; "
+                         "diff that replay's store")
+    recorded = manifest.config
+    side_b = apply_overrides(recorded, overrides, (step, step), store.capabilities)
+    if overrides.skip or overrides.drop or overrides.lr_scale is not None:
+        raise UsageError("replay diff compares one step's forward and backward: --skip, --drop and --lr-scale "
+                         "change no operation of it (replay run shows what they do)")
+    parent = RunStore.open(location.resolve(manifest.replay.parent)) if manifest.replay else None
+    data = load_data(recorded, parent or store)
+    ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0][0]   # rank 0's micro-batches
+    shard = store.read_shard(step, 0)
+    with tempfile.TemporaryDirectory(prefix="replay-diff-") as tmp:
+        seen: dict[str, _Seen] = {}
+        kept: dict[str, torch.Tensor] = {}
+
+        def keep(phase: str, where: str, what: str, t: torch.Tensor) -> None:
+            key = f"{phase}|{where}|{what}"
+            t = t.detach().contiguous().cpu()
+            path = Path(tmp) / f"{len(seen)}.bin"
+            _raw(t).numpy().tofile(path)
+            seen[key] = _Seen(_digest(t), path, t.dtype, tuple(t.shape))
+
+        _run_side(recorded, recorded, data, ids, shard, keep, kept)
+        differences: list[Difference] = []
+        compared = 0
+        b_kept: dict[str, torch.Tensor] = {}
+
+        def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
+            nonlocal compared
+            key = f"{phase}|{where}|{what}"
+            t = t.detach().contiguous().cpu()
+            compared += 1
+            a = seen.get(key)
+            if a is not None and a.dtype == t.dtype and a.shape == tuple(t.shape) and a.digest == _digest(t):
+                return
+            theirs = _read(a) if a is not None and a.shape == tuple(t.shape) else torch.full_like(t, math.nan)
+            differences.append(Difference(compared - 1, phase, where, what, list(t.shape), str(t.dtype).removeprefix(
+                "torch."), Deviation.of(theirs, t)))
+
+        produced: set[str] = set()
+        _run_side(recorded, side_b, data, ids, shard, lambda *event: (produced.add("|".join(event[:3])),
+                                                                     compare(*event)), b_kept)
+        heads = _heads(seen, kept, b_kept) if kept else []
+    only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
+    return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
+                    differences, heads, only_in_a)
+
+
+def _run_side(recorded: RunConfig, cfg: RunConfig, data: Any, ids: np.ndarray, shard: dict[str, Any],
+              see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor]) -> None:
+    """One side's step: the model as recorded with `cfg`'s attention, the checkpoint's weights and RNG, rank
+    0's micro-batches forward and backward, every tensor handed to `see` as it is produced."""
+    model = build_model(recorded.model, data.vocab_size, recorded.seed)
+    model.load_state_dict(shard["state"]["replicated"]["model"])
+    apply_plan(model, AttentionPlan.parse(cfg.model.attention))
+    set_rng_state(shard["rng"])
+    model.train()
+    tracer = _Tracer(model, see)
+    accum = len(ids)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    try:
+        with _attention_traced(model, see, kept):
+            for micro in ids:
+                x, y = data.batch(micro)
+                with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+                    loss = lm_loss(model, x, y)
+                (loss / accum).backward()
+    finally:
+        tracer.close()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            see("gradient", name, "grad", p.grad)
+
+
+@contextlib.contextmanager
+def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torch.Tensor], None],
+                      kept: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Every attention call of `model` through the implementation it has now, its q, k, v, O and their
+    gradients handed to `see` (per call; (batch, heads, tokens, head dim)), O and the input of W_Q's
+    projection kept in `kept` for the per-head signals."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config: Any = model.config
+    name = config._attn_implementation
+    modules = hf_attention_modules(model)
+    inner = (ALL_ATTENTION_FUNCTIONS[name] if name != "eager"
+             else sys.modules[type(modules[0]).__module__].eager_attention_forward)
+    calls: dict[int, int] = defaultdict(int)
+    inputs: dict[int, torch.Tensor] = {}
+
+    def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        inputs[module.layer_idx] = hidden.detach()
+
+    def traced(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+               **kwargs: Any) -> Any:
+        layer = module.layer_idx
+        where = f"attention {layer}" + (f"#{calls[layer]}" if calls[layer] else "")
+        calls[layer] += 1
+        out = inner(module, query, key, value, *args, **kwargs)
+        o = out[0] if isinstance(out, tuple) else out
+        heads_o = o.transpose(1, 2) if o.dim() == 4 and o.shape[1] != query.shape[1] else o   # (B, H, T, D)
+        see("forward", where, "O", heads_o)
+        kept[f"{where}|O"] = heads_o.detach().clone()
+        kept[f"{where}|x"] = inputs[layer]
+        for what, t in (("dQ", query), ("dK", key), ("dV", value)):
+            if t.requires_grad:
+                t.register_hook(_grad_hook(see, kept, where, what))
+        if o.requires_grad:   # the output the model goes on with; its gradient as (B, H, T, D), as O is kept
+            o.register_hook(_grad_hook(see, kept, where, "dO", transposed=heads_o is not o))
+        return out
+
+    AttentionInterface.register(_TRACER, traced)
+    AttentionMaskInterface.register(_TRACER, ALL_MASK_ATTENTION_FUNCTIONS[name])   # the mask its own gets
+    hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in modules]
+    model.set_attn_implementation(_TRACER)
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _grad_hook(see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor], where: str,
+               what: str, transposed: bool = False) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        grad = grad.transpose(1, 2) if transposed else grad
+        see("backward", where, what, grad)
+        kept[f"{where}|{what}"] = grad.detach().clone()
+    return hook
+
+
+def _heads(seen: dict[str, _Seen], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[HeadDiff]:
+    """Per layer and head, over the step's attention calls: the deviation of O, dO, dQ, dK, dV and delta, the sign
+    bias of delta's error and the alignment of W_Q's gradient error terms across tokens."""
+    out: list[HeadDiff] = []
+    calls = sorted({k.split("|")[0] for k in a if k.endswith("|O")}, key=_call_order)
+    per: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for call in calls:
+        layer = int(call.split()[1].split("#")[0])
+        if not all(f"{call}|{q}" in a and f"{call}|{q}" in b for q in ("O", "dO", "dQ", "dK", "dV")):
+            continue
+        for what in ("O", "dO", "dQ", "dK", "dV"):
+            err = (b[f"{call}|{what}"].double() - a[f"{call}|{what}"].double()).abs()
+            for h in range(err.shape[1]):
+                per[(layer, h)][what].append(float(err[:, h].max()))
+        delta_a = (a[f"{call}|dO"].double() * a[f"{call}|O"].double()).sum(-1)
+        delta_b = (b[f"{call}|dO"].double() * b[f"{call}|O"].double()).sum(-1)
+        e = delta_b - delta_a                                      # (B, H, T)
+        dq = b[f"{call}|dQ"].double() - a[f"{call}|dQ"].double()   # (B, H, T, D)
+        x = a[f"{call}|x"].double()                                # (B, T, C): W_Q's input
+        for h in range(e.shape[1]):
+            nonzero = e[:, h][e[:, h] != 0]
+            per[(layer, h)]["delta"].append(float(e[:, h].abs().max()))
+            per[(layer, h)]["sign"].append(float(torch.sign(nonzero).mean()) if nonzero.numel() else 0.0)
+            terms = torch.einsum("btc,btd->btcd", x, dq[:, h])      # each token's rank-1 term of the error
+            total = float(torch.linalg.norm(terms.sum((0, 1))))
+            norms = float(torch.linalg.norm(x, dim=-1).mul(torch.linalg.norm(dq[:, h], dim=-1)).sum())
+            per[(layer, h)]["align"].append(total / norms if norms else 0.0)
+    for (layer, h), values in sorted(per.items()):
+        out.append(HeadDiff(layer, h, max(values["O"]), max(values["dO"]), max(values["dQ"]), max(values["dK"]),
+                            max(values["dV"]), max(values["delta"]), float(np.mean(values["sign"])),
+                            float(np.mean(values["align"]))))
+    return out
+
+
+def _call_order(call: str) -> tuple[int, int]:
+    layer, _, n = call.split()[1].partition("#")
+    return int(n or 0), int(layer)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if hasattr(value, "to_tuple"):   # a transformers ModelOutput
+        return _tensors(value.to_tuple())
+    return []
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers of its width (bfloat16 has no numpy type)."""
+    return t.reshape(-1).view(_INTS[t.element_size()]) if t.is_floating_point() else t.reshape(-1)
+
+
+def _digest(t: torch.Tensor) -> int:
+    return crc32c(_raw(t).numpy().tobytes())
+
+
+def _read(seen: _Seen) -> torch.Tensor:
+    raw = torch.from_numpy(np.fromfile(seen.path, dtype=_raw(torch.empty(0, dtype=seen.dtype)).numpy().dtype))
+    return (raw.view(seen.dtype) if seen.dtype.is_floating_point else raw).reshape(seen.shape)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference in units in the last place of A's largest magnitude, in its format (floating
+    point): an error's size against the tensor's own rounding (a difference near 0 in a tensor of large values
+    is no more units than one at its peak)."""
+    if not a.is_floating_point() or a.shape != b.shape or not a.numel():
+        return 0.0
+    info = torch.finfo(a.dtype)
+    peak = max(float(a.double().abs().max()), info.tiny)
+    return float((b.double() - a.double()).abs().max()) / (2.0 ** math.floor(math.log2(peak)) * info.eps)

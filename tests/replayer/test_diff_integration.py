@@ -1,0 +1,89 @@
+"""`replay diff` on the reference 2-rank recording (checkpoint 10): step 10 run twice in this process from the
+checkpoint, every tensor compared as it is produced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from replay.replayer import diff as diff_module
+from replay.replayer.diff import diff
+from replay.store.location import Location
+from replay.store.overrides import Overrides
+from tests.conftest import error_line, replay_cli, tree_snapshot
+
+STEP = 10
+
+
+def test_the_step_run_twice_as_recorded_is_the_same_bit_for_bit(two_rank_store):
+    result = diff(Location.parse(two_rank_store), STEP, Overrides())
+    assert result.first is None and result.differences == [] and result.only_in_a == []
+    assert result.compared > 50   # every module's output and gradient, the attention calls', the weights'
+    assert [(h.layer, h.head) for h in result.heads] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(h.o == h.do == h.dq == h.delta == 0 for h in result.heads)
+
+
+def test_one_layers_emulated_bf16_attention_is_the_first_difference(two_rank_store):
+    """Layer 1's attention on emulated BF16: nothing of layer 0's forward differs, the first differing tensor is
+    layer 1's attention output O; its heads' O deviate, layer 0's do not; every weight gradient reached by the
+    backward of layer 1's attention differs."""
+    result = diff(Location.parse(two_rank_store), STEP, Overrides(attention="reference-emu:dtype=bf16", layers=[1]))
+    first = result.first
+    assert first is not None and (first.phase, first.where, first.what) == ("forward", "attention 1", "O")
+    assert first.order > 0 and 0 < first.deviation.relative < 0.1   # BF16's rounding, not another computation
+    o = {(h.layer, h.head): h.o for h in result.heads}
+    assert all(o[(0, h)] == 0 for h in range(2)) and all(o[(1, h)] > 0 for h in range(2)), o
+    grads = {d.where for d in result.differences if d.phase == "gradient"}
+    assert "transformer.h.1.attn.c_attn.weight" in grads and "transformer.wte.weight" in grads
+
+
+def test_a_planted_perturbation_of_one_operation_is_named_as_the_first_difference(two_rank_store, monkeypatch):
+    """A test double for a fault: side B's model (the second one built) has one element of layer 0's MLP input
+    projection output moved by one ULP. The diff names that module's output first, one ULP away, and the
+    differences after it only."""
+    built = diff_module.build_model
+    models: list[torch.nn.Module] = []
+
+    def build_planted(*args, **kwargs):
+        model = built(*args, **kwargs)
+        models.append(model)
+        if len(models) == 2:   # side B
+            def nudge(module, inputs, output):   # + 0 everywhere, + one ULP at one element: exact, grads unchanged
+                bumped = output.detach().clone().view(-1)
+                bumped[7] = torch.nextafter(bumped[7], torch.tensor(float("inf")))
+                return output + (bumped.view_as(output) - output.detach())
+            model.transformer.h[0].mlp.c_fc.register_forward_hook(nudge)
+        return model
+
+    monkeypatch.setattr(diff_module, "build_model", build_planted)
+    result = diff(Location.parse(two_rank_store), STEP, Overrides())
+    first = result.first
+    assert first is not None and (first.phase, first.where, first.what) == ("forward", "transformer.h.0.mlp.c_fc",
+                                                                            "output")
+    assert first.deviation.max_abs > 0 and first.deviation.ulps <= 1
+    assert all(d.order >= first.order for d in result.differences)
+
+
+def test_the_command_prints_the_first_difference_and_refuses_a_step_without_a_checkpoint(two_rank_store):
+    done = replay_cli("diff", str(two_rank_store), "--step", str(STEP), "--attention", "reference-emu:dtype=bf16",
+                      "--layers", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert (answer["first"]["where"], answer["first"]["what"]) == ("attention 1", "O")
+    text = replay_cli("diff", str(two_rank_store), "--step", str(STEP), "--attention", "reference-emu:dtype=bf16",
+                      "--layers", "1")
+    assert "first difference: forward attention 1 O" in text.stdout, text.stdout
+    before = tree_snapshot(two_rank_store)
+    missing = replay_cli("diff", str(two_rank_store), "--step", "11")
+    assert missing.returncode == 2
+    assert "no committed checkpoint at step 11" in error_line(missing) and "--checkpoint-every 1" in error_line(missing)
+    assert tree_snapshot(two_rank_store) == before
+
+
+@pytest.mark.parametrize("args, says", [(["--layers", "1"], "--layers/--heads select where"),
+                                        (["--attention", "nope"], "nope")])
+def test_bad_overrides_are_one_line_errors(two_rank_store, args, says):
+    done = replay_cli("diff", str(two_rank_store), "--step", str(STEP), *args)
+    assert done.returncode == 2 and says in error_line(done), done.stderr
