@@ -100,10 +100,10 @@ class StreamLoader:
         if self._state_base is not None:
             return copy.deepcopy(self._state_base.state_dict(self._dl))
         state = self._dl.state_dict()
-        if _storable(state):
+        if storable_tree(state):
             return copy.deepcopy(state)
         base: Any = next((c for c in type(self._dl).__mro__[1:] if c.__name__ == "StatefulDataLoader"), None)
-        if base is None or not _storable(state := base.state_dict(self._dl)):
+        if base is None or not storable_tree(state := base.state_dict(self._dl)):
             raise UsageError(f"loop.loader(...): the loader's state_dict() holds what the store keeps only as pickle "
                              f"({_unstorable(state)}); replay stores no pickle: give loop.loader a loader whose state "
                              "is numbers, strings, lists, dicts and tensors")
@@ -234,7 +234,7 @@ def _stateful(dataloader: Any) -> bool:
     return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
 
 
-def _storable(tree: Any) -> bool:
+def storable_tree(tree: Any) -> bool:
     return _unstorable(tree) is None
 
 

@@ -212,8 +212,12 @@ def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
                 "torch."), Deviation.of(theirs, t)))
 
         produced: set[str] = set()
-        _run_side(recorded, side_b, data, ids, shard, lambda *event: (produced.add("|".join(event[:3])),
-                                                                     compare(*event)), b_kept)
+
+        def compare_noted(phase: str, where: str, what: str, t: torch.Tensor) -> None:
+            produced.add(f"{phase}|{where}|{what}")
+            compare(phase, where, what, t)
+
+        _run_side(recorded, side_b, data, ids, shard, compare_noted, b_kept)
         heads = _heads(seen, kept, b_kept) if kept else []
     only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
     return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
@@ -264,7 +268,7 @@ def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torc
     calls: dict[int, int] = defaultdict(int)
     inputs: dict[int, torch.Tensor] = {}
 
-    def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
         inputs[module.layer_idx] = hidden.detach()
 
@@ -289,7 +293,7 @@ def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torc
     AttentionInterface.register(_TRACER, traced)
     AttentionMaskInterface.register(_TRACER, ALL_MASK_ATTENTION_FUNCTIONS[name])   # the mask its own gets
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in modules]
-    model.set_attn_implementation(_TRACER)
+    model.set_attn_implementation(_TRACER)   # type: ignore[operator]
     try:
         yield
     finally:

@@ -121,8 +121,10 @@ def test_bisect_names_the_step_whose_blocks_were_overwritten_in_the_token_file(t
 
 
 def test_a_run_the_recorder_cannot_replay_is_refused_before_a_store_is_made(tmp_path):
-    """In this process, a real Trainer: without max_steps (a replay needs the run's length), and with a
-    ckpt_path of Lightning's own (the store's run resumes from the store)."""
+    """In this process, a real Trainer: without max_steps (a replay needs the run's length), with max_epochs
+    beside it (which could end the run early), with a ckpt_path of Lightning's own (the store's run resumes from
+    the store), and over an IterableDataset (refused once the loader is prepared, before the loop makes the
+    store)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -139,19 +141,26 @@ def test_a_run_the_recorder_cannot_replay_is_refused_before_a_store_is_made(tmp_
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.randn(8, 4).unbind())
+
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
     quiet = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
              "enable_progress_bar": False, "enable_model_summary": False}
     own = L.Trainer(max_steps=1, **quiet)   # a checkpoint of Lightning's own, as a user would resume from
-    own.fit(Tiny(), data)
+    own.fit(Tiny(), train_dataloaders=data)
     own.save_checkpoint(tmp_path / "own.ckpt")
     hook = sys.excepthook
     try:
+        stream = DataLoader(Stream(), batch_size=4)
         for kwargs, fit, said in (({"max_epochs": 1}, {}, "set Trainer(max_steps=...)"),
-                                  ({"max_steps": 2}, {"ckpt_path": str(tmp_path / "own.ckpt")}, "resume=True")):
+                                  ({"max_steps": 2, "max_epochs": 3}, {}, "as max_steps only"),
+                                  ({"max_steps": 2}, {"ckpt_path": str(tmp_path / "own.ckpt")}, "resume=True"),
+                                  ({"max_steps": 2}, {"train_dataloaders": stream}, "over an IterableDataset")):
             trainer = L.Trainer(callbacks=[LightningRecorder(tmp_path / "run")], **quiet, **kwargs)
             with pytest.raises(UsageError, match=said.replace("(", r"\(").replace(")", r"\)")):
-                trainer.fit(Tiny(), data, **fit)
+                trainer.fit(Tiny(), **{"train_dataloaders": data, **fit})
     finally:
         sys.excepthook = hook
     assert not (tmp_path / "run").exists()
