@@ -253,13 +253,15 @@ def sample_lines(row: dict[str, Any]) -> list[str]:
 
 def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
     """What `replay diff` prints: the first difference, the largest ones after it, and the attention heads."""
-    sides = f"A = the record, B = {result.overrides}" if result.overrides else "A and B = the record, run twice"
+    sides = (f"A = as the store ran it, B = with {result.overrides}" if result.overrides else
+             "A and B = as the store ran it, twice")
     lines = [f"diff {result.store} step {result.step} (rank 0's micro-batches): {sides}",
              f"{result.compared} tensors compared in execution order (forward, backward, weight gradients); "
              f"{len(result.differences)} differ"]
-    if result.only_in_a:
-        lines.append(f"{len(result.only_in_a)} tensors only side A produced (its attention's other outputs), e.g. "
-                     f"{result.only_in_a[0]}")
+    for side, only in (("A", result.only_in_a), ("B", result.only_in_b)):
+        if only:
+            lines.append(f"{len(only)} tensors only side {side} produced (its attention's weights), not compared, "
+                         f"e.g. {only[0]}")
     if result.first is None:
         return [*lines, "no difference: every tensor of the step is the same bit for bit"]
     lines.append(f"first difference: {_difference(result.first)}")

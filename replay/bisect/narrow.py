@@ -538,6 +538,23 @@ class Bisect:
         with another --name and --checkpoint-every to look closer)."""
         return f"replay run {self.store_path} --from {req.start} --to {req.stop} {req.overrides.as_args()}".strip()
 
+    def _diff_command(self, steps: Any, layers: Any, heads: Any) -> str | None:
+        """For an attention or precision counterfactual of a built-in run: the `replay diff` of the first step
+        where it parts from the record (from the checkpoint it still prevents the spike from), with the
+        counterfactual where the search put it, after the plain replay that checkpoints that step where the
+        record has no checkpoint there."""
+        fix = self.fix
+        first = steps.separation.first_bit if steps and steps.separation else None
+        if first is None or not (fix.touches_attention or fix.precision) or not self.record.capabilities.builtin:
+            return None
+        scoped = (fix.with_scope(units=heads.heads) if heads and heads.heads else
+                  fix.with_scope(layers=layers.layers) if layers and layers.layers else fix)
+        if any(c.step == first for c in self.record.checkpoints()):
+            return f"replay diff {self.store_path} --step {first} {scoped.as_args()}".strip()
+        name = f"at-{first}"
+        return (f"replay run {self.store_path} --from {first} --to {first} --checkpoint-every 1 --name {name} && "
+                f"replay diff {self.store_path / 'replays' / name} --step {first} {scoped.as_args()}").strip()
+
     def _stream_places(self, steps: list[int]) -> str:
         """A stream's run (recorder/stream.py): where the samples of `steps` lie in each rank's stream."""
         fields = self.record.read_steps(["sample_ids", "sample_digest"])
@@ -575,7 +592,7 @@ class Bisect:
             window=steps.window if steps else None, separation=steps.separation if steps else None,
             layers=layers.layers if layers else None, heads=heads.heads if heads else None,
             minimal=all(p.minimal is not False for p in searches),
-            commands=[p.rerun for p in searches if p.rerun],
+            commands=[p.rerun for p in searches if p.rerun], diff=self._diff_command(steps, layers, heads),
             also={"layers": (layers.also if layers else None) or [], "heads": (heads.also if heads else None) or []},
             batches=data.batches if data else None, samples=data.samples if data else None,
             data_window=data.window if data else None, spike_without_data=data.spike_at_without if data else None,

@@ -59,6 +59,7 @@ class Verdict:
     heads: list[list[int]] | None = None       # [layer, head] pairs
     minimal: bool = True                 # False: the probe budget ran out before the search finished
     commands: list[str] = field(default_factory=list)   # the `replay run` commands of the answer's probes
+    diff: str | None = None              # the `replay diff` of the decisive step under the counterfactual
     also: dict[str, list[Any]] = field(default_factory=dict)  # other sets the probes found equally sufficient
     batches: list[int] | None = None
     samples: list[list[int]] | None = None      # [step, sample id] pairs
@@ -127,6 +128,8 @@ class Verdict:
                        f"{self.data_window[1]} does not prevent the spike (it comes at step {self.spike_without_data} "
                        "instead)")
         out += [f"  replay it: {command}" for command in self.commands]
+        if self.diff:
+            out.append(f"  where it parts, operation by operation: {self.diff}")
         if not self.minimal:
             out.append("  (the probe budget was spent before the search finished: the sets above prevent the spike "
                        "but may not be minimal; raise --max-probes)")

@@ -62,12 +62,17 @@ class Deviation:
 
     @staticmethod
     def of(a: torch.Tensor, b: torch.Tensor) -> Deviation:
-        if not a.numel():
-            return Deviation(0.0, 0.0, 0.0, 0.0)
-        d = (b.double() - a.double()).abs()
-        largest, scale = float(d.max()), float(a.double().abs().max())
-        return Deviation(largest, float(d.mean()), largest / scale if scale else (math.inf if largest else 0.0),
-                         _ulps(a, b))
+        if not a.numel() or a.shape != b.shape:
+            return Deviation(math.inf, math.inf, math.inf, math.inf) if a.shape != b.shape else \
+                Deviation(0.0, 0.0, 0.0, 0.0)
+        a64, b64 = a.double(), b.double()
+        finite = torch.isfinite(a64) & torch.isfinite(b64)
+        d = (b64 - a64).abs()[finite]
+        unlike = ~finite & ~((a64 == b64) | (torch.isnan(a64) & torch.isnan(b64)))   # an inf or NaN on one side
+        largest = math.inf if bool(unlike.any()) else float(d.max()) if d.numel() else 0.0
+        peak = float(a64[torch.isfinite(a64)].abs().max()) if bool(torch.isfinite(a64).any()) else 0.0
+        return Deviation(largest, float(d.mean()) if d.numel() else 0.0,
+                         largest / peak if peak else (math.inf if largest else 0.0), _ulps(a, peak, largest))
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class StepDiff:
     differences: list[Difference] = field(default_factory=list)
     heads: list[HeadDiff] = field(default_factory=list)
     only_in_a: list[str] = field(default_factory=list)   # tensors only side A produced (attention weights)
+    only_in_b: list[str] = field(default_factory=list)   # ... and only side B
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,6 +202,7 @@ def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
 
         _run_side(recorded, recorded, data, ids, shard, keep, kept)
         differences: list[Difference] = []
+        only_in_b: list[str] = []
         compared = 0
         b_kept: dict[str, torch.Tensor] = {}
 
@@ -203,11 +210,14 @@ def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
             nonlocal compared
             key = f"{phase}|{where}|{what}"
             t = t.detach().contiguous().cpu()
-            compared += 1
             a = seen.get(key)
-            if a is not None and a.dtype == t.dtype and a.shape == tuple(t.shape) and a.digest == _digest(t):
+            if a is None:   # an output one side's attention gives and the other's does not (its weights)
+                only_in_b.append(key.replace("|", " "))
                 return
-            theirs = _read(a) if a is not None and a.shape == tuple(t.shape) else torch.full_like(t, math.nan)
+            compared += 1
+            if a.dtype == t.dtype and a.shape == tuple(t.shape) and a.digest == _digest(t):
+                return
+            theirs = _read(a) if a.shape == tuple(t.shape) else torch.full_like(t, math.nan)
             differences.append(Difference(compared - 1, phase, where, what, list(t.shape), str(t.dtype).removeprefix(
                 "torch."), Deviation.of(theirs, t)))
 
@@ -221,7 +231,7 @@ def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
         heads = _heads(seen, kept, b_kept) if kept else []
     only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
     return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
-                    differences, heads, only_in_a)
+                    differences, heads, only_in_a, only_in_b)
 
 
 def _run_side(recorded: RunConfig, cfg: RunConfig, data: Any, ids: np.ndarray, shard: dict[str, Any],
@@ -333,9 +343,10 @@ def _heads(seen: dict[str, _Seen], a: dict[str, torch.Tensor], b: dict[str, torc
             nonzero = e[:, h][e[:, h] != 0]
             per[(layer, h)]["delta"].append(float(e[:, h].abs().max()))
             per[(layer, h)]["sign"].append(float(torch.sign(nonzero).mean()) if nonzero.numel() else 0.0)
-            terms = torch.einsum("btc,btd->btcd", x, dq[:, h])      # each token's rank-1 term of the error
-            total = float(torch.linalg.norm(terms.sum((0, 1))))
-            norms = float(torch.linalg.norm(x, dim=-1).mul(torch.linalg.norm(dq[:, h], dim=-1)).sum())
+            # token t's rank-1 term of the error is x_t e_t^T: their sum is X^T E, and |x_t e_t^T| = |x_t| |e_t|
+            xs, es = x.reshape(-1, x.shape[-1]), dq[:, h].reshape(-1, dq.shape[-1])
+            total = float(torch.linalg.norm(xs.T @ es))
+            norms = float(torch.linalg.norm(xs, dim=-1).mul(torch.linalg.norm(es, dim=-1)).sum())
             per[(layer, h)]["align"].append(total / norms if norms else 0.0)
     for (layer, h), values in sorted(per.items()):
         out.append(HeadDiff(layer, h, max(values["O"]), max(values["dO"]), max(values["dQ"]), max(values["dK"]),
@@ -367,7 +378,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _digest(t: torch.Tensor) -> int:
-    return crc32c(_raw(t).numpy().tobytes())
+    return crc32c(_raw(t).numpy())   # in place
 
 
 def _read(seen: _Seen) -> torch.Tensor:
@@ -375,12 +386,11 @@ def _read(seen: _Seen) -> torch.Tensor:
     return (raw.view(seen.dtype) if seen.dtype.is_floating_point else raw).reshape(seen.shape)
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference in units in the last place of A's largest magnitude, in its format (floating
-    point): an error's size against the tensor's own rounding (a difference near 0 in a tensor of large values
-    is no more units than one at its peak)."""
-    if not a.is_floating_point() or a.shape != b.shape or not a.numel():
-        return 0.0
+def _ulps(a: torch.Tensor, peak: float, largest: float) -> float:
+    """`largest` in units in the last place of A's largest finite magnitude `peak`, in A's format (floating
+    point): an error's size against the tensor's own rounding (a difference near 0 in a tensor of large values is
+    no more units than one at its peak)."""
+    if not a.is_floating_point() or not math.isfinite(largest):
+        return 0.0 if not a.is_floating_point() else math.inf
     info = torch.finfo(a.dtype)
-    peak = max(float(a.double().abs().max()), info.tiny)
-    return float((b.double() - a.double()).abs().max()) / (2.0 ** math.floor(math.log2(peak)) * info.eps)
+    return largest / (2.0 ** math.floor(math.log2(max(peak, info.tiny))) * info.eps)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,28 @@ def test_layer_and_head_bisect_returns_the_planted_defective_head(planted_layer,
     probes = session["probes"].values()
     assert any(not p["prevented"] and p["spike_at"] == v["spike"] for p in probes if not p["overrides"])
     assert any(p["prevented"] for p in probes if p["overrides"].get("units") == [[1, 0]])
+
+
+def test_a_steps_bisect_of_an_attention_counterfactual_prints_the_diff_that_names_the_layer(planted_layer, ray_local,
+                                                                                           tmp_path):
+    """The planted kernel's run, bisected over steps with exact attention as the counterfactual: the verdict
+    prints the `replay diff` of the first step where the counterfactual parts from the record (after the plain
+    replay that checkpoints it), which names layer 1's attention, the planted head's, as the first operation
+    where they part."""
+    store = tmp_path / "run"
+    shutil.copytree(planted_layer, store)
+    v = _bisect(store, "--by", "steps", "--fix", "attention=eager", "--workers", "1", env=DEFECT)["verdict"]
+    first = v["separation"]["first_bit"]
+    assert v["window"][0] <= first and v["diff"] == (
+        f"replay run {store} --from {first} --to {first} --checkpoint-every 1 --name at-{first} && "
+        f"replay diff {store}/replays/at-{first} --step {first} --attention eager"), v
+    commands = [shlex.split(part)[1:] for part in v["diff"].split(" && ")]
+    made = replay_cli(*commands[0], env=DEFECT)
+    assert made.returncode == 0, made.stderr
+    diffed = replay_cli(*commands[1], "--json", env=DEFECT)
+    assert diffed.returncode == 0, diffed.stderr
+    first = json.loads(diffed.stdout)["first"]
+    assert (first["phase"], first["where"], first["what"]) == ("forward", "attention 1", "O"), first
 
 
 def test_a_killed_bisect_resumes_with_fewer_new_probes(spike_store, ray_local, tmp_path):

@@ -19,7 +19,7 @@ STEP = 10
 
 def test_the_step_run_twice_as_recorded_is_the_same_bit_for_bit(two_rank_store):
     result = diff(Location.parse(two_rank_store), STEP, Overrides())
-    assert result.first is None and result.differences == [] and result.only_in_a == []
+    assert result.first is None and result.differences == [] and result.only_in_a == result.only_in_b == []
     assert result.compared > 50   # every module's output and gradient, the attention calls', the weights'
     assert [(h.layer, h.head) for h in result.heads] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(h.o == h.do == h.dq == h.delta == 0 for h in result.heads)
