@@ -30,6 +30,7 @@ from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
 from replay.launch.script import ScriptServer
 from replay.lifeline import follow_parent
+from replay.replayer.diff import capture as capture_trace
 from replay.replayer.diff import diff as step_diff
 from replay.replayer.overrides import parse_drop, parse_fix, parse_heads, parse_steps
 from replay.replayer.replays import NotBitForBit, ReplayRequest, check_replayable, run_on_ray
@@ -443,10 +444,13 @@ def _tile(text: str) -> tuple[int, int]:
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Side B's precision.")
 @click.option("--fix", help="safe-softmax[:BETA] on side B's flash backends in scope.")
 @click.option("--hp-delta", is_flag=True, help="Side B's backward delta from an FP32 O on the flash backends in scope.")
+@click.option("--capture", help="Write this side's trace (every tensor's digest and statistics) into the store "
+              "under this name, to compare in another process or on another machine, instead of diffing.")
+@click.option("--against", help="Compare this process's step with the trace of this name (from --capture).")
 @click.option("--top", type=int, default=8, show_default=True, help="How many differences after the first to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
-def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, top, as_json) -> None:
+def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, capture, against, top, as_json) -> None:
     """Run step N of the run in STORE twice from its checkpoint, as recorded (A) and with the overrides (B),
     and say where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK
     and dV, and every weight gradient, compared as they are produced; per attention head, the deviations and
@@ -455,7 +459,14 @@ def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, to
     overrides = Overrides(attention=attention, precision=precision, hp_delta=hp_delta, heads=head_list, units=units,
                           layers=parse_steps(layers, "--layers") if layers else None,
                           fix=parse_fix(fix) if fix else None)
-    result = step_diff(store, step, overrides)
+    if capture and against:
+        raise ReplayError("--capture writes a trace and --against reads one: give one of them")
+    if capture:
+        count = capture_trace(store, step, overrides, capture)
+        click.echo(f"trace {capture} of step {step}: {count} tensors' digests and statistics, in "
+                   f"{store}/traces/{capture}")
+        return
+    result = step_diff(store, step, overrides, against=against)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:

@@ -253,8 +253,14 @@ def sample_lines(row: dict[str, Any]) -> list[str]:
 
 def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
     """What `replay diff` prints: the first difference, the largest ones after it, and the attention heads."""
-    sides = (f"A = as the store ran it, B = with {result.overrides}" if result.overrides else
-             "A and B = as the store ran it, twice")
+    changed = f"with {result.overrides}" if result.overrides else "as the store ran it"
+    if result.against is not None:
+        a = result.against
+        sides = (f"A = the trace {a['trace']!r} (taken on {a['machine']}"
+                 + (f", with {a['overrides']}" if a["overrides"] else "") + f"), B = this process, {changed}")
+    else:
+        sides = (f"A = as the store ran it, B = {changed}" if result.overrides else
+                 "A and B = as the store ran it, twice")
     lines = [f"diff {result.store} step {result.step} (rank 0's micro-batches): {sides}",
              f"{result.compared} tensors compared in execution order (forward, backward, weight gradients); "
              f"{len(result.differences)} differ"]
@@ -265,15 +271,16 @@ def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
     if result.first is None:
         return [*lines, "no difference: every tensor of the step is the same bit for bit"]
     lines.append(f"first difference: {_difference(result.first)}")
-    later = sorted(result.differences[1:], key=lambda d: -d.deviation.relative)[:top]
+    later = sorted(result.differences[1:], key=_relative, reverse=True)[:top]
     if later:
         lines.append(f"largest relative differences after it (of {len(result.differences) - 1}):")
         lines += [f"  {_difference(d)}" for d in later]
     grads = [d for d in result.differences if d.phase == "gradient"]
     if grads:
-        lines.append(f"weight gradients: {len(grads)} parameters differ; largest relative: "
-                     + ", ".join(f"{d.where} {d.deviation.relative:.2e}"
-                                 for d in sorted(grads, key=lambda d: -d.deviation.relative)[:3]))
+        lines.append(f"weight gradients: {len(grads)} parameters differ"
+                     + ("; largest relative: " + ", ".join(f"{d.where} {_relative(d):.2e}" for d in
+                                                           sorted(grads, key=_relative, reverse=True)[:3])
+                        if result.against is None else ""))
     if result.heads:
         lines.append("attention heads (max abs deviation over the step's calls; delta = rowsum(dO * O); sign bias of "
                      "delta's error, -1..1; alignment of W_Q's gradient error terms across tokens, 0..1):")
@@ -284,7 +291,21 @@ def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
     return lines
 
 
+def _relative(d: Difference) -> float:
+    if d.deviation is not None:
+        return d.deviation.relative
+    ours, theirs = (d.stats or {}).get("ours", {}), (d.stats or {}).get("theirs", {})
+    a, b = theirs.get("norm"), ours.get("norm")
+    return abs(b - a) / a if a and b is not None else 0.0
+
+
 def _difference(d: Difference) -> str:
+    where = f"{d.phase} {d.where} {d.what} {d.shape} {d.dtype}"
     v = d.deviation
-    return (f"{d.phase} {d.where} {d.what} {d.shape} {d.dtype}: max abs {v.max_abs:.3e}, mean abs {v.mean_abs:.3e}, "
-            f"relative {v.relative:.3e}, {v.ulps:.0f} ulps")
+    if v is None:   # against a trace: the statistics of each side
+        stats = d.stats or {}
+        return where + ": " + "; ".join(
+            f"{side} " + ", ".join(f"{k} {x:.6e}" if x is not None else f"{k} not finite"
+                                   for k, x in stats.get(side, {}).items()) for side in ("theirs", "ours"))
+    return (f"{where}: max abs {v.max_abs:.3e}, mean abs {v.mean_abs:.3e}, relative {v.relative:.3e}, "
+            f"{v.ulps:.0f} ulps")

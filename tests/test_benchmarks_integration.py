@@ -21,8 +21,9 @@ GPU_ONLY = {"bench_cuda_record.py"}   # says it skips on a machine without CUDA
 
 def test_every_benchmark_is_here():
     assert BENCHMARKS == ["bench_analysis.py", "bench_attention.py", "bench_bisect.py", "bench_cuda_record.py",
-                          "bench_dcp.py", "bench_diff.py", "bench_fewer_ranks.py", "bench_loader.py", "bench_multinode.py",
-                          "bench_object_store.py", "bench_record.py", "bench_replay.py", "bench_sharded.py"]
+                          "bench_dcp.py", "bench_diff.py", "bench_fewer_ranks.py", "bench_loader.py",
+                          "bench_multinode.py", "bench_object_store.py", "bench_record.py", "bench_replay.py",
+                          "bench_sharded.py"]
 
 
 @pytest.mark.benchmark

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
+import socket
 import sys
 import tempfile
 from collections import defaultdict
@@ -42,6 +44,7 @@ from replay.recorder.environment import set_rng_state
 from replay.replayer.overrides import apply as apply_overrides
 from replay.store import RunStore
 from replay.store.integrity import crc32c
+from replay.store.lease import writing
 from replay.store.location import Location
 from replay.store.overrides import Overrides
 from replay.train.data import load_data
@@ -49,6 +52,7 @@ from replay.train.model import build_model, lm_loss
 
 _TRACER = "replay-diff"   # the attention implementation a traced side runs its own through
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ class Deviation:
         if not a.numel() or a.shape != b.shape:
             return Deviation(math.inf, math.inf, math.inf, math.inf) if a.shape != b.shape else \
                 Deviation(0.0, 0.0, 0.0, 0.0)
-        a64, b64 = a.double(), b.double()
+        work = torch.float64 if a.dtype == torch.float64 else torch.float32   # a narrower type converts exactly
+        a64, b64 = a.to(work), b.to(work)
         finite = torch.isfinite(a64) & torch.isfinite(b64)
         d = (b64 - a64).abs()[finite]
         unlike = ~finite & ~((a64 == b64) | (torch.isnan(a64) & torch.isnan(b64)))   # an inf or NaN on one side
@@ -85,7 +90,8 @@ class Difference:
     what: str            # output, grad of output, O, dO, dQ, dK, dV, grad
     shape: list[int]
     dtype: str
-    deviation: Deviation
+    deviation: Deviation | None             # None against a trace: its tensors are not kept
+    stats: dict[str, Any] | None = None     # against a trace: {"theirs": ..., "ours": ...} statistics
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class StepDiff:
     heads: list[HeadDiff] = field(default_factory=list)
     only_in_a: list[str] = field(default_factory=list)   # tensors only side A produced (attention weights)
     only_in_b: list[str] = field(default_factory=list)   # ... and only side B
+    against: dict[str, Any] | None = None    # side A was a trace: its name, machine and overrides
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -169,8 +176,9 @@ class _Tracer:
             h.remove()
 
 
-def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
-    """Step `step` of the run at `location`, as recorded (A) and with `overrides` (B)."""
+def _prepare(location: Location, step: int, overrides: Overrides) -> tuple[RunConfig, RunConfig, Any, np.ndarray,
+                                                                          dict[str, Any]]:
+    """(the config as the store ran it, side B's, the data, rank 0's micro-batches of `step`, its checkpoint)."""
     store = RunStore.open(location)
     manifest = store.manifest
     if not store.capabilities.builtin:
@@ -188,7 +196,37 @@ def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
     parent = RunStore.open(location.resolve(manifest.replay.parent)) if manifest.replay else None
     data = load_data(recorded, parent or store)
     ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0][0]   # rank 0's micro-batches
-    shard = store.read_shard(step, 0)
+    return recorded, side_b, data, ids, store.read_shard(step, 0)
+
+
+def capture(location: Location, step: int, overrides: Overrides, name: str) -> int:
+    """`replay diff --capture NAME`: the step as the store ran it (with `overrides`, if any), every tensor's
+    digest and statistics in execution order, written into the store as the trace NAME (no tensor itself), for
+    a comparison in another process or on another machine (`diff(..., against=NAME)`). Returns how many."""
+    if not _NAME.fullmatch(name):
+        raise UsageError(f"--capture {name!r}: a trace's name is letters, digits, '.', '_' and '-'")
+    recorded, side, data, ids, shard = _prepare(location, step, overrides)
+    entries: list[dict[str, Any]] = []
+
+    def note(phase: str, where: str, what: str, t: torch.Tensor) -> None:
+        t = t.detach().contiguous().cpu()
+        entries.append({"key": f"{phase}|{where}|{what}", "shape": list(t.shape), "dtype": str(t.dtype),
+                        "digest": _digest(t), "stats": _stats(t)})
+
+    _run_side(recorded, side, data, ids, shard, note, {})
+    doc = {"step": step, "overrides": overrides.to_dict(), "machine": _machine(), "entries": entries}
+    with writing(location, "replay diff --capture"):
+        RunStore.open(location, mode="a").write_trace(name, doc)
+    return len(entries)
+
+
+def diff(location: Location, step: int, overrides: Overrides, against: str | None = None) -> StepDiff:
+    """Step `step` of the run at `location`, as the store ran it (A) and with `overrides` (B); or, `against` a
+    trace `capture` wrote (A, from wherever it ran), this process's step with `overrides` (B), compared by each
+    tensor's digest, with the two sides' statistics where they differ."""
+    if against is not None:
+        return _against(location, step, overrides, against)
+    recorded, side_b, data, ids, shard = _prepare(location, step, overrides)
     with tempfile.TemporaryDirectory(prefix="replay-diff-") as tmp:
         seen: dict[str, _Seen] = {}
         kept: dict[str, torch.Tensor] = {}
@@ -232,6 +270,55 @@ def diff(location: Location, step: int, overrides: Overrides) -> StepDiff:
     only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
     return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
                     differences, heads, only_in_a, only_in_b)
+
+
+def _against(location: Location, step: int, overrides: Overrides, name: str) -> StepDiff:
+    trace = RunStore.open(location).trace(name)
+    if trace is None:
+        raise UsageError(f"{location} has no trace {name!r}: `replay diff {location} --step {step} --capture {name}` "
+                         "writes one")
+    if trace["step"] != step:
+        raise UsageError(f"the trace {name!r} is of step {trace['step']}, not {step}")
+    recorded, side, data, ids, shard = _prepare(location, step, overrides)
+    theirs = {e["key"]: e for e in trace["entries"]}
+    differences: list[Difference] = []
+    produced: list[str] = []
+
+    def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
+        key = f"{phase}|{where}|{what}"
+        produced.append(key)
+        entry = theirs.get(key)
+        if entry is None:
+            return
+        t = t.detach().contiguous().cpu()
+        if entry["digest"] != _digest(t) or entry["shape"] != list(t.shape) or entry["dtype"] != str(t.dtype):
+            differences.append(Difference(len(produced) - 1, phase, where, what, list(t.shape),
+                                          str(t.dtype).removeprefix("torch."), None,
+                                          {"theirs": entry["stats"], "ours": _stats(t)}))
+
+    _run_side(recorded, side, data, ids, shard, compare, {})
+    ours = set(produced)
+    compared = sum(1 for key in produced if key in theirs)
+    return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
+                    differences, [], [key.replace("|", " ") for key in theirs if key not in ours],
+                    [key.replace("|", " ") for key in produced if key not in theirs],
+                    against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]})
+
+
+def _stats(t: torch.Tensor) -> dict[str, float | None]:
+    """A tensor's statistics as a trace keeps them (None where not finite)."""
+    if not t.is_floating_point() or not t.numel():
+        return {}
+    x = t.double()
+    values = {"min": x.min(), "max": x.max(), "mean": x.mean(), "norm": torch.linalg.norm(x.reshape(-1))}
+    return {k: float(v) if math.isfinite(float(v)) else None for k, v in values.items()}
+
+
+def _machine() -> str:
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return f"{socket.gethostname()}: {cpu or 'a CPU'}, {device}, torch {torch.__version__}"
 
 
 def _run_side(recorded: RunConfig, cfg: RunConfig, data: Any, ids: np.ndarray, shard: dict[str, Any],

@@ -312,6 +312,20 @@ class RunStore:
             self.root.require_group("bisect")
             (self.location / "bisect" / session_id / "zarr.json").write(group_json(doc))
 
+    # -- traces of one step (replay/replayer/diff.py) ----------------------------------------------
+
+    def write_trace(self, name: str, doc: dict[str, Any]) -> None:
+        """One write of a step's trace (`replay diff --capture`), replacing one of the same name."""
+        with disk_errors(f"the trace {name} in {self.location}", self.location / "traces"):
+            self.root.require_group("traces")
+            (self.location / "traces" / name / "zarr.json").write(group_json(doc))
+
+    def trace(self, name: str) -> dict[str, Any] | None:
+        """A trace `replay diff --capture` wrote, checksummed; None if there is none of that name."""
+        path = self.location / "traces" / name / "zarr.json"
+        raw = path.read()
+        return group_attributes(raw, str(path)) if raw is not None else None
+
     # -- embedded data -----------------------------------------------------------------------------
 
     def write_tokens(self, tokens: np.ndarray) -> None:

@@ -4,6 +4,7 @@ checkpoint, every tensor compared as it is produced."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -87,3 +88,26 @@ def test_the_command_prints_the_first_difference_and_refuses_a_step_without_a_ch
 def test_bad_overrides_are_one_line_errors(two_rank_store, args, says):
     done = replay_cli("diff", str(two_rank_store), "--step", str(STEP), *args)
     assert done.returncode == 2 and says in error_line(done), done.stderr
+
+
+def test_a_trace_captured_in_one_process_gives_the_same_first_difference_in_another(two_rank_store, tmp_path):
+    """`--capture` in one `replay diff` process (side A with layer 1 on emulated BF16 attention), then `--against`
+    in another (the step as recorded): by the trace's digests, the same first difference as the in-process diff
+    of the same two sides, and the same count of differing tensors; the store holds the trace, no tensor."""
+    store = tmp_path / "run"
+    shutil.copytree(two_rank_store, store)
+    change = ["--attention", "reference-emu:dtype=bf16", "--layers", "1"]
+    captured = replay_cli("diff", str(store), "--step", str(STEP), *change, "--capture", "bf16-layer1", process=True)
+    assert captured.returncode == 0 and "trace bf16-layer1 of step 10" in captured.stdout, captured.stderr
+    compared = replay_cli("diff", str(store), "--step", str(STEP), "--against", "bf16-layer1", "--json", process=True)
+    assert compared.returncode == 0, compared.stderr
+    across = json.loads(compared.stdout)
+    here = diff(Location.parse(store), STEP, Overrides(attention="reference-emu:dtype=bf16", layers=[1]))
+    assert (across["first"]["phase"], across["first"]["where"], across["first"]["what"]) == \
+        (here.first.phase, here.first.where, here.first.what) == ("forward", "attention 1", "O")
+    assert len(across["differences"]) == len(here.differences) and across["against"]["trace"] == "bf16-layer1"
+    ours, theirs = across["first"]["stats"]["ours"], across["first"]["stats"]["theirs"]
+    assert ours["norm"] != theirs["norm"]
+    assert sum(f.stat().st_size for f in (store / "traces").rglob("*")) < 200_000   # digests and statistics only
+    missing = replay_cli("diff", str(store), "--step", str(STEP), "--against", "nope")
+    assert missing.returncode == 2 and "has no trace 'nope'" in error_line(missing)
