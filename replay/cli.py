@@ -256,6 +256,21 @@ def batch(store, step, rank, as_json) -> None:
     click.echo(json.dumps(rows, indent=2) if as_json else "\n".join(line for row in rows for line in sample_lines(row)))
 
 
+def _attention_options(fn):
+    """The overrides of a step's computation, as `replay run` and `replay diff` (its side B) take them."""
+    for option in reversed([
+        click.option("--attention", help="Attention backend for the whole model, or for --layers / --heads."),
+        click.option("--layers", help="Layers the attention override or --lr-scale applies to, e.g. 1 or 0,2-3."),
+        click.option("--heads", help="Heads the override applies to: 7,8 (within --layers) or layer.head pairs, "
+                     "e.g. 1.0,0.3."),
+        click.option("--precision", type=click.Choice(PRECISIONS), help="Train at this precision."),
+        click.option("--fix", help="safe-softmax[:BETA]: Qiu & Yao's fix on the flash backends in scope (BETA 7)."),
+        click.option("--hp-delta", is_flag=True,
+                     help="Backward delta from an FP32 O on the flash backends in scope.")]):
+        fn = option(fn)
+    return fn
+
+
 @main.command("run")
 @click.argument("store", type=STORE)
 @click.option("--from", "start", required=True, type=int, help="First step of the window (0-based).")
@@ -264,12 +279,7 @@ def batch(store, step, rank, as_json) -> None:
 @click.option("--name", help="Replay id inside the store (default steps-A-B).")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Also checkpoint every K steps (0: only at the end).")
-@click.option("--attention", help="Attention backend for the whole model, or for --layers / --heads.")
-@click.option("--layers", help="Layers the attention override or --lr-scale applies to, e.g. 1 or 0,2-3.")
-@click.option("--heads", help="Heads the override applies to: 7,8 (within --layers) or layer.head pairs, e.g. 1.0,0.3.")
-@click.option("--precision", type=click.Choice(PRECISIONS), help="Train the window at this precision.")
-@click.option("--fix", help="safe-softmax[:BETA]: Qiu & Yao's fix on the flash backends in scope (BETA 7).")
-@click.option("--hp-delta", is_flag=True, help="Backward delta from an FP32 O on the flash backends in scope.")
+@_attention_options
 @click.option("--skip", help="Steps whose batches are not trained on, e.g. 260-262,265.")
 @click.option("--drop", help="Samples left out of their step's loss, as step:sample, e.g. 261:3,261:5.")
 @click.option("--lr-scale", type=float, help="Multiply the learning rate by X (of --layers/--heads only, if given).")
@@ -438,12 +448,7 @@ def _tile(text: str) -> tuple[int, int]:
 @main.command("diff")
 @click.argument("store", type=STORE)
 @click.option("--step", required=True, type=int, help="The step to run twice (a committed checkpoint there).")
-@click.option("--attention", help="Side B's attention backend, for the whole model or --layers / --heads.")
-@click.option("--layers", help="Layers side B's attention override applies to, e.g. 1 or 0,2-3.")
-@click.option("--heads", help="Heads it applies to: 7,8 (within --layers) or layer.head pairs, e.g. 1.0,0.3.")
-@click.option("--precision", type=click.Choice(PRECISIONS), help="Side B's precision.")
-@click.option("--fix", help="safe-softmax[:BETA] on side B's flash backends in scope.")
-@click.option("--hp-delta", is_flag=True, help="Side B's backward delta from an FP32 O on the flash backends in scope.")
+@_attention_options
 @click.option("--capture", help="Write this side's trace (every tensor's digest and statistics) into the store "
               "under this name, to compare in another process or on another machine, instead of diffing.")
 @click.option("--against", help="Compare this process's step with the trace of this name (from --capture).")
