@@ -30,8 +30,6 @@ from replay.launch.ray_cluster import exit_process
 from replay.launch.ray_ranks import Placing
 from replay.launch.script import ScriptServer
 from replay.lifeline import follow_parent
-from replay.replayer.diff import capture as capture_trace
-from replay.replayer.diff import diff as step_diff
 from replay.replayer.overrides import parse_drop, parse_fix, parse_heads, parse_steps
 from replay.replayer.replays import NotBitForBit, ReplayRequest, check_replayable, run_on_ray
 from replay.replayer.replays import run as run_replay
@@ -464,6 +462,10 @@ def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, ca
     overrides = Overrides(attention=attention, precision=precision, hp_delta=hp_delta, heads=head_list, units=units,
                           layers=parse_steps(layers, "--layers") if layers else None,
                           fix=parse_fix(fix) if fix else None)
+    # lazy: torch and transformers (the launching commands load neither: tests/test_layers_integration.py)
+    from replay.replayer.diff import capture as capture_trace
+    from replay.replayer.diff import diff as step_diff
+
     if capture and against:
         raise ReplayError("--capture writes a trace and --against reads one: give one of them")
     if capture:

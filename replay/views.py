@@ -13,7 +13,6 @@ from replay.analysis.results import analysis_status
 from replay.bisect.session import Session
 from replay.config import Launcher
 from replay.errors import UsageError
-from replay.replayer.diff import Difference, StepDiff
 from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.capabilities import Capabilities
@@ -21,6 +20,7 @@ from replay.store.lease import holder_of
 from replay.store.location import Location, Where
 from replay.store.overrides import Reached
 from replay.store.run_store import micro_batches
+from replay.store.step_diff import Difference, StepDiff
 from replay.store.verification import STATE, Divergence
 from replay.train.data import load_data
 

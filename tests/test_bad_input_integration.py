@@ -214,6 +214,12 @@ def _cases() -> list[Case]:
         Case("run STORE --from 10 --to 12", "checkpoint 10 rank 0", damage=FLIPPED_TENSOR),
         Case("run STORE --from 20 --to 22", "lease file", damage=BAD_LEASE),
         # session
+        Case("diff NEW --step 10", "does not exist"),
+        Case("diff STORE --step 11", "no committed checkpoint at step 11"),
+        Case("diff STORE --step 10 --attention flashy", "unknown attention backend"),
+        Case("diff STORE --step 10 --capture ../x", "a trace's name is letters, digits"),
+        Case("diff STORE --step 10 --against nope", "has no trace 'nope'"),
+        Case("diff STORE --step 10 --capture a --against b", "give one of them"),
         Case("session NEW", "does not exist"),
         Case("session REPLAY", "is a replay; replay windows of the run"),
         Case("session STORE --file NEW", "No such file or directory"),

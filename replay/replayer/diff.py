@@ -21,7 +21,6 @@ rank 0's micro-batches; a checkpoint at step N is needed (a replay with `--check
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import re
 import socket
@@ -29,7 +28,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,86 +46,13 @@ from replay.store.integrity import crc32c
 from replay.store.lease import writing
 from replay.store.location import Location
 from replay.store.overrides import Overrides
+from replay.store.step_diff import Deviation, Difference, HeadDiff, StepDiff
 from replay.train.data import load_data
 from replay.train.model import build_model, lm_loss
 
 _TRACER = "replay-diff"   # the attention implementation a traced side runs its own through
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-@dataclass(frozen=True)
-class Deviation:
-    """How far B's tensor is from A's."""
-
-    max_abs: float
-    mean_abs: float
-    relative: float      # max_abs over A's largest magnitude
-    ulps: float          # max_abs in units in the last place of A's largest magnitude, in its format
-
-    @staticmethod
-    def of(a: torch.Tensor, b: torch.Tensor) -> Deviation:
-        if not a.numel() or a.shape != b.shape:
-            return Deviation(math.inf, math.inf, math.inf, math.inf) if a.shape != b.shape else \
-                Deviation(0.0, 0.0, 0.0, 0.0)
-        work = torch.float64 if a.dtype == torch.float64 else torch.float32   # a narrower type converts exactly
-        a64, b64 = a.to(work), b.to(work)
-        finite = torch.isfinite(a64) & torch.isfinite(b64)
-        d = (b64 - a64).abs()[finite]
-        unlike = ~finite & ~((a64 == b64) | (torch.isnan(a64) & torch.isnan(b64)))   # an inf or NaN on one side
-        largest = math.inf if bool(unlike.any()) else float(d.max()) if d.numel() else 0.0
-        peak = float(a64[torch.isfinite(a64)].abs().max()) if bool(torch.isfinite(a64).any()) else 0.0
-        return Deviation(largest, float(d.mean()) if d.numel() else 0.0,
-                         largest / peak if peak else (math.inf if largest else 0.0), _ulps(a, peak, largest))
-
-
-@dataclass(frozen=True)
-class Difference:
-    """A tensor that differs between the sides, where it was produced."""
-
-    order: int           # its place in side B's execution order
-    phase: str           # forward, backward or gradient
-    where: str           # a module path, `attention L` for layer L's attention call, or a parameter's name
-    what: str            # output, grad of output, O, dO, dQ, dK, dV, grad
-    shape: list[int]
-    dtype: str
-    deviation: Deviation | None             # None against a trace: its tensors are not kept
-    stats: dict[str, Any] | None = None     # against a trace: {"theirs": ..., "ours": ...} statistics
-
-
-@dataclass(frozen=True)
-class HeadDiff:
-    """One attention head's deviations (max absolute) over the step's calls, and delta's error sign bias."""
-
-    layer: int
-    head: int
-    o: float
-    do: float
-    dq: float
-    dk: float
-    dv: float
-    delta: float
-    delta_sign_bias: float   # mean sign of delta's error over the rows where it is not 0 (-1..1)
-    wq_alignment: float      # |sum of the tokens' rank-1 terms of W_Q's gradient error| / sum of their norms
-
-
-@dataclass
-class StepDiff:
-    """`replay diff`'s answer."""
-
-    store: str
-    step: int
-    overrides: dict[str, Any]
-    compared: int                                  # tensors compared
-    first: Difference | None                       # None: the sides are the same bit for bit
-    differences: list[Difference] = field(default_factory=list)
-    heads: list[HeadDiff] = field(default_factory=list)
-    only_in_a: list[str] = field(default_factory=list)   # tensors only side A produced (attention weights)
-    only_in_b: list[str] = field(default_factory=list)   # ... and only side B
-    against: dict[str, Any] | None = None    # side A was a trace: its name, machine and overrides
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -196,7 +122,11 @@ def _prepare(location: Location, step: int, overrides: Overrides) -> tuple[RunCo
     parent = RunStore.open(location.resolve(manifest.replay.parent)) if manifest.replay else None
     data = load_data(recorded, parent or store)
     ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0][0]   # rank 0's micro-batches
-    return recorded, side_b, data, ids, store.read_shard(step, 0)
+    shard = store.read_shard(step, 0)
+    if "model" not in shard["state"].get("replicated", {}):
+        raise UsageError(f"{location}'s checkpoints hold each rank's piece of the model (DeepSpeed ZeRO): replay diff "
+                         "restores a whole model, from a run of plain or DDP ranks")
+    return recorded, side_b, data, ids, shard
 
 
 def capture(location: Location, step: int, overrides: Overrides, name: str) -> int:
@@ -257,7 +187,7 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
                 return
             theirs = _read(a) if a.shape == tuple(t.shape) else torch.full_like(t, math.nan)
             differences.append(Difference(compared - 1, phase, where, what, list(t.shape), str(t.dtype).removeprefix(
-                "torch."), Deviation.of(theirs, t)))
+                "torch."), _deviation(theirs, t)))
 
         produced: set[str] = set()
 
@@ -303,6 +233,22 @@ def _against(location: Location, step: int, overrides: Overrides, name: str) -> 
                     differences, [], [key.replace("|", " ") for key in theirs if key not in ours],
                     [key.replace("|", " ") for key in produced if key not in theirs],
                     against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]})
+
+
+def _deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
+    """How far B is from A, over their finite values (an inf or NaN on one side only makes it infinite)."""
+    if not a.numel() or a.shape != b.shape:
+        return Deviation(math.inf, math.inf, math.inf, math.inf) if a.shape != b.shape else \
+            Deviation(0.0, 0.0, 0.0, 0.0)
+    work = torch.float64 if a.dtype == torch.float64 else torch.float32   # a narrower type converts exactly
+    aw, bw = a.to(work), b.to(work)
+    finite = torch.isfinite(aw) & torch.isfinite(bw)
+    d = (bw - aw).abs()[finite]
+    unlike = ~finite & ~((aw == bw) | (torch.isnan(aw) & torch.isnan(bw)))   # an inf or NaN on one side
+    largest = math.inf if bool(unlike.any()) else float(d.max()) if d.numel() else 0.0
+    peak = float(aw[torch.isfinite(aw)].abs().max()) if bool(torch.isfinite(aw).any()) else 0.0
+    return Deviation(largest, float(d.mean()) if d.numel() else 0.0,
+                     largest / peak if peak else (math.inf if largest else 0.0), _ulps(a, peak, largest))
 
 
 def _stats(t: torch.Tensor) -> dict[str, float | None]:
