@@ -65,6 +65,7 @@ class ProbeWorker:
             assert self.cluster is not None, "only a placement group loses nodes"
             self.cluster.close()
             retried = str(e)
+            self.cluster.wait_for_room()
             result = self._run(store, req, under)
         assert result.verification is not None, "a replay that ran is verified"
         return ProbeOutcome(id=result.location.name, ran=result.created, seconds=time.perf_counter() - t0,

@@ -152,6 +152,14 @@ class RayRanks:
                 used.add(best)
             count += 1
 
+    def wait_for_room(self) -> None:
+        """After a node of the group was lost: wait, up to the placing's `wait`, for the cluster to hold the group
+        again (a node restarting or its replacement joining takes seconds), so that the retry's `open` does not
+        refuse a cluster that is still filling."""
+        deadline = time.monotonic() + self.placing.wait
+        while not self.fits() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
     def _bundle_words(self) -> str:
         return ", ".join("+".join(f"{v:g} {k}" for k, v in b.items()) for b in self.bundles)
 
