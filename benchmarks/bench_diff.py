@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from replay.lifeline import child_env
 from replay.replayer.diff import diff
 from replay.store import RunStore
 from replay.store.location import Location
@@ -73,7 +74,7 @@ def main() -> None:
         where = Path(tmp) / "run"
         subprocess.run([sys.executable, "-m", "replay", "record", "--store", str(where), "--steps", "1",
                         "--set", "threads=" + str(torch.get_num_threads()), *([] if quick else SMALL)],
-                       check=True, capture_output=True, text=True)
+                       check=True, capture_output=True, text=True, env=child_env())   # it ends with this one
         store, location = RunStore.open(where), Location.parse(where)
         model = store.manifest.config.model
         print(f"model: {model.n_layer} layers x {model.n_head} heads x {model.n_embd}, seq {model.block_size}; "
