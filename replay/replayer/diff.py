@@ -5,10 +5,11 @@ backward, no optimizer step) in this process.
 
 Every tensor the step produces is compared, in execution order: each module's output (forward), the gradient
 of each module's output (backward), every attention call's output O and gradients dO, dQ, dK, dV (per head),
-and each parameter's gradient at the end. Side A runs first and keeps each tensor in a temporary file (none in
-memory); side B compares each of its tensors with A's as it is produced, by a CRC-32C of its bytes, and reads
-A's from the file only where they differ, for the deviation (max and mean absolute, relative, in ULPs of the
-format). The first differing tensor in B's order is the first difference. For the attention calls, per head:
+and each parameter's gradient at the end. Side A runs first and keeps each tensor in a temporary file (in
+memory only its attention calls' tensors, for the per-head signals); side B compares each of its tensors with
+A's as it is produced, by a CRC-32C of its bytes, and reads A's from the file only where they differ, for the
+deviation (max and mean absolute, relative, in ULPs of A's largest magnitude in A's format). The first
+differing tensor in B's order is the first difference. For the attention calls, per head:
 the deviation of O, dO, dQ, dK, dV, and of `delta = rowsum(dO * O)` with the sign bias of its error (Qiu & Yao's
 mechanism: a biased delta error has one sign), and how aligned the rank-1 terms of W_Q's gradient error are
 across tokens (1: every token's term points one way, as a bias does).
@@ -16,6 +17,9 @@ across tokens (1: every token's term points one way, as a bias does).
 Without overrides both sides are the record: a step that runs the same twice in one process reports no
 difference (and one that does not, its first nondeterministic operation). The built-in trainer's runs (GPT-2),
 rank 0's micro-batches; a checkpoint at step N is needed (a replay with `--checkpoint-every 1` writes one).
+
+`capture` writes one side's trace (each tensor's digest and statistics, no tensor) into the store, and
+`diff(..., against=NAME)` compares this process's step with it: the same step taken on another machine.
 """
 
 from __future__ import annotations
