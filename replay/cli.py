@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
@@ -269,6 +270,13 @@ def _attention_options(fn):
     return fn
 
 
+def _step_overrides(attention, layers, heads, precision, fix, hp_delta) -> Overrides:
+    """The overrides `_attention_options` gives, parsed."""
+    head_list, units = parse_heads(heads) if heads else (None, None)
+    return Overrides(attention=attention, precision=precision, hp_delta=hp_delta, heads=head_list, units=units,
+                     layers=parse_steps(layers, "--layers") if layers else None, fix=parse_fix(fix) if fix else None)
+
+
 @main.command("run")
 @click.argument("store", type=STORE)
 @click.option("--from", "start", required=True, type=int, help="First step of the window (0-based).")
@@ -300,12 +308,9 @@ def run_cmd(store, start, stop, verify, name, checkpoint_every, attention, layer
     with the overrides (each recorded in the replay's manifest; several may be combined). A run of your
     own script (replay.recorder.Loop) is replayed by starting its recorded command again.
     """
-    head_list, units = parse_heads(heads) if heads else (None, None)
-    overrides = Overrides(
-        attention=attention, precision=precision, hp_delta=hp_delta, lr_scale=lr_scale,
-        layers=parse_steps(layers, "--layers") if layers else None, heads=head_list, units=units,
-        fix=parse_fix(fix) if fix else None, skip=parse_steps(skip) if skip else [],
-        drop=parse_drop(drop) if drop else [])
+    overrides = dataclasses.replace(_step_overrides(attention, layers, heads, precision, fix, hp_delta),
+                                    lr_scale=lr_scale, skip=parse_steps(skip) if skip else [],
+                                    drop=parse_drop(drop) if drop else [])
     if resume and discard:
         raise ReplayError("--resume and --discard exclude each other")
     req = ReplayRequest(start, stop, name=name, checkpoint_every=checkpoint_every, overrides=overrides,
@@ -458,10 +463,7 @@ def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, ca
     and say where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK
     and dV, and every weight gradient, compared as they are produced; per attention head, the deviations and
     Qiu & Yao's signals (delta's sign bias, W_Q's gradient error alignment)."""
-    head_list, units = parse_heads(heads) if heads else (None, None)
-    overrides = Overrides(attention=attention, precision=precision, hp_delta=hp_delta, heads=head_list, units=units,
-                          layers=parse_steps(layers, "--layers") if layers else None,
-                          fix=parse_fix(fix) if fix else None)
+    overrides = _step_overrides(attention, layers, heads, precision, fix, hp_delta)
     # lazy: torch and transformers (the launching commands load neither: tests/test_layers_integration.py)
     from replay.replayer.diff import capture as capture_trace
     from replay.replayer.diff import diff as step_diff

@@ -177,12 +177,12 @@ class TrainerRecorder(TrainerCallback):
         how = "build the Trainer with callbacks=[recorder] or start it with recorder.train(trainer)"
         if not self._started and not os.environ.get(STORE_ENV):
             refuse(f"TrainerRecorder: a Trainer given the recorder after it was built (trainer.add_callback) and "
-                    f"started by its own train() could not be started past step 0 by a replay: {how}",
-                    args.process_index)
+                   f"started by its own train() could not be started past step 0 by a replay: {how}",
+                   args.process_index)
         start = self._start_step()
         if state.global_step != start:
             refuse(f"TrainerRecorder: the Trainer starts at step {state.global_step}, the store's run at step "
-                    f"{start}: {how}", args.process_index)
+                   f"{start}: {how}", args.process_index)
 
     @staticmethod
     def _check_replay(loop: Loop) -> None:

@@ -15,7 +15,7 @@ from replay.config import Cadence, ModelConfig, RunConfig, SpikeConfig
 from replay.errors import UsageError
 from replay.kernels.registry import transformers_model_in
 from replay.kernels.sdpa_dispatch import attention_modules
-from replay.store.layout import FAMILIES, ROLES, resolve_layout
+from replay.store.layout import FAMILIES, resolve_layout
 from replay.store.manifest import ModelInfo
 
 PRECISIONS = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -70,12 +70,8 @@ class RunOptions:
             config: Any = inner.config
             info = ModelInfo(json.loads(config.to_json_string(use_diff=False)))
             layout = layout or FAMILIES.get(config.model_type)
-        resolved = resolve_layout(layout, cfg.model)
-        path = next((name for name, m in model.named_modules() if m is inner), "")
-        if resolved is not None and isinstance(layout, str) and path:   # a family's names, under the wrapper's
-            resolved = {role: f"{path}.{key}" if role in ROLES and isinstance(key, str) else key
-                        for role, key in resolved.items()}
-        return resolved, info
+        under = next((name for name, m in model.named_modules() if m is inner), "")   # a wrapper's prefix, or ""
+        return resolve_layout(layout, cfg.model, under), info
 
 
 def _whole(value: Any) -> bool:

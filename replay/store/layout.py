@@ -47,7 +47,7 @@ _LLAMA = {role: f"model.layers.{{layer}}.{key}.weight" for role, key in (
     ("fc", "mlp.up_proj"), ("proj", "mlp.down_proj"))}
 BUILT_IN = {"hf-gpt2": {**_GPT2, "orientation": "in_out"}, "nanogpt": {**_GPT2, "orientation": "out_in"},
             "hf-llama": {**_LLAMA, "orientation": "out_in"}}
-ROLES = ("qkv", "q", "k", "v", "o", "fc", "proj")
+_ROLES = ("qkv", "q", "k", "v", "o", "fc", "proj")
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Layout:
                              f"got {self.orientation!r}")
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
             raise UsageError("a layout names either one fused 'qkv' key or the three keys 'q', 'k' and 'v'")
-        for role in ROLES:
+        for role in _ROLES:
             key = getattr(self, role)
             if key is not None and "{layer}" not in key:
                 raise UsageError(f"layout key {role!r} ({key!r}) has no '{{layer}}' to put the layer number in")
@@ -77,7 +77,7 @@ class Layout:
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         unknown = set(d) - {f for f in cls.__dataclass_fields__}
         if unknown:
-            raise UsageError(f"unknown layout keys {sorted(unknown)}: use {', '.join(ROLES)} and orientation")
+            raise UsageError(f"unknown layout keys {sorted(unknown)}: use {', '.join(_ROLES)} and orientation")
         if "o" not in d:
             raise UsageError("a layout names W_O's key as 'o'")
         return cls(**d)
@@ -87,7 +87,7 @@ class Layout:
 
     def keys(self, layer: int) -> dict[str, str]:
         """The state-dict keys of one layer's matrices, by role."""
-        return {role: key.format(layer=layer) for role in ROLES if (key := getattr(self, role)) is not None}
+        return {role: key.format(layer=layer) for role in _ROLES if (key := getattr(self, role)) is not None}
 
     def matrices(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One layer's matrices as (in, out), by analysis name (q, k, v, o and, where named, fc, proj), from
@@ -107,14 +107,16 @@ class Layout:
 FAMILIES = {"gpt2": "hf-gpt2", "llama": "hf-llama", "qwen2": "hf-llama", "mistral": "hf-llama"}
 
 
-def resolve_layout(layout: str | dict[str, Any] | None, model: ModelConfig) -> dict[str, Any] | None:
-    """A layout given by name or mapping, checked, as the manifest stores it (None: none given)."""
+def resolve_layout(layout: str | dict[str, Any] | None, model: ModelConfig, under: str = "") -> dict[str, Any] | None:
+    """A layout given by name or mapping, checked, as the manifest stores it (None: none given). `under`: where
+    the named family's model sits in the recorded module (a LightningModule's `model`), its keys prefixed so."""
     if layout is None:
         return None
     if isinstance(layout, str):
         if layout not in BUILT_IN:
             raise UsageError(f"unknown layout {layout!r}: use {', '.join(BUILT_IN)} or a mapping of keys")
-        return Layout(**BUILT_IN[layout], name=layout).to_dict()
+        keys = {role: f"{under}.{key}" if under and role in _ROLES else key for role, key in BUILT_IN[layout].items()}
+        return Layout(**keys, name=layout).to_dict()
     return Layout.from_dict(dict(layout)).to_dict()
 
 
