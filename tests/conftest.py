@@ -23,8 +23,10 @@ import pytest
 import torch
 from filelock import FileLock
 
+from replay.launch.forkserver import ForkServer
 from replay.launch.job import RankLauncher
 from replay.launch.pool import RankPool
+from replay.launch.ranks import RANKS_ENV
 from replay.launch.ray_cluster import SYSTEM_CONFIG
 from replay.lifeline import child_env, guarded
 from replay.processes import alive, descendants
@@ -59,6 +61,20 @@ if "PYTEST_DEBUG_TEMPROOT" not in os.environ and os.access("/dev/shm", os.W_OK) 
 # in each call: set by the `on_rank_pool` fixture for the test, never by the product (which takes them as an argument)
 _lent_for_test: list[RankPool] = []
 
+# The fork server of this worker's in-process commands that are lent no other ranks: the built-in trainer's local
+# ranks of every such command are forked from it, as a `replay session`'s are from one server, instead of from a
+# server of the command's own that imports torch and transformers again (about 4 s of CPU a command). Started at
+# its first job, ended with the worker. A command given REPLAY_RANKS (fresh ranks) chooses its own.
+_worker_forks = ForkServer()
+
+
+def _default_ranks(env: dict | None) -> RankLauncher | None:
+    if _lent_for_test:
+        return _lent_for_test[0]
+    if RANKS_ENV in (env or {}) or RANKS_ENV in os.environ:
+        return None
+    return _worker_forks
+
 
 def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, process: bool = False,
                ranks: RankLauncher | None = None, input: str | None = None) -> subprocess.CompletedProcess:
@@ -66,9 +82,9 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, proces
     the file descriptors, so the ranks' output too), or in a fresh process (`process=True`, and whenever a
     fault is armed: a fault kills the process it fires in), which ends with the test run if that dies.
     `ranks`: in this process, the runs they take go to those warm ranks (the `rank_pool` fixture, by default
-    the test's `on_rank_pool`; a script's kept-up ranks), lent to the command as click's context object (cli.py
+    the test's `on_rank_pool`, else the worker's fork server; a script's kept-up ranks), lent to the command as click's context object (cli.py
     `_lent_ranks`). `input`: the command's standard input."""
-    ranks = ranks if ranks is not None else next(iter(_lent_for_test), None)
+    ranks = ranks if ranks is not None else _default_ranks(env)
     if process or (env and "REPLAY_FAULT" in env):
         full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))
         return subprocess.run([sys.executable, "-m", "replay", *args], capture_output=True, text=True,
@@ -147,6 +163,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
+    _worker_forks.close()
     gc.unfreeze()   # the interpreter's exit frees them as usual (nanobind's modules count what is left as leaked)
 
 
