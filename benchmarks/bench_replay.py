@@ -17,6 +17,12 @@ one-step replay's wall time (prepare, ranks, final checkpoint, verification); th
 --quick). Then the same one-step replay as a `replay run` command: fresh ranks (REPLAY_RANKS=fresh) against
 the command's own fork server (the default).
 
+A user's script: the examples' transformers Trainer script (a Llama from a config) recorded on 2 ranks under
+torchrun, then the same 2-step `replay run` of it with the script's ranks started as fresh processes
+(REPLAY_RANKS=fresh) and forked from the script's fork server (the default: one process imports transformers
+once, launch/forkserver.py), alternating, 3 pairs (1 with --quick): the median wall time and CPU time (the
+command and every process it started) of each.
+
     .venv/bin/python benchmarks/bench_replay.py [--quick]
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -55,11 +62,43 @@ def hardware() -> str:
     return f"hardware: {cpu}, {os.cpu_count()} cores"
 
 
-def timed(*cmd: str, env: dict[str, str] | None = None) -> float:
+def timed(*cmd: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
+    return timed_cpu(*cmd, env=env, cwd=cwd)[0]
+
+
+def timed_cpu(*cmd: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the command and every process it started and waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([sys.executable, *cmd], check=True, capture_output=True, text=True,
+    subprocess.run([sys.executable, *cmd], check=True, capture_output=True, text=True, cwd=cwd,
                    env=child_env({**os.environ, **(env or {})}))
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def script_replays(work: Path, pairs: int) -> None:
+    """The examples' Trainer script on 2 ranks: a 2-step replay with fresh script processes against forked ones."""
+    example = Path(__file__).resolve().parents[1] / "examples"
+    timed(str(example / "nanogpt" / "prepare.py"), "--out", str(work / "tokens"), "--bytes", "100000")
+    store = work / "trainer"
+    # as a user starts it (the recording's ranks are torchrun's, whose parent is its agent, not this process)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(example / "hf_trainer" / "train.py"), f"--data={work / 'tokens' / 'train.bin'}",
+                    f"--store={store}", f"--output_dir={work / 'trainer-out'}", "--max_steps=8",
+                    "--checkpoint_every=4"],
+                   check=True, capture_output=True, cwd=work, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs: dict[str, list[tuple[float, float]]] = {"fresh": [], "forked": []}
+    for i in range(pairs):
+        for kind in ("fresh", "forked") if i % 2 == 0 else ("forked", "fresh"):
+            env = {"REPLAY_RANKS": "fresh"} if kind == "fresh" else {}
+            runs[kind].append(timed_cpu("-m", "replay", "run", str(store), "--from", "5", "--to", "6", "--name",
+                                        f"{kind}-{i}", env=env))
+    (fw, fc), (kw, kc) = ((statistics.median(w for w, _ in runs[k]), statistics.median(c for _, c in runs[k]))
+                          for k in ("fresh", "forked"))
+    print(f"a 2-step replay of the Trainer script on 2 ranks: fresh processes {fw:.1f} s ({fc:.1f} s of CPU), "
+          f"forked from its fork server {kw:.1f} s ({kc:.1f} s of CPU): {fc / kc:.2f}x less CPU, {fw / kw:.2f}x "
+          "the wall time")
 
 
 class Timed:
@@ -175,6 +214,7 @@ def main() -> None:
         timed("-m", "replay", "record", "--store", str(tiny), "--preset", "tiny", "--nproc", "2", "--steps", "20",
               "--checkpoint-every", "10")
         side_by_side(tiny, 10, 1 if quick else 3)
+        script_replays(work, 1 if quick else 3)
         if quick:
             return
         commands(tiny, 10)

@@ -82,8 +82,8 @@ def replay_cli(*args: str, env: dict | None = None, timeout: float = 600, proces
     the file descriptors, so the ranks' output too), or in a fresh process (`process=True`, and whenever a
     fault is armed: a fault kills the process it fires in), which ends with the test run if that dies.
     `ranks`: in this process, the runs they take go to those warm ranks (the `rank_pool` fixture, by default
-    the test's `on_rank_pool`, else the worker's fork server; a script's kept-up ranks), lent to the command as click's context object (cli.py
-    `_lent_ranks`). `input`: the command's standard input."""
+    the test's `on_rank_pool`, else the worker's fork server; a script's kept-up ranks), lent to the command as
+    click's context object (cli.py `_lent_ranks`). `input`: the command's standard input."""
     ranks = ranks if ranks is not None else _default_ranks(env)
     if process or (env and "REPLAY_FAULT" in env):
         full_env = child_env({k: v for k, v in os.environ.items() if k != "REPLAY_FAULT"} | (env or {}))

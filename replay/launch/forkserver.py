@@ -17,8 +17,16 @@ MASTER_ADDR/PORT, the lease, ...), writes its output to the command's stderr (th
 request), resets the signal handlers and `sys.excepthook` the server inherited, reseeds Python's `random`,
 then runs as `python -m replay.launch.worker STORE` would (launch/worker.py) and exits with its code.
 
+A script fork server (`ForkServer(script=...)`, launch/script.py) does the same for a user's training script:
+started in the script's recorded environment and working directory, it imports the installed packages the
+recording had imported (torch, transformers, Lightning, ...: `CommandInfo.imports`) and `replay`'s recorder, then
+forks each of the script's ranks, which runs the script as `python SCRIPT ARGS` (or `-m MODULE`) would: its
+`sys.argv`, `sys.path[0]` and `__main__`, numpy's BLAS threads and RNG as a fresh process has them.
+
 Messages, one JSON object per SOCK_SEQPACKET message:
-    command -> server  {"argv": [...], "envs": [{...}, ...]} + the ranks' output descriptor: fork one rank per env
+    command -> server  {"argv": [...], "envs": [{...}, ...]} + the ranks' output descriptor (and, for a script,
+                       "fd_env" and "rank_fds": the other descriptors sent, by index, each rank's own, named to it
+                       in that variable as "FD,FD"): fork one rank per env
                        {"kill": [pid, ...]}: SIGKILL those ranks (still the server's children)
     server -> command  {"ready": true} or {"refused": why}, once its imports are done
                        {"pids": [pid, ...]}: the ranks of a request, by local rank; or {"refused": why}
@@ -28,16 +36,21 @@ Messages, one JSON object per SOCK_SEQPACKET message:
 from __future__ import annotations
 
 import atexit
+import ctypes
+import importlib
+import io
 import json
 import os
 import random
+import runpy
 import select
 import signal
 import socket
 import subprocess
 import sys
-import traceback
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from replay.config import Launcher
@@ -47,14 +60,35 @@ from replay.launch.local import TICK, wait_for_ranks
 from replay.lifeline import PARENT_ENV, child_env, follow_parent
 
 MESSAGE_BYTES = 1 << 20
+SCRIPT_FLAGS = ("-u",)   # interpreter options a forked script takes as a fresh one would (others: a fresh process)
+
+
+@dataclass(frozen=True)
+class ScriptImage:
+    """What a script fork server is made of: the packages it imports, and the environment and working directory
+    it imports them in (the script's own, as recorded)."""
+
+    imports: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+
+
+def script_argv_forkable(argv: Sequence[str]) -> bool:
+    """Whether a script started as `python ARGV` can be forked from a script fork server: `SCRIPT [ARGS]` or
+    `-m MODULE [ARGS]`, after no interpreter option but `-u`."""
+    rest = list(argv)
+    while rest and rest[0] in SCRIPT_FLAGS:
+        rest.pop(0)
+    return bool(rest) and (rest[0] == "-m" and len(rest) > 1 or not rest[0].startswith("-"))
 
 
 class ForkServer:
     """A launcher (launch/job.py) of the built-in trainer's local ranks, forked from a server that has imported
-    everything a rank needs. Started at its first job, or by `start()` ahead of it; `close()` ends it and its
-    ranks."""
+    everything a rank needs; or, given `script`, the server a user's script's ranks are forked from
+    (`fork_script`). Started at its first job, or by `start()` ahead of it; `close()` ends it and its ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: ScriptImage | None = None) -> None:
+        self.script = script
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._ready: bool | None = None         # None: its imports are under way
@@ -63,7 +97,8 @@ class ForkServer:
         self.forked: list[int] = []             # the pids of the last job's ranks
 
     def takes(self, launcher: Launcher, world_size: int) -> bool:
-        return launcher is Launcher.LOCAL and world_size > 1 and sys.platform.startswith("linux")
+        return (self.script is None and launcher is Launcher.LOCAL and world_size > 1
+                and sys.platform.startswith("linux"))
 
     @property
     def alive(self) -> bool:
@@ -79,9 +114,16 @@ class ForkServer:
             return
         self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = child_env({**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-        self._proc = subprocess.Popen([sys.executable, "-m", "replay.launch.forkserver", str(theirs.fileno())],
-                                      env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        args = [sys.executable, "-m", "replay.launch.forkserver", str(theirs.fileno())]
+        base: Mapping[str, str] = os.environ
+        cwd = None
+        if self.script is not None:
+            args += ["--imports", ",".join(self.script.imports)]
+            base, cwd = self.script.env, self.script.cwd
+        env = child_env({**base, "OPENBLAS_NUM_THREADS": "1"})
+        # what its imports print goes where the ranks' output goes, never into the command's answer on stdout
+        self._proc = subprocess.Popen(args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=2,
+                                      pass_fds=(theirs.fileno(),))
         theirs.close()
         self._sock, self._ready, self.refused = ours, None, None
 
@@ -105,12 +147,26 @@ class ForkServer:
         if failures:
             raise job.failed(failures)
 
-    def _fork(self, argv: list[str], envs: list[dict[str, str]]) -> list[_ForkedRank] | None:
+    def fork_script(self, argv: list[str], envs: list[dict[str, str]], fd_env: str,
+                    rank_fds: list[tuple[int, ...]]) -> list[_ForkedRank] | None:
+        """The script's ranks forked for `envs`, as `python ARGV` in the script's working directory, each given its
+        descriptors `rank_fds[i]` (their numbers in it named in `fd_env`); None: the server cannot fork (`refused`
+        says why), and the caller starts the script as a fresh process."""
+        assert self.script is not None, "a script fork server"
+        return self._fork(argv, envs, {"fd_env": fd_env}, rank_fds) if self.wait_ready() else None
+
+    def _fork(self, argv: list[str], envs: list[dict[str, str]], extra: dict[str, Any] | None = None,
+              rank_fds: list[tuple[int, ...]] | None = None) -> list[_ForkedRank] | None:
         """The ranks forked for `envs` (None: the server refused to fork)."""
         assert self._sock is not None, "wait_ready() started the server"
         sys.stderr.flush()
+        fds, indices = [2], []
+        for own in rank_fds or []:
+            indices.append(list(range(len(fds), len(fds) + len(own))))
+            fds += own
+        request = {"argv": argv, "envs": envs, **(extra or {}), **({"rank_fds": indices} if rank_fds else {})}
         try:
-            socket.send_fds(self._sock, [json.dumps({"argv": argv, "envs": envs}).encode()], [2])
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
         except OSError:   # it died since it was ready: the ranks are gone before they began
             return [_ForkedRank(self, None) for _ in envs]
         pids: list[int] | None = None
@@ -200,7 +256,10 @@ class _ForkedRank:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0)
             self.server._drain(TICK)
         return self.returncode
 
@@ -212,15 +271,32 @@ class _ForkedRank:
 # -- the server --------------------------------------------------------------------------------------------------
 
 
-def serve(sock: socket.socket) -> int:
+def serve(sock: socket.socket, imports: Sequence[str] | None = None) -> int:
+    """Import, say whether forking is safe, then fork ranks on request until the command's end of `sock` closes.
+    `imports`: a script fork server's packages (else the built-in trainer's)."""
     # lazy: these seconds of imports are the server's purpose; the command that starts it never loads torch
     import torch
     import torch.distributed as dist
 
-    from replay.launch import worker
-    from replay.train import trainer  # noqa: F401  (with it, transformers' GPT-2 and the recorder)
+    main: Callable[[list[str]], int]
+    failed = None
+    if imports is None:
+        from replay.launch import worker
+        from replay.train import trainer  # noqa: F401  (with it, transformers' GPT-2 and the recorder)
+        main = worker.main
+    else:
+        import replay.recorder.loop  # noqa: F401  (what every recorded script imports)
+        for name in imports:
+            try:
+                importlib.import_module(name)
+            except BaseException as e:   # a package's import may do anything; the script imports it itself then
+                failed = f"importing {name} failed ({type(e).__name__}: {e})"
+                break
+        main = run_script
 
     def unsafe() -> str | None:
+        if failed:
+            return failed
         threads = len(os.listdir("/proc/self/task"))
         if threads != 1:
             return f"it runs {threads} threads"
@@ -236,10 +312,10 @@ def serve(sock: socket.socket) -> int:
     try:
         while True:
             if select.select([sock], [], [], TICK)[0]:
-                data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 1)
+                data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 256)
                 if not data:
                     break   # the command closed its end, or died
-                _answer(sock, json.loads(data), fds, children, unsafe, worker.main)
+                _answer(sock, json.loads(data), fds, children, unsafe, main)
             _reap(sock, children)
     except OSError:   # the command is gone (its end of the socket with it)
         pass
@@ -259,9 +335,17 @@ def _answer(sock: socket.socket, request: dict[str, Any], fds: list[int], childr
             os.kill(pid, signal.SIGKILL)
         return
     why = unsafe()
-    pids = [] if why else [_fork(sock, env, request["argv"], fds[0], main) for env in request["envs"]]
+    pids = []
+    if not why:
+        rank_fds = request.get("rank_fds") or [[] for _ in request["envs"]]
+        for env, own in zip(request["envs"], rank_fds, strict=True):
+            if request.get("fd_env"):
+                env = {**env, request["fd_env"]: ",".join(str(fds[i]) for i in own)}
+            others = [fd for i, fd in enumerate(fds) if i and i not in own]
+            pids.append(_fork(sock, env, request["argv"], fds[0], others, main))
     children.update(pids)
-    os.close(fds[0])
+    for fd in fds:
+        os.close(fd)
     sock.send(json.dumps({"refused": why} if why else {"pids": pids}).encode())
 
 
@@ -279,7 +363,7 @@ def _code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int,
+def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int, others: list[int],
           main: Callable[[list[str]], int]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -287,15 +371,17 @@ def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int,
     pid = os.fork()
     if pid:
         return pid
-    _rank(sock, server, env, argv, out, main)
+    _rank(sock, server, env, argv, out, others, main)
 
 
-def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], out: int,
+def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], out: int, others: list[int],
           main: Callable[[list[str]], int]) -> NoReturn:
     """In a forked rank: become a fresh rank of the command's, run, exit (never back into the server's loop)."""
     code = 1
     try:
         sock.close()
+        for fd in others:   # the other ranks' descriptors
+            os.close(fd)
         os.environ.clear()
         os.environ.update(env)
         os.environ[PARENT_ENV] = str(server)
@@ -312,9 +398,11 @@ def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str]
         random.seed()
         code = main(argv)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)   # as Python's own exit prints a message given to sys.exit
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())   # the script's own hook, where it set one (recorder/serving.py's)
     finally:
         try:
             atexit._run_exitfuncs()   # what the rank's own modules registered, as a fresh rank's exit runs them
@@ -324,9 +412,52 @@ def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str]
             os._exit(code)
 
 
+def run_script(argv: list[str]) -> int:
+    """In a forked rank of a script fork server: run `python ARGV` (script_argv_forkable) as a fresh process
+    would, in this process. The working directory is the server's (the script's recorded one)."""
+    args = list(argv)
+    while args and args[0] in SCRIPT_FLAGS:   # -u: unbuffered
+        args.pop(0)
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(write_through=True)
+    sys.orig_argv = [sys.executable, *argv]
+    _fresh_numpy()
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]   # runpy puts the module's path in argv[0]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+    return 0
+
+
+def _fresh_numpy() -> None:
+    """numpy as a fresh process has it: its global generator seeded anew, and its BLAS's threads (one in the server,
+    so that it could fork) as many as OpenBLAS takes at its start from this environment."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return
+    np.random.seed()
+    threads = next((int(v) for k in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+                    if (v := os.environ.get(k, "")).isdigit() and int(v) > 0), len(os.sched_getaffinity(0)))
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "openblas" in line.rpartition("/")[2] and ".so" in line}
+    for path in libraries:
+        library = ctypes.CDLL(path)
+        for symbol in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            setter = getattr(library, symbol, None)
+            if setter is not None:
+                setter(threads)
+                break
+
+
 if __name__ == "__main__":
     follow_parent()   # first, before the imports of seconds: the server never outlives the command that started it
     # A Ctrl-C reaches the command's whole process group: the ranks stop on it (theirs is Python's own handler
     # again) and the command ends; the server ends after them, with the command, without a traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.exit(serve(socket.socket(fileno=int(sys.argv[1]))))
+    given = sys.argv[3].split(",") if sys.argv[2:3] == ["--imports"] else None
+    sys.exit(serve(socket.socket(fileno=int(sys.argv[1])), [n for n in given if n] if given is not None else None))

@@ -27,6 +27,9 @@ class RankProcess(Protocol):
     """A rank as the wait sees it: a subprocess.Popen, or a rank of the fork server (forkserver.py)."""
 
     @property
+    def pid(self) -> int | None: ...
+
+    @property
     def returncode(self) -> int | None: ...
 
     def poll(self) -> int | None: ...

@@ -37,7 +37,21 @@ def capture(world_size: int) -> CommandInfo:
     return CommandInfo(argv=list(sys.orig_argv[1:]), cwd=str(cwd), launcher=launcher, world_size=world_size,
                        files={_relative(p, cwd): _sha256(p) for p in _user_files()},
                        env=tracked(os.environ), env_prefixes=list(ENV_PREFIXES),
-                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                       imports=installed_imports())
+
+
+def installed_imports() -> list[str]:
+    """The top-level packages of this process that were installed (in site-packages): what a replay's script fork
+    server imports ahead of the script (launch/forkserver.py), in the order they were first imported."""
+    roots = tuple({p for key in ("purelib", "platlib") if (p := sysconfig.get_paths().get(key))}
+                  | {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))})
+    names = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if "." not in name and not name.startswith("_") and path and path.startswith(roots):
+            names.append(name)
+    return names
 
 
 def tracked(environ: Mapping[str, str]) -> dict[str, str]:

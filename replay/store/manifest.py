@@ -52,6 +52,8 @@ class CommandInfo:
     env: dict[str, str] = field(default_factory=dict)   # the variables that change what runs (recorder/command.py)
     env_prefixes: list[str] = field(default_factory=list)   # the prefixes `env` was taken by (a launcher's settings)
     local_world_size: int = 0      # ranks on the recording's node (< world_size: it ran on several nodes)
+    imports: list[str] = field(default_factory=list)   # installed packages it had imported (launch/script.py forks
+                                                       # its replays' ranks from a server that imported them)
 
 
 @dataclass

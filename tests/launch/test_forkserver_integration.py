@@ -1,17 +1,21 @@
 """Ranks forked from a fork server (launch/forkserver.py): replays on them are bit for bit the record, each job
 in new ranks of the same server; a rank's own error reaches this process's stderr and its exit code or signal
-the failure, as a fresh rank's do. (That they die with the command: test_lifeline_integration.py.)"""
+the failure, as a fresh rank's do. A script fork server's ranks run a user's script as fresh processes of it
+would. (That they die with the command: test_lifeline_integration.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from replay.errors import ReplayError
 from replay.launch.forkserver import ForkServer
 from replay.launch.job import RankJob
-from replay.processes import descendants
+from replay.processes import alive, descendants
 from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.location import Location
@@ -59,3 +63,63 @@ def test_a_forked_rank_killed_fails_the_replay_and_the_next_resumes_on_the_same_
         again = run(store_copy, ReplayRequest(12, 14, resume=True), ranks=server)
         assert again.created and again.verification.bitwise, again.verification
         assert RunStore.open(again.location).manifest.status == "complete" and server.pid == pid
+
+
+PROBE = """
+import ctypes, json, os, sys
+import numpy as np
+library = next(line.split()[-1] for line in open("/proc/self/maps")
+               if "openblas" in line.rpartition("/")[2] and ".so" in line)
+blas = ctypes.CDLL(library).scipy_openblas_get_num_threads64_
+fds = [int(fd) for fd in os.environ.get("PROBE_FDS", "").split(",") if fd]
+with open(sys.argv[1], "w") as f:
+    json.dump({"blas_threads": blas(), "draw": int(np.random.randint(1 << 30)), "argv": sys.argv[1:],
+               "main": __name__, "path0": sys.path[0], "cwd": os.getcwd(), "orig_argv": sys.orig_argv[1:],
+               "fds": [os.fstat(fd).st_size >= 0 for fd in fds], "rank": os.environ.get("RANK")}, f)
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+"""
+
+
+def _script_image(tmp_path, imports=("numpy", "torch")):
+    from replay.launch.forkserver import ScriptImage
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    return ScriptImage(tuple(imports), {**os.environ, "OMP_NUM_THREADS": "1"}, str(tmp_path))
+
+
+def test_a_scripts_forked_ranks_run_it_as_fresh_processes_would(tmp_path):
+    """A script fork server (started in the script's directory, numpy and torch imported, OpenBLAS held to one
+    thread so that it may fork) forks two ranks of `python -u probe.py OUT`: each runs the script as __main__ with
+    its argv, sys.path[0] and working directory, gets its own descriptors named in the variable asked for, draws
+    its own numpy numbers and has OpenBLAS's threads as a fresh process of the script has them; exit codes are the
+    script's."""
+    image = _script_image(tmp_path)
+    fresh = subprocess.run([sys.executable, "-u", "probe.py", str(tmp_path / "fresh.json")], cwd=tmp_path,
+                           env=dict(image.env), capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    expected = json.loads((tmp_path / "fresh.json").read_text())
+    pipes = [os.pipe() for _ in range(2)]
+    with ForkServer(image) as server:
+        outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+        ranks = [server.fork_script(["-u", "probe.py", str(out)], [{**image.env, "RANK": str(r), "PROBE_EXIT": str(r)}],
+                                    "PROBE_FDS", [pipes[r]]) for r, out in enumerate(outs)]
+        assert all(r is not None for r in ranks), server.refused
+        codes = [rank[0].wait(timeout=120) for rank in ranks]
+        server_pid = server.pid
+    assert codes == [0, 1]   # the script's own sys.exit
+    seen = [json.loads(out.read_text()) for out in outs]
+    for r, got in enumerate(seen):
+        assert got["rank"] == str(r) and got["fds"] == [True, True]
+        assert got["main"] == "__main__" and got["argv"] == [str(outs[r])]
+        assert (got["path0"], got["cwd"]) == (expected["path0"], expected["cwd"]) == (str(tmp_path), str(tmp_path))
+        assert got["orig_argv"] == ["-u", "probe.py", str(outs[r])]
+        assert got["blas_threads"] == expected["blas_threads"], (got, expected)
+    assert seen[0]["draw"] != seen[1]["draw"]   # numpy's global generator seeded anew in each, as in fresh ones
+    assert not alive(server_pid)
+
+
+def test_a_script_fork_server_that_cannot_import_a_package_refuses_in_words(tmp_path):
+    with ForkServer(_script_image(tmp_path, imports=("numpy", "no_such_package_here"))) as server:
+        assert server.fork_script(["probe.py", str(tmp_path / "out.json")], [dict(os.environ)], "PROBE_FDS",
+                                  [()]) is None
+        assert "importing no_such_package_here failed (ModuleNotFoundError" in server.refused

@@ -62,3 +62,15 @@ def test_the_user_files_are_those_of_resolving_every_module_path(tmp_path, monke
     assert command._user_files() == expected
     assert real / "mine.py" in expected and real / "also.py" in expected and real / "up.py" in expected
     assert real / "into_installed.py" not in expected and installed_file not in expected
+
+
+def test_the_imports_a_script_fork_server_takes_are_the_installed_top_level_packages(tmp_path, monkeypatch):
+    """torch (installed) is named, once, by its top-level name; a module of the user's own (outside site-packages),
+    a submodule and a private module are not."""
+    local = types.ModuleType("my_local_module")
+    local.__file__ = str(tmp_path / "my_local_module.py")
+    monkeypatch.setitem(sys.modules, "my_local_module", local)
+    names = command.installed_imports()
+    assert "torch" in names and names.count("torch") == 1
+    assert "my_local_module" not in names and "torch.nn" not in names
+    assert not any(name.startswith("_") or "." in name for name in names)
