@@ -48,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -148,12 +149,12 @@ class ForkServer:
             raise job.failed(failures)
 
     def fork_script(self, argv: list[str], envs: list[dict[str, str]], fd_env: str,
-                    rank_fds: list[tuple[int, ...]]) -> list[_ForkedRank] | None:
-        """The script's ranks forked for `envs`, as `python ARGV` in the script's working directory, each given its
-        descriptors `rank_fds[i]` (their numbers in it named in `fd_env`); None: the server cannot fork (`refused`
-        says why), and the caller starts the script as a fresh process."""
+                    rank_fds: list[tuple[int, ...]], cwd: str | None = None) -> list[_ForkedRank] | None:
+        """The script's ranks forked for `envs`, as `python ARGV` in `cwd` (default: the server's, the script's),
+        each given its descriptors `rank_fds[i]` (their numbers in it named in `fd_env`); None: the server cannot
+        fork (`refused` says why), and the caller starts the script as a fresh process."""
         assert self.script is not None, "a script fork server"
-        return self._fork(argv, envs, {"fd_env": fd_env}, rank_fds) if self.wait_ready() else None
+        return self._fork(argv, envs, {"fd_env": fd_env, "cwd": cwd}, rank_fds) if self.wait_ready() else None
 
     def _fork(self, argv: list[str], envs: list[dict[str, str]], extra: dict[str, Any] | None = None,
               rank_fds: list[tuple[int, ...]] | None = None) -> list[_ForkedRank] | None:
@@ -342,7 +343,7 @@ def _answer(sock: socket.socket, request: dict[str, Any], fds: list[int], childr
             if request.get("fd_env"):
                 env = {**env, request["fd_env"]: ",".join(str(fds[i]) for i in own)}
             others = [fd for i, fd in enumerate(fds) if i and i not in own]
-            pids.append(_fork(sock, env, request["argv"], fds[0], others, main))
+            pids.append(_fork(sock, env, request["argv"], request.get("cwd"), fds[0], others, main))
     children.update(pids)
     for fd in fds:
         os.close(fd)
@@ -363,7 +364,7 @@ def _code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int, others: list[int],
+def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], cwd: str | None, out: int, others: list[int],
           main: Callable[[list[str]], int]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -371,11 +372,11 @@ def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], out: int, o
     pid = os.fork()
     if pid:
         return pid
-    _rank(sock, server, env, argv, out, others, main)
+    _rank(sock, server, env, argv, cwd, out, others, main)
 
 
-def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], out: int, others: list[int],
-          main: Callable[[list[str]], int]) -> NoReturn:
+def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], cwd: str | None, out: int,
+          others: list[int], main: Callable[[list[str]], int]) -> NoReturn:
     """In a forked rank: become a fresh rank of the command's, run, exit (never back into the server's loop)."""
     code = 1
     try:
@@ -385,6 +386,8 @@ def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str]
         os.environ.clear()
         os.environ.update(env)
         os.environ[PARENT_ENV] = str(server)
+        if cwd is not None:
+            os.chdir(cwd)
         follow_parent()   # dies with the server, which dies with the command
         os.dup2(out, 1)
         os.dup2(out, 2)
@@ -404,8 +407,11 @@ def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str]
     except BaseException:
         sys.excepthook(*sys.exc_info())   # the script's own hook, where it set one (recorder/serving.py's)
     finally:
+        # what the interpreter's exit does before it tears the modules down, in its order: threading's exit hooks
+        # (an unclosed Loop's close, recorder/loop.py) and a join of the non-daemon threads, then the atexit hooks
         try:
-            atexit._run_exitfuncs()   # what the rank's own modules registered, as a fresh rank's exit runs them
+            getattr(threading, "_shutdown")()  # noqa: B009  (private: mypy's stubs do not list it)
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -414,7 +420,7 @@ def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str]
 
 def run_script(argv: list[str]) -> int:
     """In a forked rank of a script fork server: run `python ARGV` (script_argv_forkable) as a fresh process
-    would, in this process. The working directory is the server's (the script's recorded one)."""
+    would, in this process, in the working directory the rank was given."""
     args = list(argv)
     while args and args[0] in SCRIPT_FLAGS:   # -u: unbuffered
         args.pop(0)

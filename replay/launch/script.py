@@ -53,7 +53,7 @@ def _start(command: CommandInfo, envs: list[dict[str, str]], serve: Sequence[tup
     """The ranks, each given its pipe ends (jobs to read, answers to write: recorder/serving.py): forked from
     `forks` where it can fork them, else started as fresh processes."""
     if forks is not None:
-        forked = forks.fork_script(list(command.argv), envs, SERVE_ENV, list(serve))
+        forked = forks.fork_script(list(command.argv), envs, SERVE_ENV, list(serve), cwd=command.cwd)
         if forked is not None:
             return list(forked)
         print(f"note: the script's fork server cannot fork its ranks ({forks.refused}): starting them as fresh "
@@ -117,16 +117,18 @@ class ScriptServer:
     handing each next replay to them (recorder/serving.py). `refused`: why the last job could not be served
     on the running ranks (the script was started afresh for it, and is for every job after), else None;
     `starts`: how many times the script was started.
+    `forks`: a script fork server of the caller's (`script_forks`), which every start uses and `close` leaves up;
+    without one, the server makes its own where a start may use it.
     Close it (or use it as a context) to let the ranks end: they have no more jobs."""
 
-    def __init__(self, command: CommandInfo, keep: bool = True):
+    def __init__(self, command: CommandInfo, keep: bool = True, forks: ForkServer | None = None):
         self.command = command
         self.refused: str | None = None
         self.starts = 0
         self._keep = keep   # False (or once a rank refused): the script is started for each job, and ends with it
         self._ranks: list[_Served] = []
-        self._forks: ForkServer | None = None   # the script's fork server, once a start may use it
-        self._fork_tried = False
+        self._forks = forks   # the script's fork server, once a start may use it
+        self._fork_tried = self._lent_forks = forks is not None
 
     def takes(self, launcher: Launcher, world_size: int) -> bool:
         return launcher is Launcher.CUSTOM and world_size == self.command.world_size
@@ -214,7 +216,7 @@ class ScriptServer:
         """Tell the ranks there are no more jobs (they leave their loops and end as scripts do), and wait for
         them; one still running after ENDING seconds is killed. Then end the script's fork server, if it has one."""
         self._end_ranks()
-        if self._forks is not None:
+        if self._forks is not None and not self._lent_forks:
             self._forks.close()
             self._forks, self._fork_tried = None, False
 

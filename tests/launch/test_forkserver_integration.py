@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +77,11 @@ with open(sys.argv[1], "w") as f:
     json.dump({"blas_threads": blas(), "draw": int(np.random.randint(1 << 30)), "argv": sys.argv[1:],
                "main": __name__, "path0": sys.path[0], "cwd": os.getcwd(), "orig_argv": sys.orig_argv[1:],
                "fds": [os.fstat(fd).st_size >= 0 for fd in fds], "rank": os.environ.get("RANK")}, f)
+import threading, time
+def late():   # a non-daemon thread the interpreter's exit waits for, as threading's exit hooks run
+    time.sleep(0.2)
+    open(sys.argv[1] + ".late", "w").close()
+threading.Thread(target=late).start()
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 """
 
@@ -91,8 +97,8 @@ def test_a_scripts_forked_ranks_run_it_as_fresh_processes_would(tmp_path):
     """A script fork server (started in the script's directory, numpy and torch imported, OpenBLAS held to one
     thread so that it may fork) forks two ranks of `python -u probe.py OUT`: each runs the script as __main__ with
     its argv, sys.path[0] and working directory, gets its own descriptors named in the variable asked for, draws
-    its own numpy numbers and has OpenBLAS's threads as a fresh process of the script has them; exit codes are the
-    script's."""
+    its own numpy numbers and has OpenBLAS's threads as a fresh process of the script has them; its exit waits for
+    the script's threads and its exit codes are the script's."""
     image = _script_image(tmp_path)
     fresh = subprocess.run([sys.executable, "-u", "probe.py", str(tmp_path / "fresh.json")], cwd=tmp_path,
                            env=dict(image.env), capture_output=True, text=True, timeout=120)
@@ -114,6 +120,7 @@ def test_a_scripts_forked_ranks_run_it_as_fresh_processes_would(tmp_path):
         assert (got["path0"], got["cwd"]) == (expected["path0"], expected["cwd"]) == (str(tmp_path), str(tmp_path))
         assert got["orig_argv"] == ["-u", "probe.py", str(outs[r])]
         assert got["blas_threads"] == expected["blas_threads"], (got, expected)
+        assert Path(f"{outs[r]}.late").exists()   # the exit waited for the script's thread
     assert seen[0]["draw"] != seen[1]["draw"]   # numpy's global generator seeded anew in each, as in fresh ones
     assert not alive(server_pid)
 
