@@ -36,8 +36,11 @@ Messages, one JSON object per SOCK_SEQPACKET message:
 from __future__ import annotations
 
 import atexit
+import builtins
 import ctypes
+import gc
 import importlib
+import importlib.machinery
 import io
 import json
 import os
@@ -50,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -378,7 +382,7 @@ def _fork(sock: socket.socket, env: dict[str, str], argv: list[str], cwd: str | 
 def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str], cwd: str | None, out: int,
           others: list[int], main: Callable[[list[str]], int]) -> NoReturn:
     """In a forked rank: become a fresh rank of the command's, run, exit (never back into the server's loop)."""
-    code = 1
+    code, interrupted = 1, False
     try:
         sock.close()
         for fd in others:   # the other ranks' descriptors
@@ -404,17 +408,26 @@ def _rank(sock: socket.socket, server: int, env: dict[str, str], argv: list[str]
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)   # as Python's own exit prints a message given to sys.exit
-    except BaseException:
+    except BaseException as e:
+        interrupted = isinstance(e, KeyboardInterrupt)
         sys.excepthook(*sys.exc_info())   # the script's own hook, where it set one (recorder/serving.py's)
     finally:
-        # what the interpreter's exit does before it tears the modules down, in its order: threading's exit hooks
-        # (an unclosed Loop's close, recorder/loop.py) and a join of the non-daemon threads, then the atexit hooks
+        # what the interpreter's exit does, in its order: threading's exit hooks (an unclosed Loop's close,
+        # recorder/loop.py) and a join of the non-daemon threads, the atexit hooks, then the script's own
+        # `__main__` torn down (its unclosed files flushed, its objects' __del__ run) while it is still __main__
         try:
             getattr(threading, "_shutdown")()  # noqa: B009  (private: mypy's stubs do not list it)
             atexit._run_exitfuncs()
+            script_main = sys.modules.get("__main__")
+            if script_main is not None and vars(script_main) is not globals():
+                vars(script_main).clear()
+                gc.collect()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
+            if interrupted:   # an uncaught Ctrl-C ends Python by SIGINT itself
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
 
 
@@ -429,14 +442,22 @@ def run_script(argv: list[str]) -> int:
                 stream.reconfigure(write_through=True)
     sys.orig_argv = [sys.executable, *argv]
     _fresh_numpy()
+    # the script's own __main__ module, installed for good (until the rank exits), as the interpreter does
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]   # runpy puts the module's path in argv[0]
         sys.path[0] = os.getcwd()
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        getattr(runpy, "_run_module_as_main")(args[1])   # noqa: B009  (what `python -m` runs)
     else:
         sys.argv = args
-        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-        runpy.run_path(args[0], run_name="__main__")
+        path = os.path.abspath(args[0])
+        sys.path[0] = os.path.dirname(path)
+        main.__dict__.update(__file__=args[0], __cached__=None, __builtins__=builtins,
+                             __loader__=importlib.machinery.SourceFileLoader("__main__", args[0]))
+        with open(args[0], "rb") as f:
+            code = compile(f.read(), args[0], "exec", dont_inherit=True)
+        exec(code, main.__dict__)
     return 0
 
 
@@ -453,7 +474,8 @@ def _fresh_numpy() -> None:
         libraries = {line.split()[-1] for line in maps if "openblas" in line.rpartition("/")[2] and ".so" in line}
     for path in libraries:
         library = ctypes.CDLL(path)
-        for symbol in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+        for symbol in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                       "openblas_set_num_threads64_", "openblas_set_num_threads"):
             setter = getattr(library, symbol, None)
             if setter is not None:
                 setter(threads)

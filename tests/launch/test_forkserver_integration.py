@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -77,11 +78,20 @@ with open(sys.argv[1], "w") as f:
     json.dump({"blas_threads": blas(), "draw": int(np.random.randint(1 << 30)), "argv": sys.argv[1:],
                "main": __name__, "path0": sys.path[0], "cwd": os.getcwd(), "orig_argv": sys.orig_argv[1:],
                "fds": [os.fstat(fd).st_size >= 0 for fd in fds], "rank": os.environ.get("RANK")}, f)
-import threading, time
+import atexit, pickle, threading, time
+class Thing: pass
 def late():   # a non-daemon thread the interpreter's exit waits for, as threading's exit hooks run
     time.sleep(0.2)
-    open(sys.argv[1] + ".late", "w").close()
+    with open(sys.argv[1] + ".late", "w") as f:
+        f.write(str(len(pickle.dumps(Thing()))))   # by reference to __main__, still the script's
+@atexit.register
+def at_exit():
+    import __main__
+    open(sys.argv[1] + ".exit", "w").write(__main__.Thing.__name__)
+open(sys.argv[1] + ".unclosed", "w").write("kept")   # flushed as the script's __main__ is torn down
 threading.Thread(target=late).start()
+if os.environ.get("PROBE_INTERRUPT"):
+    raise KeyboardInterrupt
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 """
 
@@ -98,7 +108,8 @@ def test_a_scripts_forked_ranks_run_it_as_fresh_processes_would(tmp_path):
     thread so that it may fork) forks two ranks of `python -u probe.py OUT`: each runs the script as __main__ with
     its argv, sys.path[0] and working directory, gets its own descriptors named in the variable asked for, draws
     its own numpy numbers and has OpenBLAS's threads as a fresh process of the script has them; its exit waits for
-    the script's threads and its exit codes are the script's."""
+    the script's threads, runs its exit hooks with its __main__ in place, flushes its unclosed files, and ends
+    with the script's exit code, or by SIGINT after an uncaught Ctrl-C."""
     image = _script_image(tmp_path)
     fresh = subprocess.run([sys.executable, "-u", "probe.py", str(tmp_path / "fresh.json")], cwd=tmp_path,
                            env=dict(image.env), capture_output=True, text=True, timeout=120)
@@ -110,9 +121,11 @@ def test_a_scripts_forked_ranks_run_it_as_fresh_processes_would(tmp_path):
         ranks = [server.fork_script(["-u", "probe.py", str(out)], [{**image.env, "RANK": str(r), "PROBE_EXIT": str(r)}],
                                     "PROBE_FDS", [pipes[r]]) for r, out in enumerate(outs)]
         assert all(r is not None for r in ranks), server.refused
-        codes = [rank[0].wait(timeout=120) for rank in ranks]
+        interrupted = server.fork_script(["probe.py", str(tmp_path / "interrupted")],
+                                         [{**image.env, "PROBE_INTERRUPT": "1"}], "PROBE_FDS", [()])
+        codes = [rank[0].wait(timeout=120) for rank in [*ranks, interrupted]]
         server_pid = server.pid
-    assert codes == [0, 1]   # the script's own sys.exit
+    assert codes == [0, 1, -signal.SIGINT]   # the script's own sys.exit; an uncaught Ctrl-C ends it by SIGINT
     seen = [json.loads(out.read_text()) for out in outs]
     for r, got in enumerate(seen):
         assert got["rank"] == str(r) and got["fds"] == [True, True]
@@ -120,7 +133,8 @@ def test_a_scripts_forked_ranks_run_it_as_fresh_processes_would(tmp_path):
         assert (got["path0"], got["cwd"]) == (expected["path0"], expected["cwd"]) == (str(tmp_path), str(tmp_path))
         assert got["orig_argv"] == ["-u", "probe.py", str(outs[r])]
         assert got["blas_threads"] == expected["blas_threads"], (got, expected)
-        assert Path(f"{outs[r]}.late").exists()   # the exit waited for the script's thread
+        assert int(Path(f"{outs[r]}.late").read_text()) > 0   # the exit waited for the script's thread
+        assert Path(f"{outs[r]}.exit").read_text() == "Thing" and Path(f"{outs[r]}.unclosed").read_text() == "kept"
     assert seen[0]["draw"] != seen[1]["draw"]   # numpy's global generator seeded anew in each, as in fresh ones
     assert not alive(server_pid)
 
