@@ -311,9 +311,6 @@ def serve(sock: socket.socket, imports: Sequence[str] | None = None) -> int:
             return "it has a process group"
         return None
 
-    # what the imports made is set aside from the garbage collector (Python's gc.freeze): a rank's collections,
-    # and the full one at its exit, then visit only what the rank made, and its pages stay shared with the server
-    gc.freeze()
     why = unsafe()
     sock.send(json.dumps({"refused": why} if why else {"ready": True}).encode())
     children: set[int] = set()
