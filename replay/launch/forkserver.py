@@ -311,6 +311,9 @@ def serve(sock: socket.socket, imports: Sequence[str] | None = None) -> int:
             return "it has a process group"
         return None
 
+    # what the imports made is set aside from the garbage collector (Python's gc.freeze): a rank's collections,
+    # the full one at its exit among them, then visit only what the rank made, and leave the server's pages shared
+    gc.freeze()
     why = unsafe()
     sock.send(json.dumps({"refused": why} if why else {"ready": True}).encode())
     children: set[int] = set()
@@ -329,6 +332,7 @@ def serve(sock: socket.socket, imports: Sequence[str] | None = None) -> int:
             os.kill(pid, signal.SIGKILL)
         for pid in children:
             os.waitpid(pid, 0)
+        gc.unfreeze()   # the server's own exit frees them as usual (nanobind's modules count what is left as leaked)
     return 0
 
 

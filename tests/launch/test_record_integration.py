@@ -199,7 +199,11 @@ def test_spike_preset_spikes_and_flushes_its_pre_spike_snapshot(spike_store):
     assert len(spikes) >= 1
     losses = store.read_steps()["loss"]
     s = spikes[0]["step"]
-    assert losses[s] > 20 * np.median(losses[s - 50:s])          # a genuine jump, measured from the log
+    # a genuine jump, measured from the log: the loss leaves the 50 steps before it and within three steps rises
+    # above 20 times their median (how many steps the rise takes varies with the CPU's kernels: one on an
+    # AVX-512 EPYC, two on one without AVX-512)
+    before = losses[s - 50:s]
+    assert losses[s] > before.max() and losses[s:s + 3].max() > 20 * np.median(before)
     regular = [c.step for c in store.checkpoints() if c.kind == "regular" and c.step <= s]
     snapshots = [c.step for c in store.checkpoints() if c.kind == "snapshot"]
     # the ring held snapshots taken after the last regular checkpoint; they were written when it fired
