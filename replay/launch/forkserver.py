@@ -61,7 +61,7 @@ from typing import Any, NoReturn
 from replay.config import Launcher
 from replay.launch.fresh import FreshRanks
 from replay.launch.job import RankJob
-from replay.launch.local import TICK, wait_for_ranks
+from replay.launch.local import TICK, collector_paused, wait_for_ranks
 from replay.lifeline import PARENT_ENV, child_env, follow_parent
 
 MESSAGE_BYTES = 1 << 20
@@ -279,25 +279,26 @@ class _ForkedRank:
 def serve(sock: socket.socket, imports: Sequence[str] | None = None) -> int:
     """Import, say whether forking is safe, then fork ranks on request until the command's end of `sock` closes.
     `imports`: a script fork server's packages (else the built-in trainer's)."""
-    # lazy: these seconds of imports are the server's purpose; the command that starts it never loads torch
-    import torch
-    import torch.distributed as dist
-
     main: Callable[[list[str]], int]
     failed = None
-    if imports is None:
-        from replay.launch import worker
-        from replay.train import trainer  # noqa: F401  (with it, transformers' GPT-2 and the recorder)
-        main = worker.main
-    else:
-        import replay.recorder.loop  # noqa: F401  (what every recorded script imports)
-        for name in imports:
-            try:
-                importlib.import_module(name)
-            except BaseException as e:   # a package's import may do anything; the script imports it itself then
-                failed = f"importing {name} failed ({type(e).__name__}: {e})"
-                break
-        main = run_script
+    # lazy: these seconds of imports are the server's purpose; the command that starts it never loads torch
+    with collector_paused():
+        import torch
+        import torch.distributed as dist
+
+        if imports is None:
+            from replay.launch import worker
+            from replay.train import trainer  # noqa: F401  (with it, transformers' GPT-2 and the recorder)
+            main = worker.main
+        else:
+            import replay.recorder.loop  # noqa: F401  (what every recorded script imports)
+            for name in imports:
+                try:
+                    importlib.import_module(name)
+                except BaseException as e:   # a package's import may do anything; the script imports it then
+                    failed = f"importing {name} failed ({type(e).__name__}: {e})"
+                    break
+            main = run_script
 
     def unsafe() -> str | None:
         if failed:

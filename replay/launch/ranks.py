@@ -27,6 +27,7 @@ from replay.kernels.plan import check_attention
 from replay.launch.forkserver import ForkServer
 from replay.launch.fresh import FreshRanks
 from replay.launch.job import RankJob, RankLauncher, continued_by
+from replay.launch.local import collector_paused
 from replay.launch.script import ScriptRanks, ScriptServer
 from replay.recorder.host import environment_notes
 from replay.store import RunStore
@@ -361,7 +362,8 @@ class InProcess:
 
     def run(self, job: RankJob) -> None:
         # lazy: the launcher never loads torch and transformers (2 s); its one rank does, here
-        from replay.train.trainer import train
+        with collector_paused():
+            from replay.train.trainer import train
 
         refuse_rank_variables()   # the rank reads them
         try:

@@ -14,6 +14,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from replay.errors import ReplayError, disk_error
+from replay.launch.local import collector_paused
 from replay.lifeline import follow_parent
 
 if TYPE_CHECKING:
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
 
 def main(argv: list[str]) -> int:
     # lazy: follow_parent() comes first, before these seconds of imports (the end of this file)
-    from replay.store.holder import ENV as LEASE_ENV
-    from replay.store.location import Location
-    from replay.train.trainer import train
+    with collector_paused():
+        from replay.store.holder import ENV as LEASE_ENV
+        from replay.store.location import Location
+        from replay.train.trainer import train
 
     rank = os.environ.get("RANK", "?")
     # A rank prints progress and libraries' chatter, never answers: all of it goes to stderr (at the file
