@@ -29,8 +29,7 @@ Outcomes = Callable[[float], list[tuple[int, str | None]]]
 def collector_paused() -> Iterator[None]:
     """For the block (a rank's imports of seconds: torch, transformers, the trainer), Python's garbage collector
     does not run. An import makes hundreds of thousands of objects and frees few, and every full collection it
-    sets off visits all of them again: importing the built-in trainer took 7.5-7.6 s of CPU with the collector
-    and 6.0-6.1 s without (AMD EPYC without AVX-512, 2026-11-26)."""
+    sets off visits all of them again (about a fifth of the trainer's import: docs/benchmarks.md)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
