@@ -450,6 +450,7 @@ def _tile(text: str) -> tuple[int, int]:
 
 @main.command("diff")
 @click.argument("store", type=STORE)
+@click.argument("other", type=STORE, required=False)
 @click.option("--step", required=True, type=int, help="The step to run twice (a committed checkpoint there).")
 @_attention_options
 @click.option("--capture", help="Write this side's trace (every tensor's digest and statistics) into the store "
@@ -458,11 +459,13 @@ def _tile(text: str) -> tuple[int, int]:
 @click.option("--top", type=int, default=8, show_default=True, help="How many differences after the first to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
-def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, capture, against, top, as_json) -> None:
+def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, top,
+             as_json) -> None:
     """Run step N of the run in STORE twice from its checkpoint, as recorded (A) and with the overrides (B),
-    and say where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK
-    and dV, and every weight gradient, compared as they are produced; per attention head, the deviations and
-    Qiu & Yao's signals (delta's sign bias, W_Q's gradient error alignment)."""
+    or as STORE and OTHER (two runs or replays with the same state and samples at N) each ran it, and say
+    where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK and dV,
+    and every weight gradient, compared as they are produced; per attention head, the deviations and Qiu &
+    Yao's signals (delta's sign bias, W_Q's gradient error alignment)."""
     overrides = _step_overrides(attention, layers, heads, precision, fix, hp_delta)
     # lazy: torch and transformers (the launching commands load neither: tests/test_layers_integration.py)
     from replay.replayer.diff import capture as capture_trace
@@ -470,12 +473,14 @@ def diff_cmd(store, step, attention, layers, heads, precision, fix, hp_delta, ca
 
     if capture and against:
         raise ReplayError("--capture writes a trace and --against reads one: give one of them")
+    if other is not None and (capture or against):
+        raise ReplayError("--capture and --against take one store: replay diff STORE --step N --capture NAME")
     if capture:
         count = capture_trace(store, step, overrides, capture)
         click.echo(f"trace {capture} of step {step}: {count} tensors' digests and statistics, in "
                    f"{store}/traces/{capture}")
         return
-    result = step_diff(store, step, overrides, against=against)
+    result = step_diff(store, step, overrides, against=against, other=other)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:

@@ -258,6 +258,10 @@ def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
         a = result.against
         sides = (f"A = the trace {a['trace']!r} (taken on {a['machine']}"
                  + (f", with {a['overrides']}" if a["overrides"] else "") + f"), B = this process, {changed}")
+    elif result.other is not None:
+        changes = "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in (result.changes or {}).items())
+        sides = (f"A = as it ran, B = {result.other} as it ran, from the state and samples they share ("
+                 + (f"B's config differs in {changes})" if changes else "their configs are the same)"))
     else:
         sides = (f"A = as the store ran it, B = {changed}" if result.overrides else
                  "A and B = as the store ran it, twice")

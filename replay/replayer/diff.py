@@ -18,6 +18,11 @@ Without overrides both sides are the record: a step that runs the same twice in 
 difference (and one that does not, its first nondeterministic operation). The built-in trainer's runs (GPT-2),
 rank 0's micro-batches; a checkpoint at step N is needed (a replay with `--checkpoint-every 1` writes one).
 
+`replay diff A B --step N` runs the step as each of two runs (or replays) ran it, from the state and samples they
+share at N (checked bit for bit first: the model, the RNG states, rank 0's samples and their tokens), side B
+with its own config; the answer lists how B's config differs from A's. A replay that starts at N from its
+parent's checkpoint there holds that checkpoint's state without a copy of its own.
+
 `capture` writes one side's trace (each tensor's digest and statistics, no tensor) into the store, and
 `diff(..., against=NAME)` compares this process's step with it: the same step taken on another machine.
 """
@@ -25,11 +30,13 @@ rank 0's micro-batches; a checkpoint at step N is needed (a replay with `--check
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import socket
 import sys
 import tempfile
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -106,31 +113,115 @@ class _Tracer:
             h.remove()
 
 
-def _prepare(location: Location, step: int, overrides: Overrides) -> tuple[RunConfig, RunConfig, Any, np.ndarray,
-                                                                          dict[str, Any]]:
-    """(the config as the store ran it, side B's, the data, rank 0's micro-batches of `step`, its checkpoint)."""
+@dataclass
+class _Side:
+    """One side of a diff: the config of the run it comes from (the model it builds), the config it runs with
+    (its attention plan and precision), the run's data, rank 0's micro-batches of the step and the checkpoint
+    it restores."""
+
+    built: RunConfig
+    runs: RunConfig
+    data: Any
+    ids: np.ndarray
+    shard: dict[str, Any]
+
+
+def _as_run(location: Location, step: int) -> _Side:
+    """Step `step` of the built-in run at `location`, as the store ran it."""
     store = RunStore.open(location)
     manifest = store.manifest
     if not store.capabilities.builtin:
         raise UsageError(f"replay diff runs the built-in trainer's step; {location} is a run of a script of its own")
-    if not any(c.step == step for c in store.checkpoints()):
+    held = _state_at(location, store, step)
+    if held is None:
         have = ", ".join(str(c.step) for c in store.checkpoints()) or "none"
         raise UsageError(f"{location} has no committed checkpoint at step {step} (it has {have}): `replay run "
                          f"{location} --from {step} --to {step} --checkpoint-every 1` makes a replay that has one; "
                          "diff that replay's store")
-    recorded = manifest.config
-    side_b = apply_overrides(recorded, overrides, (step, step), store.capabilities)
-    if overrides.skip or overrides.drop or overrides.lr_scale is not None:
-        raise UsageError("replay diff compares one step's forward and backward: --skip, --drop and --lr-scale "
-                         "change no operation of it (replay run shows what they do)")
+    if not store.first_step <= step < store.end_step:
+        raise UsageError(f"{location}'s step log holds steps {store.first_step}..{store.end_step - 1}, not step "
+                         f"{step}: diff a step the run trained")
     parent = RunStore.open(location.resolve(manifest.replay.parent)) if manifest.replay else None
-    data = load_data(recorded, parent or store)
+    data = load_data(manifest.config, parent or store)
     ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0][0]   # rank 0's micro-batches
-    shard = store.read_shard(step, 0)
+    shard = held.read_shard(step, 0)
     if "model" not in shard["state"].get("replicated", {}):
         raise UsageError(f"{location}'s checkpoints hold each rank's piece of the model (DeepSpeed ZeRO): replay diff "
                          "restores a whole model, from a run of plain or DDP ranks")
-    return recorded, side_b, data, ids, shard
+    return _Side(manifest.config, manifest.config, data, ids, shard)
+
+
+def _state_at(location: Location, store: RunStore, step: int) -> RunStore | None:
+    """The store that holds the run's state at the start of `step`: its own committed checkpoint there, or,
+    for a replay whose window starts from its parent's checkpoint at that step, the parent's."""
+    if any(c.step == step for c in store.checkpoints()):
+        return store
+    spec = store.manifest.replay
+    if spec is not None and spec.start == spec.start_checkpoint == step:
+        parent_location = location.resolve(spec.parent)
+        return _state_at(parent_location, RunStore.open(parent_location), step)
+    return None
+
+
+def _prepare(location: Location, step: int, overrides: Overrides) -> tuple[_Side, _Side]:
+    """Side A, the step as the store ran it, and side B, the same with `overrides`."""
+    a = _as_run(location, step)
+    store = RunStore.open(location)
+    side_b = apply_overrides(a.runs, overrides, (step, step), store.capabilities)
+    if overrides.skip or overrides.drop or overrides.lr_scale is not None:
+        raise UsageError("replay diff compares one step's forward and backward: --skip, --drop and --lr-scale "
+                         "change no operation of it (replay run shows what they do)")
+    return a, dataclasses.replace(a, runs=side_b)
+
+
+def _two_runs(location: Location, other: Location, step: int) -> tuple[_Side, _Side, dict[str, list[Any]]]:
+    """Step `step` of two runs (or replays) as each ran it, from the state and samples they share at that step;
+    with how the second's config differs from the first's."""
+    a, b = _as_run(location, step), _as_run(other, step)
+    model_a, model_b = a.shard["state"]["replicated"]["model"], b.shard["state"]["replicated"]["model"]
+    if model_a.keys() != model_b.keys():
+        raise UsageError(f"{location} and {other} are not the same model (their parameters differ): replay diff "
+                         "compares one step of two runs of one model")
+    parted = next((key for key in model_a if not _same(model_a[key], model_b[key])), None)
+    if parted is None and not _same(a.shard["rng"], b.shard["rng"]):
+        parted = "the random generators' states"
+    if parted is not None:
+        raise UsageError(f"{location} and {other} hold different states at step {step} ({parted} differs): replay "
+                         "diff runs one step from one state; diff the step where they part, the last whose state "
+                         "they share")
+    if not np.array_equal(a.ids, b.ids) or not all(
+            _same(a.data.batch(x), b.data.batch(y)) for x, y in zip(a.ids, b.ids, strict=True)):
+        raise UsageError(f"{location} and {other} train different samples at step {step} (rank 0's): replay diff "
+                         "compares one step on the same samples")
+    flat_a, flat_b = _flat(a.runs.to_dict()), _flat(b.runs.to_dict())
+    changes = {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
+               if flat_a.get(k) != flat_b.get(k)}
+    return a, b, changes
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal bit for bit: tensors, arrays and the dicts, lists and scalars around them."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool((_raw(a.contiguous()) == _raw(b.contiguous())).all()))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and a.tobytes() == b.tobytes())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def capture(location: Location, step: int, overrides: Overrides, name: str) -> int:
@@ -139,7 +230,7 @@ def capture(location: Location, step: int, overrides: Overrides, name: str) -> i
     a comparison in another process or on another machine (`diff(..., against=NAME)`). Returns how many."""
     if not _NAME.fullmatch(name):
         raise UsageError(f"--capture {name!r}: a trace's name is letters, digits, '.', '_' and '-'")
-    recorded, side, data, ids, shard = _prepare(location, step, overrides)
+    _, side = _prepare(location, step, overrides)
     entries: list[dict[str, Any]] = []
 
     def note(phase: str, where: str, what: str, t: torch.Tensor) -> None:
@@ -147,20 +238,29 @@ def capture(location: Location, step: int, overrides: Overrides, name: str) -> i
         entries.append({"key": f"{phase}|{where}|{what}", "shape": list(t.shape), "dtype": str(t.dtype),
                         "digest": _digest(t), "stats": _stats(t)})
 
-    _run_side(recorded, side, data, ids, shard, note, {})
+    _run_side(side, note, {})
     doc = {"step": step, "overrides": overrides.to_dict(), "machine": _machine(), "entries": entries}
     with writing(location, "replay diff --capture"):
         RunStore.open(location, mode="a").write_trace(name, doc)
     return len(entries)
 
 
-def diff(location: Location, step: int, overrides: Overrides, against: str | None = None) -> StepDiff:
+def diff(location: Location, step: int, overrides: Overrides, against: str | None = None,
+         other: Location | None = None) -> StepDiff:
     """Step `step` of the run at `location`, as the store ran it (A) and with `overrides` (B); or, `against` a
     trace `capture` wrote (A, from wherever it ran), this process's step with `overrides` (B), compared by each
-    tensor's digest, with the two sides' statistics where they differ."""
+    tensor's digest, with the two sides' statistics where they differ; or, given an `other` run (or replay) that
+    shares the step's state and samples, the step as each of the two ran it."""
     if against is not None:
         return _against(location, step, overrides, against)
-    recorded, side_b, data, ids, shard = _prepare(location, step, overrides)
+    changes: dict[str, list[Any]] | None = None
+    if other is None:
+        a, b = _prepare(location, step, overrides)
+    elif overrides.to_dict():
+        raise UsageError("replay diff A B runs the step as each run ran it: leave out the overrides (or diff one "
+                         "store against its overrides: replay diff A --step N --attention ...)")
+    else:
+        a, b, changes = _two_runs(location, other, step)
     with tempfile.TemporaryDirectory(prefix="replay-diff-") as tmp:
         seen: dict[str, _Seen] = {}
         kept: dict[str, torch.Tensor] = {}
@@ -172,38 +272,35 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
             _raw(t).numpy().tofile(path)
             seen[key] = _Seen(_digest(t), path, t.dtype, tuple(t.shape))
 
-        _run_side(recorded, recorded, data, ids, shard, keep, kept)
+        _run_side(a, keep, kept)
         differences: list[Difference] = []
         only_in_b: list[str] = []
         compared = 0
         b_kept: dict[str, torch.Tensor] = {}
+        produced: set[str] = set()
 
         def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
             nonlocal compared
             key = f"{phase}|{where}|{what}"
+            produced.add(key)
             t = t.detach().contiguous().cpu()
-            a = seen.get(key)
-            if a is None:   # an output one side's attention gives and the other's does not (its weights)
+            theirs = seen.get(key)
+            if theirs is None:   # an output one side's attention gives and the other's does not (its weights)
                 only_in_b.append(key.replace("|", " "))
                 return
             compared += 1
-            if a.dtype == t.dtype and a.shape == tuple(t.shape) and a.digest == _digest(t):
+            if theirs.dtype == t.dtype and theirs.shape == tuple(t.shape) and theirs.digest == _digest(t):
                 return
-            theirs = _read(a) if a.shape == tuple(t.shape) else torch.full_like(t, math.nan)
+            read = _read(theirs) if theirs.shape == tuple(t.shape) else torch.full_like(t, math.nan)
             differences.append(Difference(compared - 1, phase, where, what, list(t.shape), str(t.dtype).removeprefix(
-                "torch."), _deviation(theirs, t)))
+                "torch."), _deviation(read, t)))
 
-        produced: set[str] = set()
-
-        def compare_noted(phase: str, where: str, what: str, t: torch.Tensor) -> None:
-            produced.add(f"{phase}|{where}|{what}")
-            compare(phase, where, what, t)
-
-        _run_side(recorded, side_b, data, ids, shard, compare_noted, b_kept)
+        _run_side(b, compare, b_kept)
         heads = _heads(seen, kept, b_kept) if kept else []
     only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
     return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
-                    differences, heads, only_in_a, only_in_b)
+                    differences, heads, only_in_a, only_in_b,
+                    other=None if other is None else str(other), changes=changes)
 
 
 def _against(location: Location, step: int, overrides: Overrides, name: str) -> StepDiff:
@@ -213,7 +310,7 @@ def _against(location: Location, step: int, overrides: Overrides, name: str) -> 
                          "writes one")
     if trace["step"] != step:
         raise UsageError(f"the trace {name!r} is of step {trace['step']}, not {step}")
-    recorded, side, data, ids, shard = _prepare(location, step, overrides)
+    _, side = _prepare(location, step, overrides)
     theirs = {e["key"]: e for e in trace["entries"]}
     differences: list[Difference] = []
     produced: list[str] = []
@@ -230,7 +327,7 @@ def _against(location: Location, step: int, overrides: Overrides, name: str) -> 
                                           str(t.dtype).removeprefix("torch."), None,
                                           {"theirs": entry["stats"], "ours": _stats(t)}))
 
-    _run_side(recorded, side, data, ids, shard, compare, {})
+    _run_side(side, compare, {})
     ours = set(produced)
     compared = sum(1 for key in produced if key in theirs)
     return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
@@ -271,22 +368,26 @@ def _machine() -> str:
     return f"{socket.gethostname()}: {cpu or 'a CPU'}, {device}, torch {torch.__version__}"
 
 
-def _run_side(recorded: RunConfig, cfg: RunConfig, data: Any, ids: np.ndarray, shard: dict[str, Any],
-              see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor]) -> None:
-    """One side's step: the model as recorded with `cfg`'s attention, the checkpoint's weights and RNG, rank
-    0's micro-batches forward and backward, every tensor handed to `see` as it is produced."""
-    model = build_model(recorded.model, data.vocab_size, recorded.seed)
-    model.load_state_dict(shard["state"]["replicated"]["model"])
+def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor]) -> None:
+    """One side's step: the model its run built, with the attention it runs, the checkpoint's weights and RNG,
+    rank 0's micro-batches forward and backward, every tensor handed to `see` as it is produced."""
+    cfg = side.runs
+    model = build_model(side.built.model, side.data.vocab_size, side.built.seed)
+    model.load_state_dict(side.shard["state"]["replicated"]["model"])
     apply_plan(model, AttentionPlan.parse(cfg.model.attention))
-    set_rng_state(shard["rng"])
+    set_rng_state(side.shard["rng"])
     model.train()
     tracer = _Tracer(model, see)
-    accum = len(ids)
+    accum = len(side.ids)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     try:
-        with _attention_traced(model, see, kept):
-            for micro in ids:
-                x, y = data.batch(micro)
+        with _attention_traced(model, see, kept), warnings.catch_warnings():
+            # torch's notes on the hooks: the model's own output (a ModelOutput) has no gradient hook, and the
+            # embeddings' inputs (token ids) no gradient; the gradients of their outputs are traced all the same
+            warnings.filterwarnings("ignore", "For backward hooks to be called", UserWarning)
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            for micro in side.ids:
+                x, y = side.data.batch(micro)
                 with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
                     loss = lm_loss(model, x, y)
                 (loss / accum).backward()

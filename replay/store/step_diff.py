@@ -63,6 +63,8 @@ class StepDiff:
     only_in_a: list[str] = field(default_factory=list)   # tensors only side A produced (attention weights)
     only_in_b: list[str] = field(default_factory=list)   # ... and only side B
     against: dict[str, Any] | None = None    # side A was a trace: its name, machine and overrides
+    other: str | None = None                 # side B was another run (or replay), as it ran
+    changes: dict[str, list[Any]] | None = None   # ... and its config's differences from A's: key -> [A's, B's]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -111,3 +111,35 @@ def test_a_trace_captured_in_one_process_gives_the_same_first_difference_in_anot
     assert sum(f.stat().st_size for f in (store / "traces").rglob("*")) < 200_000   # digests and statistics only
     missing = replay_cli("diff", str(store), "--step", str(STEP), "--against", "nope")
     assert missing.returncode == 2 and "has no trace 'nope'" in error_line(missing)
+
+
+def test_two_runs_sharing_a_step_are_diffed_as_each_ran_it(two_rank_store, tmp_path):
+    """`replay diff A B`: a plain replay from the record's checkpoint is the record bit for bit at that step; a
+    replay with layer 1 on emulated BF16 attention parts from it where `replay diff A --step N` with the same
+    overrides does, tensor for tensor; a step whose state the two no longer share, and overrides beside B, are
+    refused in one line, the stores untouched."""
+    store = tmp_path / "run"
+    shutil.copytree(two_rank_store, store)
+    change = ["--attention", "reference-emu:dtype=bf16", "--layers", "1"]
+    for args in (["--from", "10", "--to", "10", "--name", "same"],
+                 ["--from", "10", "--to", "20", "--checkpoint-every", "10", *change, "--name", "cf"]):
+        done = replay_cli("run", str(store), *args)
+        assert done.returncode == 0, done.stderr
+    run, same, cf = (Location.parse(p) for p in (store, store / "replays" / "same", store / "replays" / "cf"))
+    plain = diff(run, STEP, Overrides(), other=same)
+    assert plain.first is None and plain.compared > 50 and plain.changes == {}
+    parted = diff(run, STEP, Overrides(), other=cf)
+    here = diff(run, STEP, Overrides(attention="reference-emu:dtype=bf16", layers=[1]))
+    assert (parted.first.phase, parted.first.where, parted.first.what) == ("forward", "attention 1", "O")
+    assert [(d.phase, d.where, d.what, d.deviation) for d in parted.differences] == \
+        [(d.phase, d.where, d.what, d.deviation) for d in here.differences]
+    assert parted.changes["model.attention"][0] == "eager" and "reference-emu" in parted.changes["model.attention"][1]
+    text = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP))
+    assert text.returncode == 0 and "first difference: forward attention 1 O" in text.stdout, text.stderr
+    assert "B's config differs in model.attention 'eager' -> " in text.stdout and "Warning" not in text.stderr
+    before = tree_snapshot(store)
+    later = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", "20")
+    assert later.returncode == 2 and "hold different states at step 20" in error_line(later), later.stderr
+    both = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP), *change)
+    assert both.returncode == 2 and "leave out the overrides" in error_line(both)
+    assert tree_snapshot(store) == before
