@@ -456,10 +456,12 @@ def _tile(text: str) -> tuple[int, int]:
 @click.option("--capture", help="Write this side's trace (every tensor's digest and statistics) into the store "
               "under this name, to compare in another process or on another machine, instead of diffing.")
 @click.option("--against", help="Compare this process's step with the trace of this name (from --capture).")
+@click.option("--rank", type=int, default=0, show_default=True,
+              help="Whose micro-batches and RNG states the step runs (a DDP run's ranks train different samples).")
 @click.option("--top", type=int, default=8, show_default=True, help="How many differences after the first to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
-def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, top,
+def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, rank, top,
              as_json) -> None:
     """Run step N of the run in STORE twice from its checkpoint, as recorded (A) and with the overrides (B),
     or as STORE and OTHER (two runs or replays with the same state and samples at N) each ran it, and say
@@ -476,11 +478,11 @@ def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_de
     if other is not None and (capture or against):
         raise ReplayError("--capture and --against take one store: replay diff STORE --step N --capture NAME")
     if capture:
-        count = capture_trace(store, step, overrides, capture)
+        count = capture_trace(store, step, overrides, capture, rank)
         click.echo(f"trace {capture} of step {step}: {count} tensors' digests and statistics, in "
                    f"{store}/traces/{capture}")
         return
-    result = step_diff(store, step, overrides, against=against, other=other)
+    result = step_diff(store, step, overrides, against=against, other=other, rank=rank)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:

@@ -1,7 +1,7 @@
 """`replay diff STORE --step N` with a replay's overrides: where one step, run twice from the same restored
 state, first parts. Side A is the step as recorded, side B the step with the overrides; both restore the
-checkpoint at N (the model and every RNG) and train rank 0's recorded micro-batches of step N (forward and
-backward, no optimizer step) in this process.
+checkpoint at N (the model and every RNG) and train one rank's recorded micro-batches of step N (rank 0's, or
+`--rank`'s, from that rank's RNG states; forward and backward, no optimizer step) in this process.
 
 Every tensor the step produces is compared, in execution order: each module's output (forward), the gradient
 of each module's output (backward), every attention call's output O and gradients dO, dQ, dK, dV (per head),
@@ -16,10 +16,10 @@ across tokens (1: every token's term points one way, as a bias does).
 
 Without overrides both sides are the record: a step that runs the same twice in one process reports no
 difference (and one that does not, its first nondeterministic operation). The built-in trainer's runs (GPT-2),
-rank 0's micro-batches; a checkpoint at step N is needed (a replay with `--checkpoint-every 1` writes one).
+one rank's micro-batches; a checkpoint at step N is needed (a replay with `--checkpoint-every 1` writes one).
 
 `replay diff A B --step N` runs the step as each of two runs (or replays) ran it, from the state and samples they
-share at N (checked bit for bit first: the model, the RNG states, rank 0's samples and their tokens), side B
+share at N (checked bit for bit first: the model, the RNG states, the rank's samples and their tokens), side B
 with its own config; the answer lists how B's config differs from A's. A replay that starts at N from its
 parent's checkpoint there holds that checkpoint's state without a copy of its own.
 
@@ -116,8 +116,8 @@ class _Tracer:
 @dataclass
 class _Side:
     """One side of a diff: the config of the run it comes from (the model it builds), the config it runs with
-    (its attention plan and precision), the run's data, rank 0's micro-batches of the step and the checkpoint
-    it restores."""
+    (its attention plan and precision), the run's data, one rank's micro-batches of the step and that rank's
+    checkpoint it restores."""
 
     built: RunConfig
     runs: RunConfig
@@ -126,8 +126,8 @@ class _Side:
     shard: dict[str, Any]
 
 
-def _as_run(location: Location, step: int) -> _Side:
-    """Step `step` of the built-in run at `location`, as the store ran it."""
+def _as_run(location: Location, step: int, rank: int) -> _Side:
+    """Step `step` of the built-in run at `location` on rank `rank`'s micro-batches and RNG, as the store ran it."""
     store = RunStore.open(location)
     manifest = store.manifest
     if not store.capabilities.builtin:
@@ -143,8 +143,12 @@ def _as_run(location: Location, step: int) -> _Side:
                          f"{step}: diff a step the run trained")
     parent = RunStore.open(location.resolve(manifest.replay.parent)) if manifest.replay else None
     data = load_data(manifest.config, parent or store)
-    ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0][0]   # rank 0's micro-batches
-    shard = held.read_shard(step, 0)
+    if not 0 <= rank < manifest.world_size:
+        raise UsageError(f"--rank {rank}: {location} was recorded on ranks 0..{manifest.world_size - 1}")
+    ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0][rank]   # its micro-batches
+    shard = held.read_shard(step, 0)   # the replicated model is rank 0's to keep; each rank keeps its own RNG
+    if rank:
+        shard = {**shard, "rng": held.read_shard(step, rank)["rng"]}
     if "model" not in shard["state"].get("replicated", {}):
         raise UsageError(f"{location}'s checkpoints hold each rank's piece of the model (DeepSpeed ZeRO): replay diff "
                          "restores a whole model, from a run of plain or DDP ranks")
@@ -163,9 +167,9 @@ def _state_at(location: Location, store: RunStore, step: int) -> RunStore | None
     return None
 
 
-def _prepare(location: Location, step: int, overrides: Overrides) -> tuple[_Side, _Side]:
+def _prepare(location: Location, step: int, overrides: Overrides, rank: int = 0) -> tuple[_Side, _Side]:
     """Side A, the step as the store ran it, and side B, the same with `overrides`."""
-    a = _as_run(location, step)
+    a = _as_run(location, step, rank)
     store = RunStore.open(location)
     side_b = apply_overrides(a.runs, overrides, (step, step), store.capabilities)
     if overrides.skip or overrides.drop or overrides.lr_scale is not None:
@@ -174,10 +178,10 @@ def _prepare(location: Location, step: int, overrides: Overrides) -> tuple[_Side
     return a, dataclasses.replace(a, runs=side_b)
 
 
-def _two_runs(location: Location, other: Location, step: int) -> tuple[_Side, _Side, dict[str, list[Any]]]:
+def _two_runs(location: Location, other: Location, step: int, rank: int) -> tuple[_Side, _Side, dict[str, list[Any]]]:
     """Step `step` of two runs (or replays) as each ran it, from the state and samples they share at that step;
     with how the second's config differs from the first's."""
-    a, b = _as_run(location, step), _as_run(other, step)
+    a, b = _as_run(location, step, rank), _as_run(other, step, rank)
     model_a, model_b = a.shard["state"]["replicated"]["model"], b.shard["state"]["replicated"]["model"]
     if model_a.keys() != model_b.keys():
         raise UsageError(f"{location} and {other} are not the same model (their parameters differ): replay diff "
@@ -191,7 +195,7 @@ def _two_runs(location: Location, other: Location, step: int) -> tuple[_Side, _S
                          "they share")
     if not np.array_equal(a.ids, b.ids) or not all(
             _same(a.data.batch(x), b.data.batch(y)) for x, y in zip(a.ids, b.ids, strict=True)):
-        raise UsageError(f"{location} and {other} train different samples at step {step} (rank 0's): replay diff "
+        raise UsageError(f"{location} and {other} train different samples at step {step} (rank {rank}'s): replay diff "
                          "compares one step on the same samples")
     flat_a, flat_b = _flat(a.runs.to_dict()), _flat(b.runs.to_dict())
     changes = {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
@@ -224,13 +228,13 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def capture(location: Location, step: int, overrides: Overrides, name: str) -> int:
+def capture(location: Location, step: int, overrides: Overrides, name: str, rank: int = 0) -> int:
     """`replay diff --capture NAME`: the step as the store ran it (with `overrides`, if any), every tensor's
     digest and statistics in execution order, written into the store as the trace NAME (no tensor itself), for
     a comparison in another process or on another machine (`diff(..., against=NAME)`). Returns how many."""
     if not _NAME.fullmatch(name):
         raise UsageError(f"--capture {name!r}: a trace's name is letters, digits, '.', '_' and '-'")
-    _, side = _prepare(location, step, overrides)
+    _, side = _prepare(location, step, overrides, rank)
     entries: list[dict[str, Any]] = []
 
     def note(phase: str, where: str, what: str, t: torch.Tensor) -> None:
@@ -239,28 +243,28 @@ def capture(location: Location, step: int, overrides: Overrides, name: str) -> i
                         "digest": _digest(t), "stats": _stats(t)})
 
     _run_side(side, note, {})
-    doc = {"step": step, "overrides": overrides.to_dict(), "machine": _machine(), "entries": entries}
+    doc = {"step": step, "rank": rank, "overrides": overrides.to_dict(), "machine": _machine(), "entries": entries}
     with writing(location, "replay diff --capture"):
         RunStore.open(location, mode="a").write_trace(name, doc)
     return len(entries)
 
 
 def diff(location: Location, step: int, overrides: Overrides, against: str | None = None,
-         other: Location | None = None) -> StepDiff:
+         other: Location | None = None, rank: int = 0) -> StepDiff:
     """Step `step` of the run at `location`, as the store ran it (A) and with `overrides` (B); or, `against` a
     trace `capture` wrote (A, from wherever it ran), this process's step with `overrides` (B), compared by each
     tensor's digest, with the two sides' statistics where they differ; or, given an `other` run (or replay) that
     shares the step's state and samples, the step as each of the two ran it."""
     if against is not None:
-        return _against(location, step, overrides, against)
+        return _against(location, step, overrides, against, rank)
     changes: dict[str, list[Any]] | None = None
     if other is None:
-        a, b = _prepare(location, step, overrides)
+        a, b = _prepare(location, step, overrides, rank)
     elif overrides.to_dict():
         raise UsageError("replay diff A B runs the step as each run ran it: leave out the overrides (or diff one "
                          "store against its overrides: replay diff A --step N --attention ...)")
     else:
-        a, b, changes = _two_runs(location, other, step)
+        a, b, changes = _two_runs(location, other, step, rank)
     with tempfile.TemporaryDirectory(prefix="replay-diff-") as tmp:
         seen: dict[str, _Seen] = {}
         kept: dict[str, torch.Tensor] = {}
@@ -300,17 +304,20 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
     only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
     return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
                     differences, heads, only_in_a, only_in_b,
-                    other=None if other is None else str(other), changes=changes)
+                    other=None if other is None else str(other), changes=changes, rank=rank)
 
 
-def _against(location: Location, step: int, overrides: Overrides, name: str) -> StepDiff:
+def _against(location: Location, step: int, overrides: Overrides, name: str, rank: int) -> StepDiff:
     trace = RunStore.open(location).trace(name)
     if trace is None:
         raise UsageError(f"{location} has no trace {name!r}: `replay diff {location} --step {step} --capture {name}` "
                          "writes one")
     if trace["step"] != step:
         raise UsageError(f"the trace {name!r} is of step {trace['step']}, not {step}")
-    _, side = _prepare(location, step, overrides)
+    if trace.get("rank", 0) != rank:
+        raise UsageError(f"the trace {name!r} is of rank {trace.get('rank', 0)}'s micro-batches, not rank {rank}'s: "
+                         f"give --rank {trace.get('rank', 0)}")
+    _, side = _prepare(location, step, overrides, rank)
     theirs = {e["key"]: e for e in trace["entries"]}
     differences: list[Difference] = []
     produced: list[str] = []
@@ -333,7 +340,7 @@ def _against(location: Location, step: int, overrides: Overrides, name: str) -> 
     return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
                     differences, [], [key.replace("|", " ") for key in theirs if key not in ours],
                     [key.replace("|", " ") for key in produced if key not in theirs],
-                    against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]})
+                    against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]}, rank=rank)
 
 
 def _deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
@@ -370,7 +377,7 @@ def _machine() -> str:
 
 def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor]) -> None:
     """One side's step: the model its run built, with the attention it runs, the checkpoint's weights and RNG,
-    rank 0's micro-batches forward and backward, every tensor handed to `see` as it is produced."""
+    the rank's micro-batches forward and backward, every tensor handed to `see` as it is produced."""
     cfg = side.runs
     model = build_model(side.built.model, side.data.vocab_size, side.built.seed)
     model.load_state_dict(side.shard["state"]["replicated"]["model"])

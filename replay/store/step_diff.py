@@ -65,6 +65,7 @@ class StepDiff:
     against: dict[str, Any] | None = None    # side A was a trace: its name, machine and overrides
     other: str | None = None                 # side B was another run (or replay), as it ran
     changes: dict[str, list[Any]] | None = None   # ... and its config's differences from A's: key -> [A's, B's]
+    rank: int = 0                            # whose micro-batches and RNG states the step ran
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

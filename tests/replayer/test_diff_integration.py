@@ -143,3 +143,26 @@ def test_two_runs_sharing_a_step_are_diffed_as_each_ran_it(two_rank_store, tmp_p
     both = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP), *change)
     assert both.returncode == 2 and "leave out the overrides" in error_line(both)
     assert tree_snapshot(store) == before
+
+
+def test_each_ranks_micro_batches_are_diffed_from_its_own_rng_states(two_rank_store, tmp_path):
+    """`--rank 1`: the step on rank 1's samples (its token embeddings' output differs from rank 0's), the same
+    twice bit for bit, and the same as its trace in the store; a trace of another rank, or a rank the run did not
+    have, is refused in one line."""
+    from replay.replayer.diff import capture
+    from replay.store import RunStore
+
+    store = tmp_path / "run"
+    shutil.copytree(two_rank_store, store)
+    location = Location.parse(store)
+    for rank in (0, 1):
+        assert capture(location, STEP, Overrides(), f"rank{rank}", rank) > 50
+    embedded = [next(e["digest"] for e in RunStore.open(store).trace(f"rank{rank}")["entries"]
+                     if e["key"] == "forward|transformer.wte|output") for rank in (0, 1)]
+    assert embedded[0] != embedded[1]
+    assert diff(location, STEP, Overrides(), rank=1).first is None
+    assert diff(location, STEP, Overrides(), against="rank1", rank=1).first is None
+    other = replay_cli("diff", str(store), "--step", str(STEP), "--against", "rank0", "--rank", "1")
+    assert other.returncode == 2 and "give --rank 0" in error_line(other)
+    beyond = replay_cli("diff", str(store), "--step", str(STEP), "--rank", "2")
+    assert beyond.returncode == 2 and "recorded on ranks 0..1" in error_line(beyond)
