@@ -40,7 +40,6 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,10 +67,10 @@ _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 @dataclass
 class _Seen:
-    """A tensor side A produced: its digest, and where it is kept."""
+    """A tensor side A produced: its digest, and where its bytes lie in the side's file."""
 
     digest: int
-    path: Path
+    offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -265,16 +264,15 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
                          "store against its overrides: replay diff A --step N --attention ...)")
     else:
         a, b, changes = _two_runs(location, other, step, rank)
-    with tempfile.TemporaryDirectory(prefix="replay-diff-") as tmp:
+    with tempfile.TemporaryFile(prefix="replay-diff-") as kept_a:   # side A's tensors, one after another
         seen: dict[str, _Seen] = {}
         kept: dict[str, torch.Tensor] = {}
 
         def keep(phase: str, where: str, what: str, t: torch.Tensor) -> None:
             key = f"{phase}|{where}|{what}"
             t = t.detach().contiguous().cpu()
-            path = Path(tmp) / f"{len(seen)}.bin"
-            _raw(t).numpy().tofile(path)
-            seen[key] = _Seen(_digest(t), path, t.dtype, tuple(t.shape))
+            seen[key] = _Seen(_digest(t), kept_a.tell(), t.dtype, tuple(t.shape))
+            _raw(t).numpy().tofile(kept_a)
 
         _run_side(a, keep, kept)
         differences: list[Difference] = []
@@ -295,7 +293,7 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
             compared += 1
             if theirs.dtype == t.dtype and theirs.shape == tuple(t.shape) and theirs.digest == _digest(t):
                 return
-            read = _read(theirs) if theirs.shape == tuple(t.shape) else torch.full_like(t, math.nan)
+            read = _read(kept_a, theirs) if theirs.shape == tuple(t.shape) else torch.full_like(t, math.nan)
             differences.append(Difference(compared - 1, phase, where, what, list(t.shape), str(t.dtype).removeprefix(
                 "torch."), _deviation(read, t)))
 
@@ -350,8 +348,13 @@ def _deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
             Deviation(0.0, 0.0, 0.0, 0.0)
     work = torch.float64 if a.dtype == torch.float64 else torch.float32   # a narrower type converts exactly
     aw, bw = a.to(work), b.to(work)
+    d = (bw - aw).abs()
+    if bool(torch.isfinite(d).all()):   # then so is every value of both sides: no masks to build
+        largest, peak = float(d.max()), float(aw.abs().max())
+        return Deviation(largest, float(d.mean()), largest / peak if peak else (math.inf if largest else 0.0),
+                         _ulps(a, peak, largest))
     finite = torch.isfinite(aw) & torch.isfinite(bw)
-    d = (bw - aw).abs()[finite]
+    d = d[finite]
     unlike = ~finite & ~((aw == bw) | (torch.isnan(aw) & torch.isnan(bw)))   # an inf or NaN on one side
     largest = math.inf if bool(unlike.any()) else float(d.max()) if d.numel() else 0.0
     peak = float(aw[torch.isfinite(aw)].abs().max()) if bool(torch.isfinite(aw).any()) else 0.0
@@ -526,8 +529,11 @@ def _digest(t: torch.Tensor) -> int:
     return crc32c(_raw(t).numpy())   # in place
 
 
-def _read(seen: _Seen) -> torch.Tensor:
-    raw = torch.from_numpy(np.fromfile(seen.path, dtype=_raw(torch.empty(0, dtype=seen.dtype)).numpy().dtype))
+def _read(file: Any, seen: _Seen) -> torch.Tensor:
+    file.seek(seen.offset)
+    raw = torch.from_numpy(np.fromfile(file, dtype=_raw(torch.empty(0, dtype=seen.dtype)).numpy().dtype,
+                                       count=math.prod(seen.shape)))
+    file.seek(0, 2)   # back to the end, where side A's tensors were appended
     return (raw.view(seen.dtype) if seen.dtype.is_floating_point else raw).reshape(seen.shape)
 
 
