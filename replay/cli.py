@@ -456,13 +456,14 @@ def _tile(text: str) -> tuple[int, int]:
 @click.option("--capture", help="Write this side's trace (every tensor's digest and statistics) into the store "
               "under this name, to compare in another process or on another machine, instead of diffing.")
 @click.option("--against", help="Compare this process's step with the trace of this name (from --capture).")
+@click.option("--save", help="Keep the answer in the store under this name (replay report shows it).")
 @click.option("--rank", type=int, default=0, show_default=True,
               help="Whose micro-batches and RNG states the step runs (a DDP run's ranks train different samples).")
 @click.option("--top", type=int, default=8, show_default=True, help="How many differences after the first to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
-def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, rank, top,
-             as_json) -> None:
+def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, save, rank,
+             top, as_json) -> None:
     """Run step N of the run in STORE twice from its checkpoint, as recorded (A) and with the overrides (B),
     or as STORE and OTHER (two runs or replays with the same state and samples at N) each ran it, and say
     where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK and dV,
@@ -471,18 +472,26 @@ def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_de
     overrides = _step_overrides(attention, layers, heads, precision, fix, hp_delta)
     # lazy: torch and transformers (the launching commands load neither: tests/test_layers_integration.py)
     from replay.replayer.diff import capture as capture_trace
+    from replay.replayer.diff import check_name
     from replay.replayer.diff import diff as step_diff
+    from replay.replayer.diff import save as save_diff
 
     if capture and against:
         raise ReplayError("--capture writes a trace and --against reads one: give one of them")
     if other is not None and (capture or against):
-        raise ReplayError("--capture and --against take one store: replay diff STORE --step N --capture NAME")
+        raise UsageError("--capture and --against take one store: replay diff STORE --step N --capture NAME")
+    if save is not None:
+        if capture:
+            raise UsageError("--capture writes a trace, --save a diff's answer: give one of them")
+        check_name(save, "--save")
     if capture:
         count = capture_trace(store, step, overrides, capture, rank)
         click.echo(f"trace {capture} of step {step}: {count} tensors' digests and statistics, in "
                    f"{store}/traces/{capture}")
         return
     result = step_diff(store, step, overrides, against=against, other=other, rank=rank)
+    if save is not None:
+        save_diff(store, result, save)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -724,8 +733,9 @@ def compare(store_a, store_b, ray_address, workers, heads, layout, as_json) -> N
 @_main_errors
 def demo(out) -> None:
     """The whole story on the embedded default, on a laptop: record the `spike` preset on 2 CPU ranks,
-    bisect its spike, replay the steps before it densely, analyse every checkpoint on a local Ray
-    cluster and write the report. Stages already done in OUT are reused."""
+    bisect its spike, replay the steps before it densely, diff the decisive step operation by operation,
+    analyse every checkpoint on a local Ray cluster and write the report. Stages already done in OUT are
+    reused."""
     result = run_demo(out, progress=lambda m: click.echo(m, err=True))
     click.echo("\n".join(result.lines(_sample_lines(result.store))))
 

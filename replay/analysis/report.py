@@ -11,6 +11,7 @@ import base64
 import contextlib
 import html
 import io
+import operator
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from replay.replayer.listing import list_replays
 from replay.store import RunStore
 from replay.store.location import Location, Where
 from replay.store.overrides import Reached
+from replay.store.step_diff import HeadDiff, StepDiff
 from replay.store.verification import Verification
 
 
@@ -114,6 +116,71 @@ def _heatmaps(table: dict[str, Any], title: str, spikes: list[int]) -> str:
         fig.suptitle(title, fontsize=9)
 
     return _figure(draw, 10, 1.6 + 1.7 * n_layer)
+
+
+_HEAD_QUANTITIES = (("o", "O"), ("do", "dO"), ("dq", "dQ"), ("dk", "dK"), ("dv", "dV"),
+                    ("delta", "delta = rowsum(dO * O)"))
+
+
+def _diff_html(name: str, result: StepDiff) -> str:
+    """A saved `replay diff`: its two sides, how many tensors differ and the first that does."""
+    if result.other is not None:
+        changes = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in (result.changes or {}).items())
+        sides = f"A = this run as it ran, B = {result.other} as it ran ({changes or 'the same config'})"
+    elif result.against is not None:
+        sides = f"A = the trace {result.against['trace']!r} (taken on {result.against['machine']}), B = this run"
+    else:
+        sides = f"A = as the store ran it, B = with {result.overrides or 'nothing changed'}"
+    first = result.first
+    if first is None:
+        said = "no difference: every tensor of the step is the same bit for bit"
+    else:
+        v = first.deviation
+        said = (f"first difference: {first.phase} {first.where} {first.what} {first.shape} {first.dtype}"
+                + (f", max abs {v.max_abs:.3e}, relative {v.relative:.3e}, {v.ulps:.0f} ulps" if v else ""))
+    return (f"<h3>{html.escape(name)}: step {result.step}, rank {result.rank}'s micro-batches</h3>"
+            f"<p>{html.escape(sides)}. {result.compared} tensors compared in execution order, "
+            f"{len(result.differences)} differ; {html.escape(said)}.</p>")
+
+
+def _diff_heatmaps(result: StepDiff) -> str:
+    """Per layer and head: the largest deviation of each attention quantity over the step's calls (log10; a
+    head whose quantity is the same bit for bit is left blank), delta's error sign bias and W_Q's gradient
+    error alignment."""
+    n_layer = max(h.layer for h in result.heads) + 1
+    n_head = max(h.head for h in result.heads) + 1
+
+    def grid(value: Callable[[HeadDiff], float]) -> np.ndarray:
+        g = np.full((n_layer, n_head), np.nan)
+        for h in result.heads:
+            g[h.layer, h.head] = value(h)
+        return g
+
+    panels: list[tuple[str, Any, str, float | None, float | None]] = []
+    for key, label in _HEAD_QUANTITIES:
+        g = grid(operator.attrgetter(key))
+        with np.errstate(invalid="ignore", divide="ignore"):   # a head without a call (NaN), or one alike (0)
+            logged = np.log10(np.where(g > 0, g, np.nan))
+        panels.append((f"log10 max |B - A|: {label}", np.ma.masked_invalid(logged), "viridis", None, None))
+    panels.append(("sign bias of delta's error", np.ma.masked_invalid(grid(lambda h: h.delta_sign_bias)), "RdBu_r",
+                   -1.0, 1.0))
+    panels.append(("W_Q gradient error alignment", np.ma.masked_invalid(grid(lambda h: h.wq_alignment)), "magma",
+                   0.0, 1.0))
+
+    def draw(fig):
+        axes = fig.subplots(2, 4).reshape(-1)
+        for ax, (title, values, cmap, lo, hi) in zip(axes, panels, strict=True):
+            mesh = ax.pcolormesh(np.arange(n_head + 1) - 0.5, np.arange(n_layer + 1) - 0.5, values, cmap=cmap,
+                                 vmin=lo, vmax=hi, shading="flat")
+            fig.colorbar(mesh, ax=ax, pad=0.01)
+            ax.set_title(title, fontsize=8)
+            ax.set_xlabel("head", fontsize=7)
+            ax.set_ylabel("layer", fontsize=7)
+            ax.set_xticks(range(0, n_head, max(1, n_head // 6)))
+            ax.set_yticks(range(0, n_layer, max(1, n_layer // 6)))
+            ax.tick_params(labelsize=6)
+
+    return _figure(draw, 12, 1.2 + 2.6 * max(1.0, min(n_layer, 12) / 4))
 
 
 def _distance_plot(tables: dict[str, dict[str, Any]], spikes: list[int]) -> str:
@@ -255,6 +322,21 @@ def write_report(store_path: Where, out: str | Path | None = None, top: int = 10
         parts.append(_bisect_html(session))
         if session.probes:
             figures.append(_probe_plot(run, session))
+            parts.append(figures[-1])
+
+    parts.append("<h2>Operation by operation</h2>")
+    saved = run.diffs()
+    if not saved:
+        parts.append("<p>No saved diff yet: <code>replay diff STORE --step N ... --save NAME</code> keeps one here "
+                     "(where one step, run twice from its checkpoint, first parts).</p>")
+    for name, doc in saved.items():
+        result = StepDiff.from_dict(doc)
+        parts.append(_diff_html(name, result))
+        if result.heads and result.first is not None:
+            parts.append("<p>Per layer and head, over the step's attention calls: each quantity's largest deviation "
+                         "(blank: the same bit for bit), the mean sign of delta's error (Qiu &amp; Yao's biased "
+                         "rounding has one sign) and how aligned the tokens' terms of W_Q's gradient error are.</p>")
+            figures.append(_diff_heatmaps(result))
             parts.append(figures[-1])
 
     parts.append("<h2>Localisation</h2>")

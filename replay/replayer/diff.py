@@ -231,8 +231,7 @@ def capture(location: Location, step: int, overrides: Overrides, name: str, rank
     """`replay diff --capture NAME`: the step as the store ran it (with `overrides`, if any), every tensor's
     digest and statistics in execution order, written into the store as the trace NAME (no tensor itself), for
     a comparison in another process or on another machine (`diff(..., against=NAME)`). Returns how many."""
-    if not _NAME.fullmatch(name):
-        raise UsageError(f"--capture {name!r}: a trace's name is letters, digits, '.', '_' and '-'")
+    check_name(name, "--capture")
     _, side = _prepare(location, step, overrides, rank)
     entries: list[dict[str, Any]] = []
 
@@ -246,6 +245,19 @@ def capture(location: Location, step: int, overrides: Overrides, name: str, rank
     with writing(location, "replay diff --capture"):
         RunStore.open(location, mode="a").write_trace(name, doc)
     return len(entries)
+
+
+def check_name(name: str, option: str) -> None:
+    """A trace's or a saved diff's name: a directory of the store."""
+    if not _NAME.fullmatch(name):
+        raise UsageError(f"{option} {name!r}: a name is letters, digits, '.', '_' and '-'")
+
+
+def save(location: Location, result: StepDiff, name: str) -> None:
+    """`replay diff --save NAME`: the answer kept in the store, where `replay report` shows it."""
+    check_name(name, "--save")
+    with writing(location, "replay diff --save"):
+        RunStore.open(location, mode="a").write_diff(name, result.to_dict())
 
 
 def diff(location: Location, step: int, overrides: Overrides, against: str | None = None,

@@ -326,6 +326,27 @@ class RunStore:
         raw = path.read()
         return group_attributes(raw, str(path)) if raw is not None else None
 
+    def write_diff(self, name: str, doc: dict[str, Any]) -> None:
+        """One write of a `replay diff --save` answer, replacing one of the same name."""
+        with disk_errors(f"the diff {name} in {self.location}", self.location / "diffs"):
+            self.root.require_group("diffs")
+            (self.location / "diffs" / name / "zarr.json").write(group_json(doc))
+
+    def diffs(self) -> dict[str, dict[str, Any]]:
+        """Every saved diff's answer by name, checksummed; one that cannot be read is left out (saved again, it is
+        whole)."""
+        found = {}
+        for name in sorted((self.location / "diffs").children()):
+            path = self.location / "diffs" / name / "zarr.json"
+            raw = path.read()
+            try:
+                doc = group_attributes(raw, str(path)) if raw is not None else {}
+            except ChecksumError:
+                continue
+            if "step" in doc:
+                found[name] = doc
+        return found
+
     # -- embedded data -----------------------------------------------------------------------------
 
     def write_tokens(self, tokens: np.ndarray) -> None:

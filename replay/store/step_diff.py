@@ -69,3 +69,12 @@ class StepDiff:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepDiff:
+        def difference(x: dict[str, Any]) -> Difference:
+            return Difference(**{**x, "deviation": Deviation(**x["deviation"]) if x.get("deviation") else None})
+
+        return cls(**{**d, "first": difference(d["first"]) if d.get("first") else None,
+                      "differences": [difference(x) for x in d.get("differences", [])],
+                      "heads": [HeadDiff(**h) for h in d.get("heads", [])]})

@@ -11,6 +11,7 @@ import torch
 
 from replay.replayer import diff as diff_module
 from replay.replayer.diff import diff
+from replay.store import RunStore
 from replay.store.location import Location
 from replay.store.overrides import Overrides
 from tests.conftest import error_line, replay_cli, tree_snapshot
@@ -134,10 +135,14 @@ def test_two_runs_sharing_a_step_are_diffed_as_each_ran_it(two_rank_store, tmp_p
     assert [(d.phase, d.where, d.what, d.deviation) for d in parted.differences] == \
         [(d.phase, d.where, d.what, d.deviation) for d in here.differences]
     assert parted.changes["model.attention"][0] == "eager" and "reference-emu" in parted.changes["model.attention"][1]
-    text = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP))
+    text = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP), "--save", "cf-at-10")
     assert text.returncode == 0 and "first difference: forward attention 1 O" in text.stdout, text.stderr
     assert "B's config differs in model.attention 'eager' -> " in text.stdout and "Warning" not in text.stderr
+    kept = RunStore.open(store).diffs()["cf-at-10"]
+    assert kept["other"] == str(cf) and len(kept["differences"]) == len(parted.differences)
     before = tree_snapshot(store)
+    unnamed = replay_cli("diff", str(store), "--step", str(STEP), "--save", "no/such")
+    assert unnamed.returncode == 2 and "a name is letters" in error_line(unnamed)
     later = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", "20")
     assert later.returncode == 2 and "hold different states at step 20" in error_line(later), later.stderr
     both = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP), *change)
@@ -150,7 +155,6 @@ def test_each_ranks_micro_batches_are_diffed_from_its_own_rng_states(two_rank_st
     twice bit for bit, and the same as its trace in the store; a trace of another rank, or a rank the run did not
     have, is refused in one line."""
     from replay.replayer.diff import capture
-    from replay.store import RunStore
 
     store = tmp_path / "run"
     shutil.copytree(two_rank_store, store)
