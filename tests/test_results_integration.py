@@ -153,6 +153,12 @@ def test_story_is_the_bisect_and_the_analysis(quick):
     assert top[0] == found["heads"][0]["unit"] and top[1] == f"{found['heads'][0]['score']:.1f}"
     spike = json.loads((work / "story-info.json").read_text())["spikes"][0]
     assert f"| spike at step {spike['step']} | loss {spike['loss']:.4f}" in text
+    diffed = json.loads((work / "story-diff.json").read_text())   # `replay diff` at the window's first step
+    assert diffed["step"] == w0 and diffed["first"] is not None   # BF16 rounding changes the attention's output
+    assert f"the first is forward `{diffed['first']['where']} {diffed['first']['what']}`" in text
+    heads = table_after(text, "**The decisive step, operation by operation**")
+    assert [row[0] for row in heads] == [f"{h['layer']}.{h['head']}" for h in diffed["heads"]]
+    assert heads[0][4] == f"{diffed['heads'][0]['delta_sign_bias']:+.2f}"
 
 
 def test_mechanism_numbers_are_the_microbench_and_the_numerics(quick):

@@ -289,36 +289,40 @@ class RunStore:
             raise UsageError(f"{self.location} was recorded by the Recorder API without its command, so `{command}` "
                              "cannot start it again; record with replay.recorder.Loop, which keeps the command")
 
-    # -- bisect sessions (replay/bisect) ------------------------------------------------------------
+    # -- documents of their own: bisect sessions, step traces, saved diffs ----------------------------
 
-    def bisect_sessions(self) -> list[dict[str, Any]]:
-        """Every session's document; a group whose first write was cut short holds none yet, and one whose
-        document cannot be read is left out (its bisect, run again, starts it over)."""
-        docs = []
-        for name in (self.location / "bisect").children():
-            path = self.location / "bisect" / name / "zarr.json"
+    def _write_document(self, group: str, name: str, doc: dict[str, Any], what: str) -> None:
+        """One write of a whole document, `group/name`, replacing the last (a crash leaves it, whole)."""
+        with disk_errors(f"{what} in {self.location}", self.location / group):
+            self.root.require_group(group)
+            (self.location / group / name / "zarr.json").write(group_json(doc))
+
+    def _documents(self, group: str, key: str) -> dict[str, dict[str, Any]]:
+        """Every document of `group` that holds `key`, by name: a group whose first write was cut short holds
+        none yet, and one whose document cannot be read is left out (written again, it is whole)."""
+        found = {}
+        for name in sorted((self.location / group).children()):
+            path = self.location / group / name / "zarr.json"
             raw = path.read()
             try:
                 doc = group_attributes(raw, str(path)) if raw is not None else {}
             except ChecksumError:
                 continue
-            if "id" in doc:
-                docs.append(doc)
-        return docs
+            if key in doc:
+                found[name] = doc
+        return found
+
+    def bisect_sessions(self) -> list[dict[str, Any]]:
+        """Every bisect session's document (replay/bisect); one that cannot be read is left out (its bisect, run
+        again, starts it over)."""
+        return list(self._documents("bisect", "id").values())
 
     def write_bisect_session(self, session_id: str, doc: dict[str, Any]) -> None:
-        """One write of the whole document, replacing the last (a crash leaves it, whole)."""
-        with disk_errors(f"the bisect session {session_id} in {self.location}", self.location / "bisect"):
-            self.root.require_group("bisect")
-            (self.location / "bisect" / session_id / "zarr.json").write(group_json(doc))
-
-    # -- traces of one step (replay/replayer/diff.py) ----------------------------------------------
+        self._write_document("bisect", session_id, doc, f"the bisect session {session_id}")
 
     def write_trace(self, name: str, doc: dict[str, Any]) -> None:
-        """One write of a step's trace (`replay diff --capture`), replacing one of the same name."""
-        with disk_errors(f"the trace {name} in {self.location}", self.location / "traces"):
-            self.root.require_group("traces")
-            (self.location / "traces" / name / "zarr.json").write(group_json(doc))
+        """A step's trace (`replay diff --capture`, replay/replayer/diff.py), replacing one of the same name."""
+        self._write_document("traces", name, doc, f"the trace {name}")
 
     def trace(self, name: str) -> dict[str, Any] | None:
         """A trace `replay diff --capture` wrote, checksummed; None if there is none of that name."""
@@ -327,25 +331,12 @@ class RunStore:
         return group_attributes(raw, str(path)) if raw is not None else None
 
     def write_diff(self, name: str, doc: dict[str, Any]) -> None:
-        """One write of a `replay diff --save` answer, replacing one of the same name."""
-        with disk_errors(f"the diff {name} in {self.location}", self.location / "diffs"):
-            self.root.require_group("diffs")
-            (self.location / "diffs" / name / "zarr.json").write(group_json(doc))
+        """A `replay diff --save` answer, replacing one of the same name."""
+        self._write_document("diffs", name, doc, f"the diff {name}")
 
     def diffs(self) -> dict[str, dict[str, Any]]:
-        """Every saved diff's answer by name, checksummed; one that cannot be read is left out (saved again, it is
-        whole)."""
-        found = {}
-        for name in sorted((self.location / "diffs").children()):
-            path = self.location / "diffs" / name / "zarr.json"
-            raw = path.read()
-            try:
-                doc = group_attributes(raw, str(path)) if raw is not None else {}
-            except ChecksumError:
-                continue
-            if "step" in doc:
-                found[name] = doc
-        return found
+        """Every saved diff's answer by name, checksummed."""
+        return self._documents("diffs", "step")
 
     # -- embedded data -----------------------------------------------------------------------------
 
