@@ -270,12 +270,12 @@ def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
              f"{len(result.differences)} differ"]
     for side, only in (("A", result.only_in_a), ("B", result.only_in_b)):
         if only:
-            lines.append(f"{len(only)} tensors only side {side} produced (its attention's weights), not compared, "
-                         f"e.g. {only[0]}")
+            lines.append(f"{len(only)} tensors only side {side} produced (its attention's weights, or S and P its "
+                         f"backend hands out), not compared, e.g. {only[0]}")
     if result.first is None:
         return [*lines, "no difference: every tensor of the step is the same bit for bit"]
     lines.append(f"first difference: {_difference(result.first)}")
-    later = sorted(result.differences[1:], key=_relative, reverse=True)[:top]
+    later = sorted((d for d in result.differences if d != result.first), key=_relative, reverse=True)[:top]
     if later:
         lines.append(f"largest relative differences after it (of {len(result.differences) - 1}):")
         lines += [f"  {_difference(d)}" for d in later]
@@ -286,13 +286,19 @@ def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
                                                            sorted(grads, key=_relative, reverse=True)[:3])
                         if result.against is None else ""))
     if result.heads:
-        lines.append("attention heads (max abs deviation over the step's calls; delta = rowsum(dO * O); sign bias of "
-                     "delta's error, -1..1; alignment of W_Q's gradient error terms across tokens, 0..1):")
-        lines.append(f"  {'head':>6} {'O':>9} {'dO':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'delta':>9} {'bias':>6} "
-                     f"{'align':>6}")
-        lines += [f"  {h.layer:>4}.{h.head:<1} {h.o:9.2e} {h.do:9.2e} {h.dq:9.2e} {h.dk:9.2e} {h.dv:9.2e} "
-                  f"{h.delta:9.2e} {h.delta_sign_bias:+6.2f} {h.wq_alignment:6.2f}" for h in result.heads]
+        lines.append("attention heads (max abs deviation over the step's calls; S, P: scores and probabilities, '-' "
+                     "where a side's backend keeps them to itself; delta = rowsum(dO * O); sign bias of delta's "
+                     "error, -1..1; alignment of W_Q's gradient error terms across tokens, 0..1):")
+        lines.append(f"  {'head':>6} {'S':>9} {'P':>9} {'O':>9} {'dO':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'delta':>9} "
+                     f"{'bias':>6} {'align':>6}")
+        lines += [f"  {h.layer:>4}.{h.head:<1} {_dev(h.s)} {_dev(h.p)} {h.o:9.2e} {h.do:9.2e} {h.dq:9.2e} {h.dk:9.2e} "
+                  f"{h.dv:9.2e} {h.delta:9.2e} {h.delta_sign_bias:+6.2f} {h.wq_alignment:6.2f}" for h in result.heads]
     return lines
+
+
+def _dev(x: float) -> str:
+    """A head's deviation in the table; '-' where it was not compared (S, P a side's backend keeps to itself)."""
+    return f"{x:9.2e}" if x == x else f"{'-':>9}"
 
 
 def _relative(d: Difference) -> float:

@@ -118,7 +118,7 @@ def _heatmaps(table: dict[str, Any], title: str, spikes: list[int]) -> str:
     return _figure(draw, 10, 1.6 + 1.7 * n_layer)
 
 
-_HEAD_QUANTITIES = (("o", "O"), ("do", "dO"), ("dq", "dQ"), ("dk", "dK"), ("dv", "dV"),
+_HEAD_QUANTITIES = (("s", "S"), ("p", "P"), ("o", "O"), ("do", "dO"), ("dq", "dQ"), ("dk", "dK"), ("dv", "dV"),
                     ("delta", "delta = rowsum(dO * O)"))
 
 
@@ -168,7 +168,7 @@ def _diff_heatmaps(result: StepDiff) -> str:
                    0.0, 1.0))
 
     def draw(fig):
-        axes = fig.subplots(2, 4).reshape(-1)
+        axes = fig.subplots(2, 5).reshape(-1)
         for ax, (title, values, cmap, lo, hi) in zip(axes, panels, strict=True):
             mesh = ax.pcolormesh(np.arange(n_head + 1) - 0.5, np.arange(n_layer + 1) - 0.5, values, cmap=cmap,
                                  vmin=lo, vmax=hi, shading="flat")
@@ -180,7 +180,7 @@ def _diff_heatmaps(result: StepDiff) -> str:
             ax.set_yticks(range(0, n_layer, max(1, n_layer // 6)))
             ax.tick_params(labelsize=6)
 
-    return _figure(draw, 12, 1.2 + 2.6 * max(1.0, min(n_layer, 12) / 4))
+    return _figure(draw, 15, 1.2 + 2.6 * max(1.0, min(n_layer, 12) / 4))
 
 
 def _distance_plot(tables: dict[str, dict[str, Any]], spikes: list[int]) -> str:
@@ -334,8 +334,9 @@ def write_report(store_path: Where, out: str | Path | None = None, top: int = 10
         parts.append(_diff_html(name, result))
         if result.heads and result.first is not None:
             parts.append("<p>Per layer and head, over the step's attention calls: each quantity's largest deviation "
-                         "(blank: the same bit for bit), the mean sign of delta's error (Qiu &amp; Yao's biased "
-                         "rounding has one sign) and how aligned the tokens' terms of W_Q's gradient error are.</p>")
+                         "(blank: the same bit for bit, or S and P where a side's backend does not hand them out), "
+                         "the mean sign of delta's error (Qiu &amp; Yao's biased rounding has one sign) and how "
+                         "aligned the tokens' terms of W_Q's gradient error are.</p>")
             figures.append(_diff_heatmaps(result))
             parts.append(figures[-1])
 

@@ -11,6 +11,8 @@ In FP64 every step is FP64: the golden value of Golden et al.'s microbenchmark.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from replay.kernels.dropout import keep_mask
@@ -25,9 +27,11 @@ def causal_mask(n_q: int, n_k: int, device=None) -> torch.Tensor:
 def baseline_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
                        causal: bool = True, scale: float | None = None,
                        mask: torch.Tensor | None = None, dropout: float = 0.0,
-                       kept: torch.Tensor | None = None) -> torch.Tensor:
+                       kept: torch.Tensor | None = None,
+                       watch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
     """q, k, v: [..., N, d]; `mask` (bool, True = attend) broadcasts to [..., N, M]. Returns [..., N, d].
-    `dropout`: attention dropout's probability; the mask is drawn (`keep_mask`) unless `kept` gives it."""
+    `dropout`: attention dropout's probability; the mask is drawn (`keep_mask`) unless `kept` gives it.
+    `watch`: given S and P as computed (kernels/internals.py)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     s = (q @ k.transpose(-1, -2)) * scale
@@ -37,6 +41,8 @@ def baseline_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype:
     p = torch.softmax(s, dim=-1)
     if keep is not None:   # rows with nothing to attend to give 0, not NaN
         p = torch.nan_to_num(p, nan=0.0)
+    if watch is not None:
+        watch(s.detach(), p.detach())
     if dropout:
         kept = keep_mask(p.shape, dropout, p.device) if kept is None else kept
         p = torch.where(kept, p * (1.0 / (1.0 - dropout)), 0.0)

@@ -42,6 +42,7 @@ accumulator in FP32, Pbar not rounded first).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -57,18 +58,21 @@ LOG2E = math.log2(math.e)
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions = AttentionOptions(),
                     causal: bool = True, scale: float | None = None, mask: torch.Tensor | None = None,
-                    site: tuple[int, list[int]] | None = None, dropout: float = 0.0) -> torch.Tensor:
+                    site: tuple[int, list[int]] | None = None, dropout: float = 0.0,
+                    watch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
     """q: [..., N, d], k and v: [..., M, d]; `mask` (bool, True = attend) broadcasts to [..., N, M].
     `site`: (layer, heads) of a GPT-2's [B, H, N, d] inputs, reported to an active numerics probe.
-    `dropout`: attention dropout's probability (see the module docstring)."""
+    `dropout`: attention dropout's probability (see the module docstring). `watch`: given S and P as the
+    backward recomputes them (kernels/internals.py)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kept = keep_mask((*q.shape[:-1], k.shape[-2]), dropout, q.device) if dropout else None
-    return _FlashEmulation.apply(q, k, v, opts, causal, scale, mask, site, dropout, kept)
+    return _FlashEmulation.apply(q, k, v, opts, causal, scale, mask, site, dropout, kept, watch)
 
 
 class _FlashEmulation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, mask, site, dropout: float, kept):
+    def forward(ctx, q, k, v, opts: AttentionOptions, causal: bool, scale: float, mask, site, dropout: float, kept,
+                watch):
         in_dtype, lead = q.dtype, q.shape[:-2]
         lp = DTYPES[opts.dtype] if opts.dtype else in_dtype
         q3, k3, v3 = (t.to(lp).reshape(-1, *t.shape[-2:]) for t in (q, k, v))
@@ -85,7 +89,7 @@ class _FlashEmulation(torch.autograd.Function):
             o_hp = o_fp32 if opts.hp_delta and o_hp is None else o_hp
         ctx.save_for_backward(q3, k3, v3, out, lse, o_hp, mask3, kept3)
         ctx.opts, ctx.causal, ctx.scale, ctx.in_dtype, ctx.shapes = opts, causal, scale, in_dtype, (q.shape, k.shape)
-        ctx.dropout = dropout
+        ctx.dropout, ctx.watch = dropout, watch
         ctx.probe = None
         if probe:
             keep = attended(q3.shape[1], k3.shape[1], causal, mask3, q.device)
@@ -100,14 +104,23 @@ class _FlashEmulation(torch.autograd.Function):
         q3, k3, v3, out, lse, o_hp, mask3, kept3 = ctx.saved_tensors
         do3 = dout.to(q3.dtype).reshape(out.shape)
         backward = _fa2_backward if ctx.opts.placement == "fa2" else _reference_backward
+        whole = None
+        if ctx.watch is not None:   # S and P as the tiles recompute them; a tile the backward skips is masked
+            held = torch.float32 if ctx.opts.placement == "fa2" else q3.dtype
+            shape = (*out.shape[:2], k3.shape[1])
+            whole = (torch.full(shape, float("-inf"), dtype=held, device=q3.device),
+                     torch.zeros(shape, dtype=held, device=q3.device))
         dq, dk, dv, delta = backward(q3, k3, v3, out, lse, o_hp, do3, ctx.opts, ctx.causal, ctx.scale, mask3,
-                                     ctx.dropout, kept3)
+                                     ctx.dropout, kept3, whole)
+        if whole is not None:
+            lead = ctx.shapes[0][:-2]
+            ctx.watch(*(t.reshape(*lead, *t.shape[1:]) for t in whole))
         if ctx.probe:
             delta_hp = (do3.float() * ctx.o_fp32).sum(-1)
             ctx.probe.delta_error(*ctx.site, ctx.lead, q3, k3, ctx.keep, ctx.scale, delta, delta_hp, ctx.tied)
         q_shape, k_shape = ctx.shapes
         return (dq.reshape(q_shape).to(ctx.in_dtype), dk.reshape(k_shape).to(ctx.in_dtype),
-                dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None, None, None)
+                dv.reshape(k_shape).to(ctx.in_dtype), None, None, None, None, None, None, None, None)
 
 
 # -- shared tile helpers ---------------------------------------------------------------------------
@@ -217,7 +230,8 @@ def _key_tiles(last_col: int, opts: AttentionOptions) -> range:
     return tiles[::-1] if opts.key_order == "decreasing" else tiles
 
 
-def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal, scale, mask, dropout=0.0, kept=None):
+def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal, scale, mask, dropout=0.0, kept=None,
+                  whole=None):
     lp = q.dtype
     G, N, d = q.shape
     M = k.shape[1]
@@ -239,6 +253,8 @@ def _fa2_backward(q, k, v, out, lse2, o_hp, dout, opts: AttentionOptions, causal
             s = qf[:, r0:r1] @ kj.transpose(1, 2)
             s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
             p = torch.exp2(s * c - lse2[:, r0:r1, None])
+            if whole is not None:   # S in the units of the other backends: the FP32 product times the scale
+                whole[0][:, r0:r1, c0:c1], whole[1][:, r0:r1, c0:c1] = s * scale, p
             dv_acc += _drop(p, kept, r0, r1, c0, c1).to(lp).float().transpose(1, 2) @ dof[:, r0:r1]
             dp = _drop(dof[:, r0:r1] @ vj.transpose(1, 2), kept, r0, r1, c0, c1)
             ds = (p * (dp - D_used[:, r0:r1, None])).to(lp).float()
@@ -289,7 +305,7 @@ def _reference_forward(q, k, v, opts: AttentionOptions, causal, scale, mask, dro
 
 
 def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, causal, scale, mask,
-                        dropout=0.0, kept=None):
+                        dropout=0.0, kept=None, whole=None):
     G, N, d = q.shape
     M = k.shape[1]
     D = (dout.float() * o_hp).sum(-1) if opts.hp_delta else (dout * out).sum(-1)
@@ -304,6 +320,8 @@ def _reference_backward(q, k, v, out, lse, o_hp, dout, opts: AttentionOptions, c
             s = (q[:, r0:r1] @ kj.transpose(1, 2)) * scale
             s = _mask_tile(s, r0, r1, c0, c1, N, M, causal, mask)
             p = torch.exp(s - lse[:, r0:r1, None])
+            if whole is not None:
+                whole[0][:, r0:r1, c0:c1], whole[1][:, r0:r1, c0:c1] = s, p
             dv_j = dv_j + _dropped_scaled(p, kept, r0, r1, c0, c1, dropout).transpose(1, 2) @ dout[:, r0:r1]
             dp = _dropped_scaled(dout[:, r0:r1] @ vj.transpose(1, 2), kept, r0, r1, c0, c1, dropout)
             ds = (p * (dp - D[:, r0:r1, None])).to(q.dtype)

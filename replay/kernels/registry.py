@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from replay.errors import UsageError
+from replay.kernels import internals
 from replay.kernels.baseline import baseline_attention, causal_mask
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.flash_emu import flash_attention
@@ -108,7 +109,11 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
     if spec.name == "eager":
         keep = causal_mask(n, m, q.device) if keep is None else keep
         additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)   # transformers' eager_mask
-        return eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=dropout)[0].transpose(1, 2)
+        out, weights = eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=dropout)
+        watch = internals.watcher()
+        if watch is not None and isinstance(weights, torch.Tensor):
+            watch(site[1], None, weights.detach())
+        return out.transpose(1, 2)
     if spec.name == "sdpa":
         # lazy: transformers (see eager_function), and triton (0.3 s) for the triton-fa2 backend only
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -130,7 +135,7 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
         if spec.name == "baseline":
             dtype = DTYPES[spec.dtype] if spec.dtype else q.dtype
             return baseline_attention(q, k, v, dtype, causal=True, scale=scaling, mask=keep,
-                                      dropout=dropout).to(q.dtype)
+                                      dropout=dropout, watch=_watch(site)).to(q.dtype)
         assert spec.options is not None, "the emulated and Triton backends always have options (kernels/plan.py)"
         if spec.name == "triton-fa2":
             from replay.kernels.triton_fa2 import triton_flash_attention  # lazy: triton (0.3 s), when a plan names it
@@ -138,7 +143,16 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
             return triton_flash_attention(q, k, v, spec.options, causal=True, scale=scaling, defer_checks=True,
                                           mask=keep, dropout=dropout)
         return flash_attention(q, k, v, spec.options, causal=True, scale=scaling, mask=keep, site=site,
-                               dropout=dropout)
+                               dropout=dropout, watch=_watch(site))
+
+
+def _watch(site: tuple[int, list[int]]) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """What hands a backend's S and P, for these heads of the layer, to the call's watcher (kernels/internals.py)."""
+    watcher = internals.watcher()
+    if watcher is None:
+        return None
+    heads = site[1]
+    return lambda s, p: watcher(heads, s, p)
 
 
 def raise_deferred() -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 import socket
@@ -47,6 +48,7 @@ import torch
 
 from replay.config import RunConfig
 from replay.errors import UsageError
+from replay.kernels import internals
 from replay.kernels.plan import AttentionPlan
 from replay.kernels.registry import apply_plan, hf_attention_modules
 from replay.recorder.environment import set_rng_state
@@ -303,16 +305,26 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
                 only_in_b.append(key.replace("|", " "))
                 return
             compared += 1
-            if theirs.dtype == t.dtype and theirs.shape == tuple(t.shape) and theirs.digest == _digest(t):
-                return
-            read = _read(kept_a, theirs) if theirs.shape == tuple(t.shape) else torch.full_like(t, math.nan)
-            differences.append(Difference(compared - 1, phase, where, what, list(t.shape), str(t.dtype).removeprefix(
-                "torch."), _deviation(read, t)))
+            same = theirs.dtype == t.dtype and theirs.shape == tuple(t.shape) and theirs.digest == _digest(t)
+            read = None if same else _read(kept_a, theirs) if theirs.shape == tuple(t.shape) else \
+                torch.full_like(t, math.nan)
+            if what in ("S", "P"):   # per head, for the heads' table: compared where both sides have them
+                layer = int(where.split()[1].split("#")[0])
+                values = [0.0] * t.shape[1] if read is None else _per_head_max(read, t)
+                for head, value in enumerate(values):
+                    old = scores.get((layer, head), {}).get(what, 0.0)
+                    scores.setdefault((layer, head), {})[what] = max(old, value)
+            if read is not None:
+                differences.append(Difference(compared - 1, phase, where, what, list(t.shape),
+                                              str(t.dtype).removeprefix("torch."), _deviation(read, t)))
 
+        scores: dict[tuple[int, int], dict[str, float]] = {}
         _run_side(b, compare, b_kept)
-        heads = _heads(seen, kept, b_kept) if kept else []
+        heads = [dataclasses.replace(h, s=scores.get((h.layer, h.head), {}).get("S", math.nan),
+                                     p=scores.get((h.layer, h.head), {}).get("P", math.nan))
+                 for h in _heads(seen, kept, b_kept)] if kept else []
     only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
-    return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
+    return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
                     differences, heads, only_in_a, only_in_b,
                     other=None if other is None else str(other), changes=changes, rank=rank)
 
@@ -347,7 +359,7 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
     _run_side(side, compare, {})
     ours = set(produced)
     compared = sum(1 for key in produced if key in theirs)
-    return StepDiff(str(location), step, overrides.to_dict(), compared, differences[0] if differences else None,
+    return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
                     differences, [], [key.replace("|", " ") for key in theirs if key not in ours],
                     [key.replace("|", " ") for key in produced if key not in theirs],
                     against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]}, rank=rank)
@@ -372,6 +384,21 @@ def _deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
     peak = float(aw[torch.isfinite(aw)].abs().max()) if bool(torch.isfinite(aw).any()) else 0.0
     return Deviation(largest, float(d.mean()) if d.numel() else 0.0,
                      largest / peak if peak else (math.inf if largest else 0.0), _ulps(a, peak, largest))
+
+
+def _first(differences: list[Difference]) -> Difference | None:
+    """The first difference in execution order: S and P only where nothing else differs, since a flash backend
+    hands them out in its backward, out of the forward's order (kernels/internals.py)."""
+    return next((d for d in differences if d.what not in ("S", "P")), differences[0] if differences else None)
+
+
+def _per_head_max(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """The largest |B - A| per head of two (batch, heads, queries, keys) tensors; entries equal on both sides (a
+    masked -inf too) count 0, one not finite on one side only counts infinite."""
+    aw, bw = a.double(), b.double()
+    alike = (aw == bw) | (torch.isnan(aw) & torch.isnan(bw))
+    d = torch.nan_to_num(torch.where(alike, 0.0, (bw - aw).abs()), nan=math.inf)
+    return [float(x) for x in d.amax(dim=(0, 2, 3))]
 
 
 def _stats(t: torch.Tensor) -> dict[str, float | None]:
@@ -447,8 +474,12 @@ def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torc
         layer = module.layer_idx
         where = f"attention {layer}" + (f"#{calls[layer]}" if calls[layer] else "")
         calls[layer] += 1
-        out = inner(module, query, key, value, *args, **kwargs)
+        with internals.watching(_whole_heads(see, where, query.shape[1])):
+            out = inner(module, query, key, value, *args, **kwargs)
         o = out[0] if isinstance(out, tuple) else out
+        weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        if isinstance(weights, torch.Tensor):   # transformers' eager attention returns its P (after its dropout)
+            see("forward", where, "P", weights)
         heads_o = o.transpose(1, 2) if o.dim() == 4 and o.shape[1] != query.shape[1] else o   # (B, H, T, D)
         see("forward", where, "O", heads_o)
         kept[f"{where}|O"] = heads_o.detach().clone()
@@ -469,6 +500,28 @@ def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torc
     finally:
         for h in hooks:
             h.remove()
+
+
+def _whole_heads(see: Callable[[str, str, str, torch.Tensor], None], where: str,
+                 n_head: int) -> internals.Watcher:
+    """Collects the S and P a call's backends hand out (kernels/internals.py), a group of heads at a time, and
+    hands them to `see` as (batch, heads, queries, keys) once every head of the layer has given them (a flash
+    backend in its backward: forward quantities, recomputed there). A layer with heads on a backend that hands
+    out nothing (eager, SDPA) gives none."""
+    got: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+
+    def watch(heads: list[int] | None, s: torch.Tensor | None, p: torch.Tensor) -> None:
+        for i, head in enumerate(range(n_head) if heads is None else heads):
+            got[head] = (None if s is None else s[:, i], p[:, i])
+        if len(got) == n_head:
+            for j, what in enumerate(("S", "P")):
+                parts = [t for h in range(n_head) if (t := got[h][j]) is not None]
+                if len(parts) < n_head:   # eager attention gives its P, not its S
+                    continue
+                held = functools.reduce(torch.promote_types, (t.dtype for t in parts))
+                see("forward", where, what, torch.stack([t.to(held) for t in parts], 1))
+            got.clear()
+    return watch
 
 
 def _grad_hook(see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor], where: str,

@@ -224,3 +224,29 @@ def test_decreasing_key_order_visits_the_tiles_last_to_first():
     assert (got.double() - gold).abs().max() <= 8 * UNIT[torch.bfloat16] * v.abs().max()
     with pytest.raises(UsageError, match="fa2 placement only"):
         AttentionOptions(placement="reference", key_order="decreasing")
+
+
+@pytest.mark.parametrize("placement", ["fa2", "reference"])
+def test_a_watched_call_hands_out_the_s_and_p_its_backward_recomputes_and_computes_the_same(placement):
+    """kernels/internals.py: S (scaled, -inf where masked) and P (normalised, 0 there) of every head, whole,
+    after the backward (where the tiles recompute them), within BF16's rounding of the FP64 values; the call's
+    outputs and gradients are the unwatched call's bit for bit. Baseline attention hands out its own S and P."""
+    q, k, v, do = (t.bfloat16() for t in _inputs(shape=(2, 2, 40, 16)))
+    opts = AttentionOptions(placement=placement, block_r=16, block_c=8)
+    handed = []
+    watched = _run(lambda a, b, c: flash_attention(a, b, c, opts, watch=lambda s, p: handed.append((s, p))),
+                   q, k, v, do, torch.bfloat16)
+    plain = _run(lambda a, b, c: flash_attention(a, b, c, opts), q, k, v, do, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
+    assert len(handed) == 1
+    s, p = handed[0]
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    exact_s = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+    exact_p = torch.softmax(exact_s.masked_fill(~causal, -math.inf), dim=-1)
+    assert s.shape == p.shape == (2, 2, 40, 40)
+    assert torch.isinf(s[..., ~causal]).all() and (p[..., ~causal] == 0).all()
+    assert ((s.double() - exact_s)[..., causal].abs() <= 4 * UNIT[torch.bfloat16] * exact_s.abs().amax()).all()
+    assert ((p.double() - exact_p).abs() <= 4 * UNIT[torch.bfloat16]).all()
+    seen = []
+    baseline_attention(q, k, v, torch.bfloat16, watch=lambda s, p: seen.append((s, p)))
+    assert torch.equal(seen[0][0].isinf(), s.isinf()) and ((seen[0][1].double() - exact_p).abs() <= 4 * 2 ** -8).all()

@@ -228,7 +228,7 @@ def _dropout_main() -> None:
     got = dropout_checks.run(a, q, k, v, do, 9, dropout=dropout_checks.P)
     opts = AttentionOptions(block_r=16, block_c=16)
     want = dropout_checks.run(lambda *t: _FlashEmulation.apply(*t, opts, True, 32 ** -0.5, None, None,
-                                                               dropout_checks.P, kept), q, k, v, do, None)
+                                                               dropout_checks.P, kept, None), q, k, v, do, None)
     for what, x, y in zip(OUTPUTS, got, want, strict=True):
         _check_against_emulation(x, y, torch.zeros(()), f"dropout {what}")
     print("ok")

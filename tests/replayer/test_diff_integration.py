@@ -4,6 +4,7 @@ checkpoint, every tensor compared as it is produced."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -123,7 +124,8 @@ def test_two_runs_sharing_a_step_are_diffed_as_each_ran_it(two_rank_store, tmp_p
     shutil.copytree(two_rank_store, store)
     change = ["--attention", "reference-emu:dtype=bf16", "--layers", "1"]
     for args in (["--from", "10", "--to", "10", "--name", "same"],
-                 ["--from", "10", "--to", "20", "--checkpoint-every", "10", *change, "--name", "cf"]):
+                 ["--from", "10", "--to", "20", "--checkpoint-every", "10", *change, "--name", "cf"],
+                 ["--from", "10", "--to", "10", "--attention", "fa2-emu:dtype=bf16", "--layers", "1", "--name", "fa2"]):
         done = replay_cli("run", str(store), *args)
         assert done.returncode == 0, done.stderr
     run, same, cf = (Location.parse(p) for p in (store, store / "replays" / "same", store / "replays" / "cf"))
@@ -135,6 +137,13 @@ def test_two_runs_sharing_a_step_are_diffed_as_each_ran_it(two_rank_store, tmp_p
     assert [(d.phase, d.where, d.what, d.deviation) for d in parted.differences] == \
         [(d.phase, d.where, d.what, d.deviation) for d in here.differences]
     assert parted.changes["model.attention"][0] == "eager" and "reference-emu" in parted.changes["model.attention"][1]
+    # two emulations of BF16 flash attention on layer 1: their S and P are compared per head (layer 0 is eager on
+    # both sides, which gives its P and keeps its S: not compared, NaN)
+    emulations = diff(cf, STEP, Overrides(), other=Location.parse(store / "replays" / "fa2"))
+    heads = {(h.layer, h.head): h for h in emulations.heads}
+    assert all(0 < heads[(1, h)].s < 0.1 and 0 < heads[(1, h)].p < 0.1 for h in range(2)), heads
+    assert all(math.isnan(heads[(0, h)].s) and heads[(0, h)].p == 0 for h in range(2)), heads
+    assert {(d.where, d.what) for d in emulations.differences} >= {("attention 1", "S"), ("attention 1", "P")}
     text = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP), "--save", "cf-at-10")
     assert text.returncode == 0 and "first difference: forward attention 1 O" in text.stdout, text.stderr
     assert "B's config differs in model.attention 'eager' -> " in text.stdout and "Warning" not in text.stderr
