@@ -456,14 +456,16 @@ def _tile(text: str) -> tuple[int, int]:
 @click.option("--capture", help="Write this side's trace (every tensor's digest and statistics) into the store "
               "under this name, to compare in another process or on another machine, instead of diffing.")
 @click.option("--against", help="Compare this process's step with the trace of this name (from --capture).")
+@click.option("--keep", multiple=True, help="With --capture: keep whole the tensors of this module or attention call "
+              "(e.g. 'attention 1', 'transformer.h.0.mlp'; repeatable), for their deviations and per-head signals.")
 @click.option("--save", help="Keep the answer in the store under this name (replay report shows it).")
 @click.option("--rank", type=int, default=0, show_default=True,
               help="Whose micro-batches and RNG states the step runs (a DDP run's ranks train different samples).")
 @click.option("--top", type=int, default=8, show_default=True, help="How many differences after the first to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors
-def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, save, rank,
-             top, as_json) -> None:
+def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, keep, save,
+             rank, top, as_json) -> None:
     """Run step N of the run in STORE twice from its checkpoint, as recorded (A) and with the overrides (B),
     or as STORE and OTHER (two runs or replays with the same state and samples at N) each ran it, and say
     where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK and dV,
@@ -480,14 +482,16 @@ def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_de
         raise ReplayError("--capture writes a trace and --against reads one: give one of them")
     if other is not None and (capture or against):
         raise UsageError("--capture and --against take one store: replay diff STORE --step N --capture NAME")
+    if keep and not capture:
+        raise UsageError("--keep says what a trace keeps whole: give it with --capture NAME")
     if save is not None:
         if capture:
             raise UsageError("--capture writes a trace, --save a diff's answer: give one of them")
         check_name(save, "--save")
     if capture:
-        count = capture_trace(store, step, overrides, capture, rank)
-        click.echo(f"trace {capture} of step {step}: {count} tensors' digests and statistics, in "
-                   f"{store}/traces/{capture}")
+        count = capture_trace(store, step, overrides, capture, rank, tuple(keep))
+        click.echo(f"trace {capture} of step {step}: {count} tensors' digests and statistics"
+                   + (f", whole those of {', '.join(keep)}" if keep else "") + f", in {store}/traces/{capture}")
         return
     result = step_diff(store, step, overrides, against=against, other=other, rank=rank)
     if save is not None:

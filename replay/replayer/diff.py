@@ -229,24 +229,52 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def capture(location: Location, step: int, overrides: Overrides, name: str, rank: int = 0) -> int:
+def capture(location: Location, step: int, overrides: Overrides, name: str, rank: int = 0,
+            keep: tuple[str, ...] = ()) -> int:
     """`replay diff --capture NAME`: the step as the store ran it (with `overrides`, if any), every tensor's
-    digest and statistics in execution order, written into the store as the trace NAME (no tensor itself), for
-    a comparison in another process or on another machine (`diff(..., against=NAME)`). Returns how many."""
+    digest and statistics in execution order, written into the store as the trace NAME, for a comparison in
+    another process or on another machine (`diff(..., against=NAME)`); whole tensors only of the modules and
+    attention calls `keep` names (`attention 1`: every call of layer 1's attention, with its W_Q input; a
+    module path: the module and those inside it), so that the comparison has their deviations. Returns how
+    many tensors the trace covers."""
     check_name(name, "--capture")
     _, side = _prepare(location, step, overrides, rank)
     entries: list[dict[str, Any]] = []
+    whole: dict[int, torch.Tensor] = {}   # the entries kept whole, by their place in `entries`
 
     def note(phase: str, where: str, what: str, t: torch.Tensor) -> None:
         t = t.detach().contiguous().cpu()
+        if _kept(where, keep):
+            whole[len(entries)] = t.clone()
         entries.append({"key": f"{phase}|{where}|{what}", "shape": list(t.shape), "dtype": str(t.dtype),
                         "digest": _digest(t), "stats": _stats(t)})
 
-    _run_side(side, note, {})
-    doc = {"step": step, "rank": rank, "overrides": overrides.to_dict(), "machine": _machine(), "entries": entries}
+    inputs: dict[str, torch.Tensor] = {}
+    _run_side(side, note, inputs)
+    wq_inputs = {key.split("|")[0]: t for key, t in inputs.items() if key.endswith("|x") and _kept(key.split("|")[0],
+                                                                                                   keep)}
     with writing(location, "replay diff --capture"):
-        RunStore.open(location, mode="a").write_trace(name, doc)
+        store = RunStore.open(location, mode="a")
+        for i, t in whole.items():   # the tensors first, the document that names them last
+            entries[i]["kept"] = store.write_trace_tensor(name, f"{i}", _raw(t).numpy())
+        kept_inputs = {call: {"shape": list(t.shape), "dtype": str(t.dtype),
+                              "kept": store.write_trace_tensor(name, f"x{j}", _raw(t.contiguous()).numpy())}
+                       for j, (call, t) in enumerate(sorted(wq_inputs.items()))}
+        store.write_trace(name, {"step": step, "rank": rank, "overrides": overrides.to_dict(), "machine": _machine(),
+                                 "entries": entries, "wq_inputs": kept_inputs})
     return len(entries)
+
+
+def _kept(where: str, keep: tuple[str, ...]) -> bool:
+    """Whether `--keep` names this module or attention call (or a module around it)."""
+    return any(where == k or where.startswith((f"{k}#", f"{k}.")) for k in keep)
+
+
+def _trace_tensor(store: RunStore, entry: dict[str, Any]) -> torch.Tensor:
+    """A tensor a trace kept whole, as it was captured."""
+    dtype = getattr(torch, entry["dtype"].removeprefix("torch."))
+    raw = torch.from_numpy(store.read_trace_tensor(entry["kept"]).copy())
+    return (raw.view(dtype) if dtype.is_floating_point else raw).reshape(entry["shape"])
 
 
 def check_name(name: str, option: str) -> None:
@@ -308,21 +336,15 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
             same = theirs.dtype == t.dtype and theirs.shape == tuple(t.shape) and theirs.digest == _digest(t)
             read = None if same else _read(kept_a, theirs) if theirs.shape == tuple(t.shape) else \
                 torch.full_like(t, math.nan)
-            if what in ("S", "P"):   # per head, for the heads' table: compared where both sides have them
-                layer = int(where.split()[1].split("#")[0])
-                values = [0.0] * t.shape[1] if read is None else _per_head_max(read, t)
-                for head, value in enumerate(values):
-                    old = scores.get((layer, head), {}).get(what, 0.0)
-                    scores.setdefault((layer, head), {})[what] = max(old, value)
+            if what in ("S", "P"):
+                _note_scores(scores, where, what, [0.0] * t.shape[1] if read is None else _per_head_max(read, t))
             if read is not None:
                 differences.append(Difference(compared - 1, phase, where, what, list(t.shape),
                                               str(t.dtype).removeprefix("torch."), _deviation(read, t)))
 
         scores: dict[tuple[int, int], dict[str, float]] = {}
         _run_side(b, compare, b_kept)
-        heads = [dataclasses.replace(h, s=scores.get((h.layer, h.head), {}).get("S", math.nan),
-                                     p=scores.get((h.layer, h.head), {}).get("P", math.nan))
-                 for h in _heads(seen, kept, b_kept)] if kept else []
+        heads = _with_scores(_heads(kept, b_kept), scores) if kept else []
     only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
     return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
                     differences, heads, only_in_a, only_in_b,
@@ -340,9 +362,11 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
         raise UsageError(f"the trace {name!r} is of rank {trace.get('rank', 0)}'s micro-batches, not rank {rank}'s: "
                          f"give --rank {trace.get('rank', 0)}")
     _, side = _prepare(location, step, overrides, rank)
+    store = RunStore.open(location)
     theirs = {e["key"]: e for e in trace["entries"]}
     differences: list[Difference] = []
     produced: list[str] = []
+    a_kept: dict[str, torch.Tensor] = {}   # the trace's whole attention tensors, for the per-head signals
 
     def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
         key = f"{phase}|{where}|{what}"
@@ -351,16 +375,27 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
         if entry is None:
             return
         t = t.detach().contiguous().cpu()
+        whole = _trace_tensor(store, entry) if "kept" in entry else None
+        if whole is not None and where.startswith("attention "):
+            a_kept[f"{where}|{what}"] = whole
+            if what in ("S", "P") and whole.shape == t.shape:
+                _note_scores(scores, where, what, _per_head_max(whole, t))
         if entry["digest"] != _digest(t) or entry["shape"] != list(t.shape) or entry["dtype"] != str(t.dtype):
             differences.append(Difference(len(produced) - 1, phase, where, what, list(t.shape),
-                                          str(t.dtype).removeprefix("torch."), None,
+                                          str(t.dtype).removeprefix("torch."),
+                                          None if whole is None else _deviation(whole, t),
                                           {"theirs": entry["stats"], "ours": _stats(t)}))
 
-    _run_side(side, compare, {})
+    b_kept: dict[str, torch.Tensor] = {}
+    scores: dict[tuple[int, int], dict[str, float]] = {}
+    _run_side(side, compare, b_kept)
+    for call, x in trace.get("wq_inputs", {}).items():
+        a_kept[f"{call}|x"] = _trace_tensor(store, x)
     ours = set(produced)
     compared = sum(1 for key in produced if key in theirs)
     return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
-                    differences, [], [key.replace("|", " ") for key in theirs if key not in ours],
+                    differences, _with_scores(_heads(a_kept, b_kept), scores) if a_kept else [],
+                    [key.replace("|", " ") for key in theirs if key not in ours],
                     [key.replace("|", " ") for key in produced if key not in theirs],
                     against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]}, rank=rank)
 
@@ -390,6 +425,20 @@ def _first(differences: list[Difference]) -> Difference | None:
     """The first difference in execution order: S and P only where nothing else differs, since a flash backend
     hands them out in its backward, out of the forward's order (kernels/internals.py)."""
     return next((d for d in differences if d.what not in ("S", "P")), differences[0] if differences else None)
+
+
+def _note_scores(scores: dict[tuple[int, int], dict[str, float]], where: str, what: str, values: list[float]) -> None:
+    """A call's per-head deviation of S or P, the largest over the step's calls kept per layer and head."""
+    layer = int(where.split()[1].split("#")[0])
+    for head, value in enumerate(values):
+        old = scores.get((layer, head), {}).get(what, 0.0)
+        scores.setdefault((layer, head), {})[what] = max(old, value)
+
+
+def _with_scores(heads: list[HeadDiff], scores: dict[tuple[int, int], dict[str, float]]) -> list[HeadDiff]:
+    """The heads with their S and P deviations; NaN where the two sides did not both have them."""
+    return [dataclasses.replace(h, s=scores.get((h.layer, h.head), {}).get("S", math.nan),
+                                p=scores.get((h.layer, h.head), {}).get("P", math.nan)) for h in heads]
 
 
 def _per_head_max(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -533,7 +582,7 @@ def _grad_hook(see: Callable[[str, str, str, torch.Tensor], None], kept: dict[st
     return hook
 
 
-def _heads(seen: dict[str, _Seen], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[HeadDiff]:
+def _heads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[HeadDiff]:
     """Per layer and head, over the step's attention calls: the deviation of O, dO, dQ, dK, dV and delta, the sign
     bias of delta's error and the alignment of W_Q's gradient error terms across tokens."""
     out: list[HeadDiff] = []

@@ -330,6 +330,23 @@ class RunStore:
         raw = path.read()
         return group_attributes(raw, str(path)) if raw is not None else None
 
+    def write_trace_tensor(self, name: str, part: str, raw: np.ndarray) -> str:
+        """A tensor a trace keeps whole (`replay diff --capture --keep`), as its bytes (one dimension, integers
+        of the tensor's width), compressed and checksummed; returns its array's path for the trace's document."""
+        path = f"traces/{name}/kept/{part}"
+        with disk_errors(f"the trace {name} in {self.location}", self.location / "traces"):
+            for group in ("traces", f"traces/{name}", f"traces/{name}/kept"):
+                self.root.require_group(group)
+            array = self.root.create_array(path, shape=raw.shape, dtype=raw.dtype,
+                                           chunks=(max(1, min(len(raw), 1 << 22)),), fill_value=0,
+                                           compressors=_COMPRESSORS, overwrite=True)
+            array[...] = raw
+        return path
+
+    def read_trace_tensor(self, path: str) -> np.ndarray:
+        """The bytes of a tensor a trace kept whole, every chunk's checksum verified."""
+        return self._read_array(path, slice(None))
+
     def write_diff(self, name: str, doc: dict[str, Any]) -> None:
         """A `replay diff --save` answer, replacing one of the same name."""
         self._write_document("diffs", name, doc, f"the diff {name}")

@@ -5,6 +5,7 @@ Plain values, without torch: the CLI and the views read them."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,8 @@ class HeadDiff:
     delta: float
     delta_sign_bias: float   # mean sign of delta's error over the rows where it is not 0 (-1..1)
     wq_alignment: float      # |sum of the tokens' rank-1 terms of W_Q's gradient error| / sum of their norms
-    s: float = 0.0           # the scores S = Q K^T * scale, where both sides' backends hand them out
-    p: float = 0.0           # the probabilities P, likewise (kernels/internals.py)
+    s: float = math.nan      # the scores S = Q K^T * scale; NaN where a side's backend keeps them to itself
+    p: float = math.nan      # the probabilities P, likewise (kernels/internals.py)
 
 
 @dataclass

@@ -20,7 +20,8 @@ def _saved_diff() -> StepDiff:
     """A diff as `replay diff --save` keeps it, made by hand: layer 1's heads differ, layer 0's do not."""
     first = Difference(3, "forward", "attention 1", "O", [2, 2, 8, 4], "float32", Deviation(2e-3, 1e-4, 4e-3, 6e4))
     heads = [HeadDiff(layer, head, 0.0 if layer == 0 else 2e-3, 1e-6, 1e-7, 1e-7, 1e-6, 0.0 if layer == 0 else 1e-6,
-                      0.0 if layer == 0 else 0.8, 0.1) for layer in range(2) for head in range(3)]
+                      0.0 if layer == 0 else 0.8, 0.1, s=0.0 if layer == 0 else 1e-3, p=0.0 if layer == 0 else 4e-3)
+             for layer in range(2) for head in range(3)]
     return StepDiff("s", 4, {"attention": "reference-emu:dtype=bf16", "layers": [1]}, 40, first,
                     [first, dataclasses.replace(first, order=7, what="dQ")], heads, ["forward x output 1"], [])
 

@@ -111,6 +111,16 @@ def test_a_trace_captured_in_one_process_gives_the_same_first_difference_in_anot
     ours, theirs = across["first"]["stats"]["ours"], across["first"]["stats"]["theirs"]
     assert ours["norm"] != theirs["norm"]
     assert sum(f.stat().st_size for f in (store / "traces").rglob("*")) < 200_000   # digests and statistics only
+    # `--keep attention 1`: that layer's tensors whole, so the comparison has their deviations and per-head signals
+    # (|B - A| is the in-process diff's, with the sides swapped)
+    kept = replay_cli("diff", str(store), "--step", str(STEP), *change, "--capture", "whole", "--keep", "attention 1")
+    assert kept.returncode == 0 and "whole those of attention 1" in kept.stdout, kept.stderr
+    whole = diff(Location.parse(store), STEP, Overrides(), against="whole")
+    assert whole.first.deviation.max_abs == here.first.deviation.max_abs
+    assert {(h.layer, h.head): (h.o, h.dq, h.delta) for h in whole.heads} == \
+        {(h.layer, h.head): (h.o, h.dq, h.delta) for h in here.heads if h.layer == 1}
+    alone = replay_cli("diff", str(store), "--step", str(STEP), "--keep", "attention 1")
+    assert alone.returncode == 2 and "give it with --capture" in error_line(alone)
     missing = replay_cli("diff", str(store), "--step", str(STEP), "--against", "nope")
     assert missing.returncode == 2 and "has no trace 'nope'" in error_line(missing)
 
