@@ -441,6 +441,15 @@ def _csv(kind, parse):
     return convert
 
 
+def _rank(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"expected a rank or 'all', got {text!r}") from None
+
+
 def _tile(text: str) -> tuple[int, int]:
     r, sep, c = text.strip().lower().partition("x")
     if not sep:
@@ -459,8 +468,9 @@ def _tile(text: str) -> tuple[int, int]:
 @click.option("--keep", multiple=True, help="With --capture: keep whole the tensors of this module or attention call "
               "(e.g. 'attention 1', 'transformer.h.0.mlp'; repeatable), for their deviations and per-head signals.")
 @click.option("--save", help="Keep the answer in the store under this name (replay report shows it).")
-@click.option("--rank", type=int, default=0, show_default=True,
-              help="Whose micro-batches and RNG states the step runs (a DDP run's ranks train different samples).")
+@click.option("--rank", default="0", show_default=True, callback=lambda ctx, param, value: _rank(value),
+              help="Whose micro-batches and RNG states the step runs (a DDP run's ranks train different samples); "
+              "`all`: every rank's, one after the other, their gradients averaged as DDP's.")
 @click.option("--top", type=int, default=8, show_default=True, help="How many differences after the first to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @_main_errors

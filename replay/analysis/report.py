@@ -138,7 +138,7 @@ def _diff_html(name: str, result: StepDiff) -> str:
         v = first.deviation
         said = (f"first difference: {first.phase} {first.where} {first.what} {first.shape} {first.dtype}"
                 + (f", max abs {v.max_abs:.3e}, relative {v.relative:.3e}, {v.ulps:.0f} ulps" if v else ""))
-    return (f"<h3>{html.escape(name)}: step {result.step}, rank {result.rank}'s micro-batches</h3>"
+    return (f"<h3>{html.escape(name)}: step {result.step}, {result.whose}</h3>"
             f"<p>{html.escape(sides)}. {result.compared} tensors compared in execution order, "
             f"{len(result.differences)} differ; {html.escape(said)}.</p>")
 

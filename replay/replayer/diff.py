@@ -1,7 +1,8 @@
 """`replay diff STORE --step N` with a replay's overrides: where one step, run twice from the same restored
 state, first parts. Side A is the step as recorded, side B the step with the overrides; both restore the
 checkpoint at N (the model and every RNG) and train one rank's recorded micro-batches of step N (rank 0's, or
-`--rank`'s, from that rank's RNG states; forward and backward, no optimizer step) in this process.
+`--rank`'s, from that rank's RNG states; `--rank all`: every rank's in turn, each from its RNG states, their
+gradients averaged as DDP's, up to the order of the sum) forward and backward, no optimizer step, in this process.
 
 Every tensor the step produces is compared, in execution order: each module's output (forward), the gradient
 of each module's output (backward), every attention call's output O and gradients dO, dQ, dK, dV (per head),
@@ -123,12 +124,14 @@ class _Side:
     built: RunConfig
     runs: RunConfig
     data: Any
-    ids: np.ndarray
-    shard: dict[str, Any]
+    ids: list[np.ndarray]      # per rank played, its micro-batches' sample ids
+    shard: dict[str, Any]      # rank 0's: the replicated model
+    rngs: list[Any]            # per rank played, its RNG states
 
 
-def _as_run(location: Location, step: int, rank: int) -> _Side:
-    """Step `step` of the built-in run at `location` on rank `rank`'s micro-batches and RNG, as the store ran it."""
+def _as_run(location: Location, step: int, rank: int | None) -> _Side:
+    """Step `step` of the built-in run at `location` on rank `rank`'s micro-batches and RNG (None: every rank's,
+    one after the other), as the store ran it."""
     store = RunStore.open(location)
     manifest = store.manifest
     if not store.capabilities.builtin:
@@ -144,16 +147,16 @@ def _as_run(location: Location, step: int, rank: int) -> _Side:
                          f"{step}: diff a step the run trained")
     parent = RunStore.open(location.resolve(manifest.replay.parent)) if manifest.replay else None
     data = load_data(manifest.config, parent or store)
-    if not 0 <= rank < manifest.world_size:
+    if rank is not None and not 0 <= rank < manifest.world_size:
         raise UsageError(f"--rank {rank}: {location} was recorded on ranks 0..{manifest.world_size - 1}")
-    ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0][rank]   # its micro-batches
+    ranks = range(manifest.world_size) if rank is None else [rank]
+    recorded_ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0]   # [rank, micro, ...]
     shard = held.read_shard(step, 0)   # the replicated model is rank 0's to keep; each rank keeps its own RNG
-    if rank:
-        shard = {**shard, "rng": held.read_shard(step, rank)["rng"]}
+    rngs = [shard["rng"] if r == 0 else held.read_shard(step, r)["rng"] for r in ranks]
     if "model" not in shard["state"].get("replicated", {}):
         raise UsageError(f"{location}'s checkpoints hold each rank's piece of the model (DeepSpeed ZeRO): replay diff "
                          "restores a whole model, from a run of plain or DDP ranks")
-    return _Side(manifest.config, manifest.config, data, ids, shard)
+    return _Side(manifest.config, manifest.config, data, [recorded_ids[r] for r in ranks], shard, rngs)
 
 
 def _state_at(location: Location, store: RunStore, step: int) -> RunStore | None:
@@ -168,7 +171,7 @@ def _state_at(location: Location, store: RunStore, step: int) -> RunStore | None
     return None
 
 
-def _prepare(location: Location, step: int, overrides: Overrides, rank: int = 0) -> tuple[_Side, _Side]:
+def _prepare(location: Location, step: int, overrides: Overrides, rank: int | None = 0) -> tuple[_Side, _Side]:
     """Side A, the step as the store ran it, and side B, the same with `overrides`."""
     a = _as_run(location, step, rank)
     store = RunStore.open(location)
@@ -179,7 +182,8 @@ def _prepare(location: Location, step: int, overrides: Overrides, rank: int = 0)
     return a, dataclasses.replace(a, runs=side_b)
 
 
-def _two_runs(location: Location, other: Location, step: int, rank: int) -> tuple[_Side, _Side, dict[str, list[Any]]]:
+def _two_runs(location: Location, other: Location, step: int,
+              rank: int | None) -> tuple[_Side, _Side, dict[str, list[Any]]]:
     """Step `step` of two runs (or replays) as each ran it, from the state and samples they share at that step;
     with how the second's config differs from the first's."""
     a, b = _as_run(location, step, rank), _as_run(other, step, rank)
@@ -188,15 +192,15 @@ def _two_runs(location: Location, other: Location, step: int, rank: int) -> tupl
         raise UsageError(f"{location} and {other} are not the same model (their parameters differ): replay diff "
                          "compares one step of two runs of one model")
     parted = next((key for key in model_a if not _same(model_a[key], model_b[key])), None)
-    if parted is None and not _same(a.shard["rng"], b.shard["rng"]):
+    if parted is None and not _same(a.rngs, b.rngs):
         parted = "the random generators' states"
     if parted is not None:
         raise UsageError(f"{location} and {other} hold different states at step {step} ({parted} differs): replay "
                          "diff runs one step from one state; diff the step where they part, the last whose state "
                          "they share")
-    if not np.array_equal(a.ids, b.ids) or not all(
-            _same(a.data.batch(x), b.data.batch(y)) for x, y in zip(a.ids, b.ids, strict=True)):
-        raise UsageError(f"{location} and {other} train different samples at step {step} (rank {rank}'s): replay diff "
+    if not _same(a.ids, b.ids) or not all(_same(a.data.batch(x), b.data.batch(y)) for xs, ys in
+                                          zip(a.ids, b.ids, strict=True) for x, y in zip(xs, ys, strict=True)):
+        raise UsageError(f"{location} and {other} train different samples at step {step} ({_whose(rank)}): replay diff "
                          "compares one step on the same samples")
     flat_a, flat_b = _flat(a.runs.to_dict()), _flat(b.runs.to_dict())
     changes = {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
@@ -229,7 +233,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def capture(location: Location, step: int, overrides: Overrides, name: str, rank: int = 0,
+def capture(location: Location, step: int, overrides: Overrides, name: str, rank: int | None = 0,
             keep: tuple[str, ...] = ()) -> int:
     """`replay diff --capture NAME`: the step as the store ran it (with `overrides`, if any), every tensor's
     digest and statistics in execution order, written into the store as the trace NAME, for a comparison in
@@ -291,7 +295,7 @@ def save(location: Location, result: StepDiff, name: str) -> None:
 
 
 def diff(location: Location, step: int, overrides: Overrides, against: str | None = None,
-         other: Location | None = None, rank: int = 0) -> StepDiff:
+         other: Location | None = None, rank: int | None = 0) -> StepDiff:
     """Step `step` of the run at `location`, as the store ran it (A) and with `overrides` (B); or, `against` a
     trace `capture` wrote (A, from wherever it ran), this process's step with `overrides` (B), compared by each
     tensor's digest, with the two sides' statistics where they differ; or, given an `other` run (or replay) that
@@ -351,7 +355,7 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
                     other=None if other is None else str(other), changes=changes, rank=rank)
 
 
-def _against(location: Location, step: int, overrides: Overrides, name: str, rank: int) -> StepDiff:
+def _against(location: Location, step: int, overrides: Overrides, name: str, rank: int | None) -> StepDiff:
     trace = RunStore.open(location).trace(name)
     if trace is None:
         raise UsageError(f"{location} has no trace {name!r}: `replay diff {location} --step {step} --capture {name}` "
@@ -359,8 +363,9 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
     if trace["step"] != step:
         raise UsageError(f"the trace {name!r} is of step {trace['step']}, not {step}")
     if trace.get("rank", 0) != rank:
-        raise UsageError(f"the trace {name!r} is of rank {trace.get('rank', 0)}'s micro-batches, not rank {rank}'s: "
-                         f"give --rank {trace.get('rank', 0)}")
+        taken = trace.get("rank", 0)
+        raise UsageError(f"the trace {name!r} is of {_whose(taken)} micro-batches, not {_whose(rank)}: give --rank "
+                         f"{'all' if taken is None else taken}")
     _, side = _prepare(location, step, overrides, rank)
     store = RunStore.open(location)
     theirs = {e["key"]: e for e in trace["entries"]}
@@ -421,6 +426,10 @@ def _deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
                      largest / peak if peak else (math.inf if largest else 0.0), _ulps(a, peak, largest))
 
 
+def _whose(rank: int | None) -> str:
+    return "every rank's" if rank is None else f"rank {rank}'s"
+
+
 def _first(differences: list[Difference]) -> Difference | None:
     """The first difference in execution order: S and P only where nothing else differs, since a flash backend
     hands them out in its backward, out of the forward's order (kernels/internals.py)."""
@@ -473,10 +482,9 @@ def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None], k
     model = build_model(side.built.model, side.data.vocab_size, side.built.seed)
     model.load_state_dict(side.shard["state"]["replicated"]["model"])
     apply_plan(model, AttentionPlan.parse(cfg.model.attention))
-    set_rng_state(side.shard["rng"])
     model.train()
     tracer = _Tracer(model, see)
-    accum = len(side.ids)
+    world = len(side.ids)   # every rank's micro-batches: their gradients averaged over the ranks, as DDP's
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     try:
         with _attention_traced(model, see, kept), warnings.catch_warnings():
@@ -484,11 +492,13 @@ def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None], k
             # embeddings' inputs (token ids) no gradient; the gradients of their outputs are traced all the same
             warnings.filterwarnings("ignore", "For backward hooks to be called", UserWarning)
             warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
-            for micro in side.ids:
-                x, y = side.data.batch(micro)
-                with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-                    loss = lm_loss(model, x, y)
-                (loss / accum).backward()
+            for ids, rng in zip(side.ids, side.rngs, strict=True):
+                set_rng_state(rng)
+                for micro in ids:
+                    x, y = side.data.batch(micro)
+                    with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+                        loss = lm_loss(model, x, y)
+                    (loss / (len(ids) * world)).backward()
     finally:
         tracer.close()
     for name, p in model.named_parameters():

@@ -68,10 +68,16 @@ class StepDiff:
     against: dict[str, Any] | None = None    # side A was a trace: its name, machine and overrides
     other: str | None = None                 # side B was another run (or replay), as it ran
     changes: dict[str, list[Any]] | None = None   # ... and its config's differences from A's: key -> [A's, B's]
-    rank: int = 0                            # whose micro-batches and RNG states the step ran
+    rank: int | None = 0                     # whose micro-batches and RNG states the step ran (None: every rank's)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def whose(self) -> str:
+        """Whose micro-batches the step ran, in words."""
+        return ("every rank's micro-batches, their gradients averaged" if self.rank is None else
+                f"rank {self.rank}'s micro-batches")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepDiff:

@@ -184,6 +184,12 @@ def test_each_ranks_micro_batches_are_diffed_from_its_own_rng_states(two_rank_st
                      if e["key"] == "forward|transformer.wte|output") for rank in (0, 1)]
     assert embedded[0] != embedded[1]
     assert diff(location, STEP, Overrides(), rank=1).first is None
+    one, every = diff(location, STEP, Overrides(), rank=0), diff(location, STEP, Overrides(), rank=None)
+    assert every.first is None and every.compared > one.compared   # both ranks' micro-batches, the same weights
+    text = replay_cli("diff", str(store), "--step", str(STEP), "--rank", "all", "--attention",
+                      "reference-emu:dtype=bf16", "--layers", "1")
+    assert "(every rank's micro-batches, their gradients averaged)" in text.stdout, text.stderr
+    assert "first difference: forward attention 1 O" in text.stdout
     assert diff(location, STEP, Overrides(), against="rank1", rank=1).first is None
     other = replay_cli("diff", str(store), "--step", str(STEP), "--against", "rank0", "--rank", "1")
     assert other.returncode == 2 and "give --rank 0" in error_line(other)
