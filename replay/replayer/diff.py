@@ -282,9 +282,10 @@ def _trace_tensor(store: RunStore, entry: dict[str, Any]) -> torch.Tensor:
 
 
 def check_name(name: str, option: str) -> None:
-    """A trace's or a saved diff's name: a directory of the store."""
+    """A trace's (`--capture`) or a saved diff's (`--save`) name: a directory of the store."""
     if not _NAME.fullmatch(name):
-        raise UsageError(f"{option} {name!r}: a name is letters, digits, '.', '_' and '-'")
+        what = "a trace's" if option == "--capture" else "a saved diff's"
+        raise UsageError(f"{option} {name!r}: {what} name is letters, digits, '.', '_' and '-'")
 
 
 def save(location: Location, result: StepDiff, name: str) -> None:

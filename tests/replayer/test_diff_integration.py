@@ -161,7 +161,7 @@ def test_two_runs_sharing_a_step_are_diffed_as_each_ran_it(two_rank_store, tmp_p
     assert kept["other"] == str(cf) and len(kept["differences"]) == len(parted.differences)
     before = tree_snapshot(store)
     unnamed = replay_cli("diff", str(store), "--step", str(STEP), "--save", "no/such")
-    assert unnamed.returncode == 2 and "a name is letters" in error_line(unnamed)
+    assert unnamed.returncode == 2 and "a saved diff's name is letters" in error_line(unnamed)
     later = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", "20")
     assert later.returncode == 2 and "hold different states at step 20" in error_line(later), later.stderr
     both = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP), *change)
