@@ -3,9 +3,8 @@
 Record the `spike` preset on 2 CPU ranks (a real loss spike), bisect it, replay the steps before it
 densely and bit for bit, diff the decisive step operation by operation under the papers' mechanism (emulated
 BF16 attention on the layers the bisect named), analyse every checkpoint on a local Ray cluster, and write
-the report. Every
-stage is the same code the commands run, and every stage that is already done is reused, so running
-the demo again (or after an interruption) only does what is missing.
+the report. Every stage is the same code the commands run, and every stage that is already done is reused, so
+running the demo again (or after an interruption) only does what is missing.
 
 The spike of the `spike` preset is a memorisation spike: an Adam instability of a tiny model on 8
 fixed sequences, not the papers' BF16 attention mechanism. Its counterfactual is therefore a halved
