@@ -275,7 +275,8 @@ def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
     if result.first is None:
         return [*lines, "no difference: every tensor of the step is the same bit for bit"]
     lines.append(f"first difference: {_difference(result.first)}")
-    later = sorted((d for d in result.differences if d != result.first), key=_relative, reverse=True)[:top]
+    later = sorted((d for d in result.differences if d.order != result.first.order), key=_relative,
+                   reverse=True)[:top]
     if later:
         lines.append(f"largest relative differences after it (of {len(result.differences) - 1}):")
         lines += [f"  {_difference(d)}" for d in later]
