@@ -110,9 +110,9 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
         keep = causal_mask(n, m, q.device) if keep is None else keep
         additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)   # transformers' eager_mask
         out, weights = eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=dropout)
-        watch = internals.watcher()
-        if watch is not None and isinstance(weights, torch.Tensor):
-            watch(site[1], None, weights.detach())
+        watch = _watch(site)
+        if watch is not None and isinstance(weights, torch.Tensor):   # its P; its S stays inside it
+            watch(None, weights.detach())
         return out.transpose(1, 2)
     if spec.name == "sdpa":
         # lazy: transformers (see eager_function), and triton (0.3 s) for the triton-fa2 backend only
@@ -146,7 +146,7 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
                                dropout=dropout, watch=_watch(site))
 
 
-def _watch(site: tuple[int, list[int]]) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+def _watch(site: tuple[int, list[int]]) -> Callable[[torch.Tensor | None, torch.Tensor], None] | None:
     """What hands a backend's S and P, for these heads of the layer, to the call's watcher (kernels/internals.py)."""
     watcher = internals.watcher()
     if watcher is None:
