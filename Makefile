@@ -10,7 +10,10 @@ DEMO   ?= runs/demo
 
 .PHONY: setup demo test test-fast lint bench bench-quick soak soak-s3 results gpu-check clean
 
+# Every target also compiles the tree's Python once: with PYTHONDONTWRITEBYTECODE set (as on the CI machines) each
+# process would otherwise compile every module of the package it imports, 1.5 s of CPU per rank (docs/testing.md).
 setup: $(VENV)/.installed
+	$(PY) -m compileall -q -j 0 replay tests examples results benchmarks
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
