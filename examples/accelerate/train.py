@@ -41,6 +41,7 @@ learning_rate, weight_decay, num_warmup_steps = 3e-3, 0.0, 2
 max_train_steps = 12                 # optimizer steps
 mixed_precision = ""                 # accelerate's: "no", "bf16" (autocast) or "fp16" (GPU); "": `accelerate launch`'s
 use_seedable_sampler = False         # accelerate's DataLoaderConfiguration: default, a synchronised generator
+dispatch_batches = False             # ... True: rank 0 fetches the batches of all ranks and sends each its slice
 streaming = False                    # run_clm's --streaming: the blocks as a stream (accelerate dispatches its batches)
 seed = 1337
 for arg in sys.argv[1:]:             # --name=value, each checked against the settings above
@@ -81,7 +82,8 @@ class StreamedBlocks(IterableDataset):
 
 accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
                           mixed_precision=mixed_precision or None, cpu=not torch.cuda.is_available(),
-                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=use_seedable_sampler))
+                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=use_seedable_sampler,
+                                                                    dispatch_batches=dispatch_batches or None))
 set_seed(seed)
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=block_size,

@@ -33,7 +33,12 @@ generators, where and when they would. What makes the stream replayable from any
 
 Accelerate's prepared loader (`DataLoaderShard`) iterates a DataLoader of its own: that one is tapped, and
 the stream iterates Accelerate's, which synchronises its sampler's generator across the ranks, numbers the
-epochs and tells `accelerator.accumulate` where the data ends.
+epochs and tells `accelerator.accumulate` where the data ends. Its `DataLoaderDispatcher`
+(`dispatch_batches=True`) samples and fetches on rank 0 only, the batches of every rank at once, and sends each
+rank its slice: rank 0's DataLoader is tapped, each batch it fetches carries its samples' indices beside it
+through the dispatcher's concatenation, broadcast and slicing (so each rank learns the indices of the slice it
+trains on), and rank 0 tells the others where in its stream each dispatch stands, so that every rank's
+checkpoint says the same place and rank 0 alone samples again from it (`_Dispatch`).
 
 The loader is an endless stream: `iter(loop.loader(dl))` passes over the data again and again, starting
 each pass itself; `len()` and every other attribute are the DataLoader's. A driver that iterates the
@@ -82,7 +87,8 @@ class Pass:
 
 @dataclass
 class Batch:
-    """A batch the tap sampled: its indices and where it stands in the loader's stream."""
+    """A batch the tap sampled: its indices and where it stands in the loader's stream. Through accelerate's
+    dispatcher, the slice a rank trains on of one dispatch, standing where the dispatch's first batch does."""
 
     ids: np.ndarray
     number: int           # in the stream since the run began (the record's numbering, in a replay too)
@@ -90,6 +96,18 @@ class Batch:
     position: int         # in its pass
     fetched_from: Raw | None = None             # no worker processes: the states its fetch began with
     scheduled: tuple[int, int] | None = None    # a replay: the recorded (step, micro-batch) it is
+    parts: list[Batch] | None = None            # a dispatch on rank 0: the batches the tap sampled for it
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    """accelerate's `DataLoaderDispatcher`: rank 0's DataLoader samples and fetches `per` batches a dispatch (the
+    number of ranks; one, split between them, with `split_batches`), and every rank trains on its slice."""
+
+    per: int
+    rank: int
+    world: int
+    device: torch.device
 
 
 @dataclass
@@ -112,7 +130,7 @@ class RecordedLoader:
     def __init__(self, dataloader: DataLoader, take: Callable[[Batch], None], seed: int, tell: bool = False,
                  follows: Callable[[], bool] = lambda: True):
         self._outer = dataloader   # what the stream iterates: the DataLoader, or accelerate's loader around one
-        dataloader = _tapped(dataloader)
+        dataloader, self._dispatch = _tapped(dataloader)
         _check(dataloader)
         self._dl, self._take, self._follows = dataloader, take, follows
         self._batched = dataloader.batch_sampler is not None
@@ -133,10 +151,17 @@ class RecordedLoader:
         self._driving = False     # the DataLoader is iterated by a driver (`driven`), not by this stream
         self._driver_skips = False   # ... which leaves a restored pass's batches before the checkpoint to the tap
         self._driven_passes = 0   # how many passes the driver began
+        # a dispatcher: where the stream stands after the dispatches handed out (the same on every rank), the pass
+        # they belong to on ranks other than 0, and the restored pass that rank's tap begins, if it is iterated
+        self._next: tuple[int, int, int] | None = None
+        self._dispatch_pass: Pass | None = None
+        self._tap_restored: Pass | None = None
+        self._exhausted = False   # the tap's pass has no more batches to sample
         drew = multiprocessing.Value("b", 0) if tell and self._workers else None   # shared with the workers
         tap = _Tap(self._inner, self._sample_pass)
+        ids = self._dispatch is not None   # the indices travel with the batch through the dispatcher
         object.__setattr__(dataloader, "batch_sampler" if self._batched else "sampler", tap)   # past its guard:
-        object.__setattr__(dataloader, "dataset", _SeededDataset(dataloader.dataset, drew))  # never iterated yet
+        object.__setattr__(dataloader, "dataset", _SeededDataset(dataloader.dataset, drew, ids))  # never iterated
         dataloader.collate_fn = _SeededCollate(dataloader.collate_fn, drew)
         object.__setattr__(dataloader, "_get_iterator", self._make_iterator)   # what DataLoader.__iter__ calls
 
@@ -164,6 +189,8 @@ class RecordedLoader:
         self._restored_iterator = _tensor(state["iterator"])
         self._fetched = {int(number): from_storable(s) for number, s in state["fetched"]}
         self._schedule = deque(schedule)
+        self._next = (self._pass_no, self._skip_to, self._number) if self._dispatch is not None else None
+        self._dispatch_pass = self._tap_restored = None
 
     def reposition(self, state: dict[str, Any], schedule: list[Scheduled]) -> None:
         """Start the stream again from a checkpoint's `state` (a script kept up between replays,
@@ -178,11 +205,17 @@ class RecordedLoader:
         """Where the stream stands for the step that begins: at the first of `untrained` (batches the script
         took ahead of it, a prefetch) or of the batches sampled and not yet taken, else at the next batch to
         sample; with what a replay needs to sample and fetch again what was sampled before it."""
-        pending = [*untrained, *self._queue]   # sampled before the checkpoint, trained after, in stream order
-        if pending:
+        # sampled before the checkpoint, trained after, in stream order
+        pending = [*(part for b in untrained for part in (b.parts or [b])), *self._queue]
+        if pending and (self._dispatch is None or self._dispatch.rank == 0):
             at = pending[0]
             where = (at.pass_.number, at.position, at.number)
             passes = list({id(b.pass_): b.pass_ for b in pending}.values())
+        elif self._dispatch is not None:   # a dispatcher: where every rank's stream stands, rank 0's
+            first = untrained[0] if untrained else None
+            where = (first.pass_.number, first.position, first.number) if first else self._next or (0, 0, 0)
+            current = first.pass_ if first else self._dispatch_pass if self._dispatch.rank else None
+            passes = [current] if current is not None and current.number == where[0] else []
         else:
             where = (self._pass_no, self._position, self._number)
             passes = [self._pass] if self._pass is not None else []
@@ -210,6 +243,9 @@ class RecordedLoader:
         first (Lightning, which neither skips nor numbers its sampler's epochs before it iterates a restored
         one). Called before the DataLoader is iterated."""
         assert self._it is None and not self._driving, "driven before any batch is sampled"
+        if self._dispatch is not None:
+            raise UsageError("a driver's DataLoader through accelerate's DataLoaderDispatcher cannot be recorded: "
+                             "prepare it with DataLoaderConfiguration(dispatch_batches=False)")
         self._driving, self._driver_skips = True, skips
         return self
 
@@ -245,8 +281,12 @@ class RecordedLoader:
                 self._it, self._pass = None, None
                 self._pass_no, self._position, self._skip_to = self._pass_no + 1, 0, 0
                 continue
-            batch = self._queue.popleft()
-            self._take(batch)
+            taken = self._queue.popleft() if self._dispatch is None else None
+            if self._dispatch is not None:
+                data, taken = self._dispatched(data)
+            if taken is None:   # a dispatch of a step the replay skips: drawn on every rank and dropped
+                continue
+            self._take(taken)
             return data
 
     def __len__(self) -> int:
@@ -285,6 +325,9 @@ class RecordedLoader:
         training's generator is not drawn from."""
         if self._persistent:
             recorded, self._restored_iterator = self._restored_iterator, None
+        elif self._dispatch is not None and self._dispatch.rank:   # its tap may never be iterated: taken here
+            self._tap_restored = self._restored.popleft() if self._restored else None
+            recorded = self._tap_restored.iterator if self._tap_restored else None
         else:
             recorded = self._restored[0].iterator if self._restored else None
         if recorded is None or self._dl.generator is not None:
@@ -304,7 +347,11 @@ class RecordedLoader:
             self._driver_pass()
             if self._driver_skips:
                 self._tell_epoch()
-        restored = self._restored.popleft() if self._restored else None   # begun before the restored checkpoint
+        if self._dispatch is not None and self._dispatch.rank:   # taken as its iterator was made
+            restored, self._tap_restored = self._tap_restored, None
+        else:
+            restored = self._restored.popleft() if self._restored else None   # begun before the restored checkpoint
+        self._exhausted = False
         own = _own_generators(self._inner)
         for generator, state in zip(own, restored.own if restored else [], strict=False):
             generator.set_state(state)   # the sampler draws on from where the record's began this pass
@@ -319,7 +366,8 @@ class RecordedLoader:
             yield from before
         sampled = self._past_skipped(sampled, inner)
         while sampled is not None:
-            scheduled = self._schedule.popleft() if self._schedule else None
+            # a dispatcher's slices are checked against the record where each rank takes its own (`_dispatched`)
+            scheduled = self._schedule.popleft() if self._schedule and self._dispatch is None else None
             ids = _indices(sampled)
             if scheduled is not None and not np.array_equal(ids, scheduled.ids):
                 if self._follows():
@@ -337,13 +385,62 @@ class RecordedLoader:
             self._position += 1
             yield self._tagged(sampled, batch.number, fetched)
             sampled = self._past_skipped(next(inner, None), inner)
+        self._exhausted = True
+
+    def _dispatched(self, data: Any) -> tuple[Any, Batch | None]:
+        """A dispatch the dispatcher handed this rank: its slice of the batch and the slice's indices, as
+        rank 0's DataLoader put them beside it (`_SeededCollate`). Rank 0 takes the batches its tap sampled for
+        the dispatch and tells every rank where the dispatch stands: its pass, its position and number (those
+        of its first batch), how many batches it took, and whether the pass is over. In a replay, the slice is
+        checked against the rank's recorded micro-batch; None for one of a step the replay skips."""
+        assert self._dispatch is not None and isinstance(data, tuple) and len(data) == 2, "a dispatch carries its ids"
+        data, ids = data
+        ids = ids.detach().cpu().numpy().astype(np.int64).reshape(-1)
+        parts: list[Batch] = []
+        if self._dispatch.rank == 0:
+            assert self._queue, "the dispatcher hands out batches the tap sampled"
+            head = self._queue[0]
+            while self._queue and len(parts) < self._dispatch.per and self._queue[0].pass_ is head.pass_:
+                parts.append(self._queue.popleft())
+            told = [head.pass_.number, head.position, head.number, len(parts),
+                    int(self._exhausted and not self._queue)]
+        else:
+            told = [0] * 5
+        if self._dispatch.world > 1:
+            shared = torch.tensor(told, dtype=torch.int64, device=self._dispatch.device)
+            torch.distributed.broadcast(shared, src=0)
+            told = shared.tolist()
+        pass_no, position, number, count, ended = told
+        if self._dispatch.rank == 0:
+            current = parts[0].pass_
+        else:
+            if self._dispatch_pass is None or self._dispatch_pass.number != pass_no:   # its own generators' states
+                begun = self._pass if self._pass is not None and self._pass.number == pass_no else None
+                self._dispatch_pass = begun or Pass(pass_no, _raw(), None if self._persistent else self._made, [])
+            current = self._dispatch_pass
+        self._next = (pass_no + 1, 0, number + count) if ended else (pass_no, position + count, number + count)
+        scheduled = self._schedule.popleft() if self._schedule else None
+        if scheduled is not None and scheduled.skipped:
+            return data, None
+        if scheduled is not None and not np.array_equal(ids, scheduled.ids.reshape(-1)):
+            why = ("it is not the recorded sampler, or its randomness is not the global generators' (a generator of "
+                   "its own?)" if self._follows() else
+                   "the replay has moved the generators its sampler draws from, and a dispatcher cannot be given the "
+                   "record's batches instead: seed the sampler (DataLoaderConfiguration(use_seedable_sampler=True)) "
+                   "or prepare with dispatch_batches=False")
+            raise ReplayError(f"step {scheduled.step}, micro-batch {scheduled.micro}: accelerate's dispatcher hands "
+                              f"this rank samples {ids[:4].tolist()}..., the record has "
+                              f"{scheduled.ids.reshape(-1)[:4].tolist()}...: {why}")
+        return data, Batch(ids, number, current, position, None, None if scheduled is None else
+                           (scheduled.step, scheduled.micro), parts or None)
 
     def _past_skipped(self, sampled: Any, inner: Iterator[Any]) -> Any:
         """`sampled`, the sampler's next batch (None at the pass's end), or in a replay the first after the
         batches of the steps it skips, sampled as the record took them (the stream's numbering and the sampler
         stay the record's; a skipped step's batches left at a pass's end are the next pass's first). A driver
         trains on them, without their update: to it they are handed out as any other."""
-        while sampled is not None and not self._driving and self._schedule and self._schedule[0].skipped:
+        while (sampled is not None and not self._driving and self._dispatch is None and self._schedule
+               and self._schedule[0].skipped):
             self._schedule.popleft()
             self._fetched.pop(self._number, None)
             self._number += 1
@@ -380,18 +477,51 @@ class _Tap(torch.utils.data.Sampler):
         return getattr(self.inner, name)
 
 
-def _tapped(dataloader: Any) -> Any:
-    """The DataLoader whose sampler is tapped: accelerate's prepared loaders (`DataLoaderShard`) iterate a
-    DataLoader of their own (`base_dataloader`) and pass as one (`isinstance`); the stream iterates them, so
-    their synchronised generator, device placement and end-of-data flag are theirs."""
+def _tapped(dataloader: Any) -> tuple[Any, _Dispatch | None]:
+    """The DataLoader whose sampler is tapped: accelerate's prepared loaders (`DataLoaderShard`,
+    `DataLoaderDispatcher`) iterate a DataLoader of their own (`base_dataloader`) and pass as one
+    (`isinstance`); the stream iterates them, so their synchronised generator, device placement, end-of-data
+    flag and, for a dispatcher, its sending of the slices are theirs."""
     base = getattr(dataloader, "base_dataloader", None)
     if base is None:
-        return dataloader
-    if type(dataloader).__name__ == "DataLoaderDispatcher":   # type(): its __class__ says DataLoader
-        raise UsageError("loop.loader(...) taps a sampler on every rank; accelerate's DataLoaderDispatcher samples on "
-                         "rank 0 only and sends the batches: prepare the loader with "
-                         "DataLoaderConfiguration(dispatch_batches=False)")
-    return base
+        return dataloader, None
+    if type(dataloader).__name__ != "DataLoaderDispatcher":   # type(): its __class__ says DataLoader
+        return base, None
+    from accelerate.utils import slice_tensors  # lazy: accelerate is the script's, present when it prepared one
+
+    state = dataloader.state
+    if dataloader.slice_fn is not slice_tensors or getattr(dataloader, "submesh_tp", None) is not None:
+        raise UsageError("loop.loader(...) records accelerate's DataLoaderDispatcher with its own slicing over "
+                         "data-parallel ranks; a slice_fn_for_dispatch or a tensor-parallel mesh is not: prepare "
+                         "the loader with DataLoaderConfiguration(dispatch_batches=False)")
+    dispatch = _Dispatch(1 if dataloader.split_batches else state.num_processes, state.process_index,
+                         state.num_processes, torch.device(state.device))
+    if base.batch_sampler is None:
+        raise UsageError("loop.loader(...): accelerate's DataLoaderDispatcher over a DataLoader without automatic "
+                         "batching (batch_size=None) cannot be recorded: give the DataLoader a batch size")
+    if not dataloader._drop_last and _uneven_end(base.batch_sampler, dispatch):
+        raise UsageError("loop.loader(...): accelerate's DataLoaderDispatcher pads each epoch's last, uneven dispatch "
+                         "with samples of the epoch's first, which a run resumed or replayed inside the epoch cannot "
+                         "draw again: make the samples an epoch a multiple of the batch size times the number of "
+                         "ranks, or set drop_last=True on the DataLoader")
+    return base, dispatch
+
+
+def _uneven_end(batch_sampler: Any, dispatch: _Dispatch) -> bool:
+    """Whether an epoch's last dispatch holds a number of samples the ranks cannot share evenly (accelerate then
+    pads it from the epoch's first dispatch); True where the batch sampler does not say how many it yields."""
+    size, sampler = getattr(batch_sampler, "batch_size", None), getattr(batch_sampler, "sampler", None)
+    if sampler is None or not isinstance(size, int):
+        return True
+    try:
+        samples, batches = len(sampler), len(batch_sampler)
+    except TypeError:
+        return True
+    if batches == 0:
+        return False
+    last_batch = size if getattr(batch_sampler, "drop_last", False) else samples - (batches - 1) * size
+    in_last = (batches - dispatch.per * ((batches - 1) // dispatch.per) - 1) * size + last_batch
+    return in_last % dispatch.world != 0
 
 
 def _own_generators(sampler: Any) -> list[torch.Generator]:
@@ -454,6 +584,7 @@ class _Fetched:
     data: Any
     saved: Raw | None = None    # the training's states, put back after the collate
     seeded: Raw | None = None   # a worker's states as seeded: did the fetch draw from them?
+    ids: list[int] | None = None   # accelerate's dispatcher: the indices, collated beside the samples
 
 
 def _raw() -> Raw:
@@ -472,10 +603,11 @@ def _same(a: Raw, b: Raw) -> bool:
 
 
 class _SeededDataset(torch.utils.data.Dataset):
-    """The user's dataset; a tagged batch is fetched (and then collated) from its seed or its recorded states."""
+    """The user's dataset; a tagged batch is fetched (and then collated) from its seed or its recorded states.
+    With `ids` (accelerate's dispatcher) every batch's indices go to the collate with its samples."""
 
-    def __init__(self, dataset: Any, drew: Any = None):
-        self.dataset, self.drew = dataset, drew
+    def __init__(self, dataset: Any, drew: Any = None, ids: bool = False):
+        self.dataset, self.drew, self.ids = dataset, drew, ids
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -489,9 +621,10 @@ class _SeededDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, items: list[Any]) -> Any:
         if not items or not isinstance(items[0], _Tagged):
-            return self._fetch(items)
+            return _Fetched(self._fetch(items), ids=list(items)) if self.ids else self._fetch(items)
         fetched = self._before(items[0])
         fetched.data = self._fetch([item.index for item in items])
+        fetched.ids = [item.index for item in items] if self.ids else None
         return fetched
 
     def _fetch(self, indices: list[Any]) -> Any:
@@ -511,7 +644,7 @@ class _SeededDataset(torch.utils.data.Dataset):
         return _Fetched(None, seeded=_raw() if self.drew is not None and not self.drew.value else None)
 
     def __getattr__(self, name: str) -> Any:   # unpickled in a worker: no attribute yet
-        if name in ("dataset", "drew"):
+        if name in ("dataset", "drew", "ids"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -527,7 +660,8 @@ class _SeededCollate:
         if not isinstance(samples, _Fetched):
             return self.collate(samples)
         try:
-            return self.collate(samples.data)
+            collated = self.collate(samples.data)
+            return collated if samples.ids is None else (collated, torch.tensor(samples.ids, dtype=torch.int64))
         finally:
             if samples.saved is not None:
                 _set_raw(samples.saved)

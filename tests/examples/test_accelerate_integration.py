@@ -13,6 +13,7 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 import pytest
+import torch
 
 from replay.launch.script import ScriptServer
 from replay.replayer.replays import ReplayRequest, run
@@ -108,6 +109,80 @@ def test_a_stream_accelerate_dispatches_is_recorded_by_place_and_digest_and_repl
     assert result.returncode == 0, result.stderr
     v = json.loads(result.stdout)["verification"]
     assert (v["steps"], v["bitwise"], v["level"]) == ([6, 9], True, "state")
+
+
+DISPATCH = "--dispatch_batches=True"   # accelerate's DataLoaderDispatcher: rank 0 samples and fetches for both
+
+
+@pytest.fixture(scope="module")
+def dispatched(token_file, tmp_path_factory) -> Path:
+    """The run of `recorded` (fp32) under torchrun with `dispatch_batches=True`: rank 0's DataLoader samples two
+    batches a micro-step over all 64 blocks and accelerate sends rank 1 the second; rank 0 saves the loss of
+    its last micro-batch of every step (`--out`)."""
+    workdir = tmp_path_factory.mktemp("dispatched")
+    done = _torchrun(workdir, f"--data_dir={token_file.parent}", f"--store={workdir / 'run'}", *SETTINGS, DISPATCH,
+                     f"--out={workdir / 'out.pt'}")
+    assert done.returncode == 0, done.stderr
+    return workdir / "run"
+
+
+def test_a_dispatcher_records_the_slice_each_rank_trained_on(dispatched, token_file):
+    """Each epoch (4 steps) covers every block once over both ranks, reshuffled; and what a rank recorded is what
+    it trained on: the loss of the blocks recorded for each rank's last micro-batch of step 6, computed here
+    from checkpoint 6's weights, is for rank 0 the loss rank 0 saw (and not rank 1's), and their mean the loss
+    the step log holds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    store = RunStore.open(dispatched)
+    steps = store.read_steps(["sample_ids", "loss"])
+    ids = steps["sample_ids"]
+    assert ids.shape == (STEPS, 2, ACCUM, BATCH)
+    epochs = [ids[e * 4:(e + 1) * 4] for e in range(3)]
+    assert all(np.array_equal(np.sort(e.ravel()), np.arange(BLOCKS)) for e in epochs)
+    assert not np.array_equal(epochs[0], epochs[1])
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                         attn_implementation="sdpa"))   # the example's
+    weights = store.read_shard(6, 0)["state"]["replicated"]["model"]
+    model.load_state_dict({k.removeprefix("module."): v for k, v in weights.items()})
+    tokens = torch.from_numpy(np.fromfile(token_file, dtype=np.uint16)[:BLOCKS * 32].astype(np.int64)).view(BLOCKS, 32)
+    with torch.no_grad():
+        losses = [model(input_ids=tokens[ids[6, r, -1]], labels=tokens[ids[6, r, -1]]).loss.item() for r in (0, 1)]
+    seen = torch.load(dispatched.parent / "out.pt", weights_only=True)["losses"][6]   # rank 0's
+    assert np.isclose(losses[0], seen, rtol=1e-5, atol=0) and not np.isclose(losses[1], seen, rtol=1e-3, atol=0)
+    assert np.isclose(np.mean(losses), steps["loss"][6], rtol=1e-5, atol=0)
+
+
+def test_a_dispatched_run_replays_bit_for_bit_skips_steps_and_a_halved_rate_diverges_at_from(dispatched):
+    """A fresh start from checkpoint 6 over epoch 1's end; on the script's ranks kept up, a window from
+    checkpoint 3, a halved learning rate from step 4 (its first step differs), and a window that skips step 5's
+    batches (drawn through the dispatcher on both ranks and dropped: the steps after it train on the record's)."""
+    fresh = replay_cli("run", str(dispatched), "--from", "7", "--to", "9", "--verify")
+    assert fresh.returncode == 0, fresh.stderr
+    assert "verify: every replayed step equals the record bit for bit" in fresh.stdout, fresh.stdout
+    requests = [ReplayRequest(3, 5), ReplayRequest(4, 5, overrides=Overrides(lr_scale=0.5)),
+                ReplayRequest(4, 8, overrides=Overrides(skip=[5]))]
+    with ScriptServer(RunStore.open(dispatched).manifest.command) as server:
+        results = [run(dispatched, req, ranks=server) for req in requests]
+        assert server.refused is None
+    assert (results[0].verification.bitwise, results[0].verification.level) == (True, "state")
+    changed = results[1].verification
+    assert not changed.bitwise and changed.divergence is not None and changed.divergence.step == 4
+    skipped = RunStore.open(results[2].location)
+    assert skipped.manifest.status == "complete"
+    recorded_ids = RunStore.open(dispatched).read_steps(["sample_ids"])["sample_ids"]
+    assert np.array_equal(skipped.read_steps(["sample_ids"], start=6, stop=9)["sample_ids"], recorded_ids[6:9])
+
+
+def test_a_killed_dispatched_recording_resumes_to_the_uninterrupted_one(dispatched, token_file, tmp_path):
+    """Through the dispatcher, killed after checkpoint 6 and resumed: the uninterrupted run, bit for bit."""
+    store = tmp_path / "cut"
+    args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS, DISPATCH]
+    last = kill_after_checkpoint(_torchrun(tmp_path, *args, popen=True), store, 6)
+    assert 6 <= last < STEPS
+    resumed = _torchrun(tmp_path, *args, "--resume=True")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_resumed_as_recorded(store, dispatched, resumed_from=last, checkpoint=STEPS)
 
 
 def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_file, tmp_path):

@@ -263,3 +263,28 @@ def test_a_replay_stopped_and_resumed_continues_from_its_own_checkpoint(tmp_path
                               lease=lease.spec, resume=True), model, optimizer, _loader())
     assert sorted(resumed) == [5, 6, 7] and all(resumed[s] == replays["whole"][s] for s in resumed)
     assert all(resumed[s][0] == recorded[s][0] for s in resumed)   # each step's own samples
+
+
+@pytest.mark.parametrize(("samples", "batch", "drop_last", "per", "uneven"), [
+    (10, 4, False, 2, False),   # batches 4, 4, 2: dispatches of 8 and 2 samples, shared by 2 ranks
+    (9, 4, False, 2, True),     # 4, 4, 1: the last dispatch's 1 sample cannot be shared
+    (9, 4, True, 2, False),     # 4, 4: one dispatch of 8
+    (20, 4, False, 2, False),   # 5 batches: the last dispatch is one batch of 4
+    (15, 4, False, 2, True),    # 4, 4, 4, 3: the last dispatch 4 + 3
+    (18, 4, False, 2, False),   # 4, 4, 4, 4, 2: the last dispatch 4 + 2
+    (10, 4, False, 1, False),   # split_batches: the last batch of 2, split in two
+    (9, 4, False, 1, True),     # ... of 1
+])
+def test_a_dispatchers_uneven_last_dispatch_is_found_from_the_sampler(samples, batch, drop_last, per, uneven):
+    """accelerate pads an epoch's last dispatch from the epoch's first when the ranks cannot share it evenly;
+    whether it will, from the batch sampler's lengths, is what `loop.loader` refuses a dispatcher on."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from replay.recorder.loader import _Dispatch, _uneven_end
+
+    sampler = BatchSampler(SequentialSampler(range(samples)), batch, drop_last)
+    dispatches = [list(range(len(sampler)))[i:i + per] for i in range(0, len(sampler), per)]
+    sizes = [len(b) for b in sampler]
+    last = sum(sizes[i] for i in dispatches[-1])   # counted from the batches themselves
+    assert (last % 2 != 0) == uneven, last
+    assert _uneven_end(sampler, _Dispatch(per, 0, 2, torch.device("cpu"))) == uneven
