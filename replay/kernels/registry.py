@@ -18,6 +18,7 @@ deterministic; a layer whose every head is on one transformers backend runs (and
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -109,10 +110,13 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
     if spec.name == "eager":
         keep = causal_mask(n, m, q.device) if keep is None else keep
         additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)   # transformers' eager_mask
-        out, weights = eager_function(module)(module, q, k, v, additive, scaling=scaling, dropout=dropout)
         watch = _watch(site)
-        if watch is not None and isinstance(weights, torch.Tensor):   # its P; its S stays inside it
-            watch(None, weights.detach())
+        call = functools.partial(eager_function(module), module, q, k, v, additive, scaling=scaling, dropout=dropout)
+        if watch is None:
+            return call()[0].transpose(1, 2)
+        (out, weights), scores = internals.eager_scores(call, additive)
+        if isinstance(weights, torch.Tensor):   # its P; its S, the input of its softmax
+            watch(scores, weights.detach())
         return out.transpose(1, 2)
     if spec.name == "sdpa":
         # lazy: transformers (see eager_function), and triton (0.3 s) for the triton-fa2 backend only

@@ -535,9 +535,15 @@ def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torc
         where = f"attention {layer}" + (f"#{calls[layer]}" if calls[layer] else "")
         calls[layer] += 1
         with internals.watching(_whole_heads(see, where, query.shape[1])):
-            out = inner(module, query, key, value, *args, **kwargs)
+            if name == "eager":   # the model's own: S is the input of its softmax (kernels/internals.py)
+                mask = args[0] if args else kwargs.get("attention_mask")
+                out, scores = internals.eager_scores(lambda: inner(module, query, key, value, *args, **kwargs), mask)
+            else:
+                out, scores = inner(module, query, key, value, *args, **kwargs), None
         o = out[0] if isinstance(out, tuple) else out
         weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        if scores is not None and isinstance(weights, torch.Tensor):
+            see("forward", where, "S", scores)
         if isinstance(weights, torch.Tensor):   # transformers' eager attention returns its P (after its dropout)
             see("forward", where, "P", weights)
         heads_o = o.transpose(1, 2) if o.dim() == 4 and o.shape[1] != query.shape[1] else o   # (B, H, T, D)

@@ -4,7 +4,6 @@ checkpoint, every tensor compared as it is produced."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -147,12 +146,12 @@ def test_two_runs_sharing_a_step_are_diffed_as_each_ran_it(two_rank_store, tmp_p
     assert [(d.phase, d.where, d.what, d.deviation) for d in parted.differences] == \
         [(d.phase, d.where, d.what, d.deviation) for d in here.differences]
     assert parted.changes["model.attention"][0] == "eager" and "reference-emu" in parted.changes["model.attention"][1]
-    # two emulations of BF16 flash attention on layer 1: their S and P are compared per head (layer 0 is eager on
-    # both sides, which gives its P and keeps its S: not compared, NaN)
+    # two emulations of BF16 flash attention on layer 1: their S and P are compared per head; layer 0 is eager on
+    # both sides, which gives its P and its softmax's input as S: compared, and the same
     emulations = diff(cf, STEP, Overrides(), other=Location.parse(store / "replays" / "fa2"))
     heads = {(h.layer, h.head): h for h in emulations.heads}
     assert all(0 < heads[(1, h)].s < 0.1 and 0 < heads[(1, h)].p < 0.1 for h in range(2)), heads
-    assert all(math.isnan(heads[(0, h)].s) and heads[(0, h)].p == 0 for h in range(2)), heads
+    assert all(heads[(0, h)].s == 0 and heads[(0, h)].p == 0 for h in range(2)), heads
     assert {(d.where, d.what) for d in emulations.differences} >= {("attention 1", "S"), ("attention 1", "P")}
     text = replay_cli("diff", str(store), str(store / "replays" / "cf"), "--step", str(STEP), "--save", "cf-at-10")
     assert text.returncode == 0 and "first difference: forward attention 1 O" in text.stdout, text.stderr
