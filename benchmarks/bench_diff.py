@@ -9,7 +9,10 @@ with its checkpoint at step 0. Then, each the median of 3 (1 with --quick):
   weight gradients: side A's written to a temporary file, side B's compared as they come);
 - `replay diff --attention sdpa` (side B's attention another backend: its tensors from the attention on differ
   and are read back for their deviations).
-Target (issue 44): a diff within 5x the step. `--quick`: the `tiny` preset's shape.
+Target (issue 44): a diff within 5x the step. Then the peak resident memory of each of the three, each in a
+process of its own (the same code; the kernel's VmHWM, which, unlike `ru_maxrss`, does not carry over the
+peak of the process that started it): what a diff holds beyond the step itself. `--quick`: the
+`tiny` preset's shape.
 
     .venv/bin/python benchmarks/bench_diff.py [--quick]
 """
@@ -83,11 +86,30 @@ def main() -> None:
         same = median_seconds(lambda: diff(location, 0, Overrides()), runs)
         other = median_seconds(lambda: diff(location, 0, Overrides(attention="sdpa")), runs)
         answer = diff(location, 0, Overrides(attention="sdpa"))
+        peaks = {what: peak_mib(where, what) for what in ("step", "as recorded", "sdpa")}
     print(f"the step (restore, forward, backward): {step:.2f} s")
     print(f"replay diff, both sides as recorded: {same:.2f} s = {same / step:.2f}x the step "
           f"({answer.compared} tensors compared)")
     print(f"replay diff --attention sdpa: {other:.2f} s = {other / step:.2f}x the step ({len(answer.differences)} "
           f"differ; first: {answer.first.where + ' ' + answer.first.what if answer.first else 'none'})")
+    print(f"peak resident memory, each in a process of its own: the step {peaks['step']} MiB; replay diff as "
+          f"recorded {peaks['as recorded']} MiB = {peaks['as recorded'] / peaks['step']:.3f}x; --attention sdpa "
+          f"{peaks['sdpa']} MiB = {peaks['sdpa'] / peaks['step']:.3f}x")
+
+
+def peak_mib(where: Path, what: str) -> int:
+    """The peak resident memory of a process that runs only `what` on the run at `where`: the step, or a diff."""
+    if what == "step":
+        code = "import bench_diff as b; from replay.store import RunStore; b.plain_step(RunStore.open(w), 0)"
+    else:
+        overrides = "Overrides(attention='sdpa')" if what == "sdpa" else "Overrides()"
+        code = ("from replay.replayer.diff import diff; from replay.store.location import Location; "
+                f"from replay.store.overrides import Overrides; diff(Location.parse(w), 0, {overrides})")
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); w = {str(where)!r}; {code}; "
+              "print(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM:')))")
+    done = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                          env=child_env())
+    return int(done.stdout.split()[-1]) // 1024   # kB
 
 
 if __name__ == "__main__":

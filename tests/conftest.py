@@ -169,26 +169,26 @@ def _file_seconds(path: Path) -> float:
 
 
 # The integration files' seconds in `make test` (their tests' setup, call and teardown, summed; tests/conftest.py
-# orders the files by it), the 30 longest, from a run on 2 busy cores (2026-11-26): what matters is their
-# order. A new long file belongs here; the others run after these in collection order.
+# orders the files by it), the 32 longest, from a run on 2 cores, AMD EPYC without AVX-512 (2026-11-27; the
+# Accelerate file's dispatcher tests, added after, measured alone): what matters is their order. A new long file
+# belongs here; the others run after these in collection order.
 FILE_SECONDS = {
-    "store/test_s3_store_integration.py": 238, "launch/test_multinode_integration.py": 229,
-    "examples/test_hf_trainer_integration.py": 168, "examples/test_dataloader_integration.py": 150,
-    "examples/test_nanogpt_integration.py": 138, "examples/test_accelerate_integration.py": 100,
-    "examples/test_streaming_integration.py": 70,
-    "test_results_integration.py": 130,
-    "bisect/test_narrow_integration.py": 127, "recorder/test_zero_integration.py": 111,
-    "recorder/test_fsdp2_integration.py": 108, "examples/test_llama_integration.py": 86,
-    "analysis/test_cluster_integration.py": 76, "recorder/test_loop_integration.py": 74,
-    "analysis/test_jobs_integration.py": 71, "launch/test_soak_integration.py": 62,
-    "launch/test_record_deepspeed_integration.py": 59, "launch/test_lifeline_integration.py": 55,
-    "launch/test_forkserver_integration.py": 45, "kernels/test_triton_fa2_integration.py": 44,
-    "train/test_fewer_ranks_integration.py": 43, "recorder/test_environment_integration.py": 38,
-    "analysis/test_report_integration.py": 37, "launch/test_pool_integration.py": 35,
-    "analysis/test_compare_integration.py": 35, "replayer/test_replays_integration.py": 34,
-    "replayer/test_counterfactual_integration.py": 31, "launch/test_writers_integration.py": 28,
-    "test_bad_input_integration.py": 25, "analysis/test_series_integration.py": 25,
-    "replayer/test_reach_integration.py": 22, "recorder/test_loader_integration.py": 16,
+    "examples/test_accelerate_integration.py": 354, "launch/test_multinode_integration.py": 246,
+    "examples/test_hf_trainer_integration.py": 232, "examples/test_lightning_integration.py": 226,
+    "store/test_s3_store_integration.py": 215, "examples/test_nanogpt_integration.py": 214,
+    "bisect/test_narrow_integration.py": 184, "examples/test_streaming_integration.py": 179,
+    "test_results_integration.py": 159, "examples/test_dataloader_integration.py": 155,
+    "recorder/test_zero_integration.py": 143, "kernels/test_triton_fa2_integration.py": 141,
+    "recorder/test_fsdp2_integration.py": 133, "examples/test_llama_integration.py": 122,
+    "launch/test_record_deepspeed_integration.py": 118, "analysis/test_jobs_integration.py": 108,
+    "recorder/test_loop_integration.py": 83, "recorder/test_environment_integration.py": 72,
+    "replayer/test_replays_integration.py": 72, "launch/test_pool_integration.py": 69,
+    "analysis/test_cluster_integration.py": 68, "launch/test_script_integration.py": 68,
+    "launch/test_forkserver_integration.py": 60, "replayer/test_reach_integration.py": 59,
+    "launch/test_lifeline_integration.py": 57, "launch/test_soak_integration.py": 57,
+    "test_bad_input_integration.py": 47, "train/test_fewer_ranks_integration.py": 43,
+    "replayer/test_diff_integration.py": 36, "analysis/test_series_integration.py": 32,
+    "analysis/test_compare_integration.py": 25, "recorder/test_loader_integration.py": 24,
 }
 
 

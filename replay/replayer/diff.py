@@ -42,7 +42,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -253,10 +253,14 @@ def capture(location: Location, step: int, overrides: Overrides, name: str, rank
         entries.append({"key": f"{phase}|{where}|{what}", "shape": list(t.shape), "dtype": str(t.dtype),
                         "digest": _digest(t), "stats": _stats(t)})
 
-    inputs: dict[str, torch.Tensor] = {}
-    _run_side(side, note, inputs)
-    wq_inputs = {key.split("|")[0]: t for key, t in inputs.items() if key.endswith("|x") and _kept(key.split("|")[0],
-                                                                                                   keep)}
+    wq_inputs: dict[str, torch.Tensor] = {}   # the W_Q inputs of the attention calls kept whole
+
+    def note_input(key: str, t: torch.Tensor) -> None:
+        call, _, what = key.partition("|")
+        if what == "x" and _kept(call, keep):
+            wq_inputs[call] = t.clone()
+
+    _run_side(side, note, note_input)
     with writing(location, "replay diff --capture"):
         store = RunStore.open(location, mode="a")
         for i, t in whole.items():   # the tensors first, the document that names them last
@@ -313,7 +317,6 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
         a, b, changes = _two_runs(location, other, step, rank)
     with tempfile.TemporaryFile(prefix="replay-diff-") as kept_a:   # side A's tensors, one after another
         seen: dict[str, _Seen] = {}
-        kept: dict[str, torch.Tensor] = {}
 
         def keep(phase: str, where: str, what: str, t: torch.Tensor) -> None:
             key = f"{phase}|{where}|{what}"
@@ -321,11 +324,20 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
             seen[key] = _Seen(_digest(t), kept_a.tell(), t.dtype, tuple(t.shape))
             _raw(t).numpy().tofile(kept_a)
 
-        _run_side(a, keep, kept)
+        def keep_input(key: str, t: torch.Tensor) -> None:   # O and the gradients are in the file already
+            call, _, what = key.partition("|")
+            if what == "x":
+                keep("input", call, what, t)
+
+        def theirs_of(key: str) -> torch.Tensor | None:
+            entry = seen.get(f"{_phase(key)}|{key}")
+            return None if entry is None else _read(kept_a, entry)
+
+        _run_side(a, keep, keep_input)
         differences: list[Difference] = []
         only_in_b: list[str] = []
         compared = 0
-        b_kept: dict[str, torch.Tensor] = {}
+        heads = _HeadStats(theirs_of)
         produced: set[str] = set()
 
         def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
@@ -348,11 +360,10 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
                                               str(t.dtype).removeprefix("torch."), _deviation(read, t)))
 
         scores: dict[tuple[int, int], dict[str, float]] = {}
-        _run_side(b, compare, b_kept)
-        heads = _with_scores(_heads(kept, b_kept), scores) if kept else []
-    only_in_a = [key.replace("|", " ") for key in seen if key not in produced]
+        _run_side(b, compare, heads.put)
+    only_in_a = [key.replace("|", " ") for key in seen if key not in produced and not key.startswith("input|")]
     return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
-                    differences, heads, only_in_a, only_in_b,
+                    differences, _with_scores(heads.done(), scores), only_in_a, only_in_b,
                     other=None if other is None else str(other), changes=changes, rank=rank)
 
 
@@ -372,7 +383,12 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
     theirs = {e["key"]: e for e in trace["entries"]}
     differences: list[Difference] = []
     produced: list[str] = []
-    a_kept: dict[str, torch.Tensor] = {}   # the trace's whole attention tensors, for the per-head signals
+    inputs = trace.get("wq_inputs", {})
+
+    def theirs_of(key: str) -> torch.Tensor | None:   # what the trace kept whole, for the per-head signals
+        call, _, what = key.partition("|")
+        entry = inputs.get(call) if what == "x" else theirs.get(f"{_phase(key)}|{key}")
+        return None if entry is None or "kept" not in entry else _trace_tensor(store, entry)
 
     def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
         key = f"{phase}|{where}|{what}"
@@ -382,25 +398,21 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
             return
         t = t.detach().contiguous().cpu()
         whole = _trace_tensor(store, entry) if "kept" in entry else None
-        if whole is not None and where.startswith("attention "):
-            a_kept[f"{where}|{what}"] = whole
-            if what in ("S", "P") and whole.shape == t.shape:
-                _note_scores(scores, where, what, _per_head_max(whole, t))
+        if whole is not None and what in ("S", "P") and whole.shape == t.shape:
+            _note_scores(scores, where, what, _per_head_max(whole, t))
         if entry["digest"] != _digest(t) or entry["shape"] != list(t.shape) or entry["dtype"] != str(t.dtype):
             differences.append(Difference(len(produced) - 1, phase, where, what, list(t.shape),
                                           str(t.dtype).removeprefix("torch."),
                                           None if whole is None else _deviation(whole, t),
                                           {"theirs": entry["stats"], "ours": _stats(t)}))
 
-    b_kept: dict[str, torch.Tensor] = {}
     scores: dict[tuple[int, int], dict[str, float]] = {}
-    _run_side(side, compare, b_kept)
-    for call, x in trace.get("wq_inputs", {}).items():
-        a_kept[f"{call}|x"] = _trace_tensor(store, x)
+    heads = _HeadStats(theirs_of)
+    _run_side(side, compare, heads.put)
     ours = set(produced)
     compared = sum(1 for key in produced if key in theirs)
     return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
-                    differences, _with_scores(_heads(a_kept, b_kept), scores) if a_kept else [],
+                    differences, _with_scores(heads.done(), scores) if inputs else [],
                     [key.replace("|", " ") for key in theirs if key not in ours],
                     [key.replace("|", " ") for key in produced if key not in theirs],
                     against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]}, rank=rank)
@@ -476,9 +488,11 @@ def _machine() -> str:
     return f"{socket.gethostname()}: {cpu or 'a CPU'}, {device}, torch {torch.__version__}"
 
 
-def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor]) -> None:
+def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None],
+              keep: Callable[[str, torch.Tensor], None]) -> None:
     """One side's step: the model its run built, with the attention it runs, the checkpoint's weights and RNG,
-    the rank's micro-batches forward and backward, every tensor handed to `see` as it is produced."""
+    the rank's micro-batches forward and backward, every tensor handed to `see` as it is produced, and each
+    attention call's tensors for the per-head signals to `keep` (`_attention_traced`)."""
     cfg = side.runs
     model = build_model(side.built.model, side.data.vocab_size, side.built.seed)
     model.load_state_dict(side.shard["state"]["replicated"]["model"])
@@ -488,7 +502,7 @@ def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None], k
     world = len(side.ids)   # every rank's micro-batches: their gradients averaged over the ranks, as DDP's
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     try:
-        with _attention_traced(model, see, kept), warnings.catch_warnings():
+        with _attention_traced(model, see, keep), warnings.catch_warnings():
             # torch's notes on the hooks: the model's own output (a ModelOutput) has no gradient hook, and the
             # embeddings' inputs (token ids) no gradient; the gradients of their outputs are traced all the same
             warnings.filterwarnings("ignore", "For backward hooks to be called", UserWarning)
@@ -509,10 +523,10 @@ def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None], k
 
 @contextlib.contextmanager
 def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torch.Tensor], None],
-                      kept: dict[str, torch.Tensor]) -> Iterator[None]:
+                      keep: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
     """Every attention call of `model` through the implementation it has now, its q, k, v, O and their
-    gradients handed to `see` (per call; (batch, heads, tokens, head dim)), O and the input of W_Q's
-    projection kept in `kept` for the per-head signals."""
+    gradients handed to `see` (per call; (batch, heads, tokens, head dim)), and to `keep` as `CALL|O`, `CALL|dO`,
+    `CALL|dQ`, `CALL|dK`, `CALL|dV` with `CALL|x`, the input of W_Q's projection, for the per-head signals."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -548,13 +562,13 @@ def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torc
             see("forward", where, "P", weights)
         heads_o = o.transpose(1, 2) if o.dim() == 4 and o.shape[1] != query.shape[1] else o   # (B, H, T, D)
         see("forward", where, "O", heads_o)
-        kept[f"{where}|O"] = heads_o.detach().clone()
-        kept[f"{where}|x"] = inputs[layer]
+        keep(f"{where}|O", heads_o.detach())
+        keep(f"{where}|x", inputs[layer])
         for what, t in (("dQ", query), ("dK", key), ("dV", value)):
             if t.requires_grad:
-                t.register_hook(_grad_hook(see, kept, where, what))
+                t.register_hook(_grad_hook(see, keep, where, what))
         if o.requires_grad:   # the output the model goes on with; its gradient as (B, H, T, D), as O is kept
-            o.register_hook(_grad_hook(see, kept, where, "dO", transposed=heads_o is not o))
+            o.register_hook(_grad_hook(see, keep, where, "dO", transposed=heads_o is not o))
         return out
 
     AttentionInterface.register(_TRACER, traced)
@@ -590,34 +604,54 @@ def _whole_heads(see: Callable[[str, str, str, torch.Tensor], None], where: str,
     return watch
 
 
-def _grad_hook(see: Callable[[str, str, str, torch.Tensor], None], kept: dict[str, torch.Tensor], where: str,
-               what: str, transposed: bool = False) -> Callable[[torch.Tensor], None]:
+def _grad_hook(see: Callable[[str, str, str, torch.Tensor], None], keep: Callable[[str, torch.Tensor], None],
+               where: str, what: str, transposed: bool = False) -> Callable[[torch.Tensor], None]:
     def hook(grad: torch.Tensor) -> None:
         grad = grad.transpose(1, 2) if transposed else grad
         see("backward", where, what, grad)
-        kept[f"{where}|{what}"] = grad.detach().clone()
+        keep(f"{where}|{what}", grad.detach())
     return hook
 
 
-def _heads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[HeadDiff]:
+_CALL = ("O", "x", "dO", "dQ", "dK", "dV")   # what a call's per-head signals are computed from
+
+
+def _phase(key: str) -> str:
+    """The phase `see` hands a kept attention tensor (`CALL|WHAT`) in; the W_Q input is kept only."""
+    what = key.rpartition("|")[2]
+    return "forward" if what == "O" else "input" if what == "x" else "backward"
+
+
+class _HeadStats:
     """Per layer and head, over the step's attention calls: the deviation of O, dO, dQ, dK, dV and delta, the sign
-    bias of delta's error and the alignment of W_Q's gradient error terms across tokens."""
-    out: list[HeadDiff] = []
-    calls = sorted({k.split("|")[0] for k in a if k.endswith("|O")}, key=_call_order)
-    per: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for call in calls:
-        layer = int(call.split()[1].split("#")[0])
-        if not all(f"{call}|{q}" in a and f"{call}|{q}" in b for q in ("O", "dO", "dQ", "dK", "dV")):
-            continue
+    bias of delta's error and the alignment of W_Q's gradient error terms across tokens. Side B's tensors of a
+    call are held (`put`) until the call's backward has given them all, then compared with side A's, read back
+    (`theirs`: None where A has none) and let go: neither side's attention tensors stay for the whole step."""
+
+    def __init__(self, theirs: Callable[[str], torch.Tensor | None]):
+        self._theirs = theirs
+        self._pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        self._per: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+
+    def put(self, key: str, t: torch.Tensor) -> None:
+        call, _, what = key.partition("|")
+        held = self._pending[call]
+        held[what] = t if what == "x" else t.clone()   # x: the hidden state the model holds for its backward anyway
+        if len(held) == len(_CALL):
+            del self._pending[call]
+            a = {what: self._theirs(f"{call}|{what}") for what in _CALL}
+            if all(t is not None for t in a.values()):
+                self._add(int(call.split()[1].split("#")[0]), cast(dict[str, torch.Tensor], a), held)
+
+    def _add(self, layer: int, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+        per = self._per
         for what in ("O", "dO", "dQ", "dK", "dV"):
-            err = (b[f"{call}|{what}"].double() - a[f"{call}|{what}"].double()).abs()
+            err = (b[what].double() - a[what].double()).abs()
             for h in range(err.shape[1]):
                 per[(layer, h)][what].append(float(err[:, h].max()))
-        delta_a = (a[f"{call}|dO"].double() * a[f"{call}|O"].double()).sum(-1)
-        delta_b = (b[f"{call}|dO"].double() * b[f"{call}|O"].double()).sum(-1)
-        e = delta_b - delta_a                                      # (B, H, T)
-        dq = b[f"{call}|dQ"].double() - a[f"{call}|dQ"].double()   # (B, H, T, D)
-        x = a[f"{call}|x"].double()                                # (B, T, C): W_Q's input
+        e = (b["dO"].double() * b["O"].double()).sum(-1) - (a["dO"].double() * a["O"].double()).sum(-1)   # (B, H, T)
+        dq = b["dQ"].double() - a["dQ"].double()   # (B, H, T, D)
+        x = a["x"].double()                        # (B, T, C): W_Q's input
         for h in range(e.shape[1]):
             nonzero = e[:, h][e[:, h] != 0]
             per[(layer, h)]["delta"].append(float(e[:, h].abs().max()))
@@ -627,16 +661,11 @@ def _heads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[HeadD
             total = float(torch.linalg.norm(xs.T @ es))
             norms = float(torch.linalg.norm(xs, dim=-1).mul(torch.linalg.norm(es, dim=-1)).sum())
             per[(layer, h)]["align"].append(total / norms if norms else 0.0)
-    for (layer, h), values in sorted(per.items()):
-        out.append(HeadDiff(layer, h, max(values["O"]), max(values["dO"]), max(values["dQ"]), max(values["dK"]),
-                            max(values["dV"]), max(values["delta"]), float(np.mean(values["sign"])),
-                            float(np.mean(values["align"]))))
-    return out
 
-
-def _call_order(call: str) -> tuple[int, int]:
-    layer, _, n = call.split()[1].partition("#")
-    return int(n or 0), int(layer)
+    def done(self) -> list[HeadDiff]:
+        return [HeadDiff(layer, h, max(v["O"]), max(v["dO"]), max(v["dQ"]), max(v["dK"]), max(v["dV"]),
+                         max(v["delta"]), float(np.mean(v["sign"])), float(np.mean(v["align"])))
+                for (layer, h), v in sorted(self._per.items())]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

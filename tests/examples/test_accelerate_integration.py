@@ -174,27 +174,18 @@ def test_a_dispatched_run_replays_bit_for_bit_skips_steps_and_a_halved_rate_dive
     assert np.array_equal(skipped.read_steps(["sample_ids"], start=6, stop=9)["sample_ids"], recorded_ids[6:9])
 
 
-def test_a_killed_dispatched_recording_resumes_to_the_uninterrupted_one(dispatched, token_file, tmp_path):
-    """Through the dispatcher, killed after checkpoint 6 and resumed: the uninterrupted run, bit for bit."""
+@pytest.mark.parametrize("setting", [BF16, DISPATCH])
+def test_a_killed_recording_resumes_to_the_uninterrupted_one(setting, token_file, tmp_path, request):
+    """Under torchrun, killed after checkpoint 6 and resumed, the run is the uninterrupted one bit for bit: BF16 by
+    the script's own setting (the one `accelerate launch` recorded), and through the dispatcher (`dispatched`)."""
+    uninterrupted = request.getfixturevalue("recorded" if setting == BF16 else "dispatched")
     store = tmp_path / "cut"
-    args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS, DISPATCH]
+    args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS, setting]
     last = kill_after_checkpoint(_torchrun(tmp_path, *args, popen=True), store, 6)
     assert 6 <= last < STEPS
     resumed = _torchrun(tmp_path, *args, "--resume=True")
     assert resumed.returncode == 0, resumed.stderr
-    assert_resumed_as_recorded(store, dispatched, resumed_from=last, checkpoint=STEPS)
-
-
-def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_file, tmp_path):
-    """Under torchrun, BF16 by the script's own setting: killed after checkpoint 6 and resumed, the run is the one
-    `accelerate launch` recorded, bit for bit."""
-    store = tmp_path / "cut"
-    args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS, BF16]
-    last = kill_after_checkpoint(_torchrun(tmp_path, *args, popen=True), store, 6)
-    assert 6 <= last < STEPS
-    resumed = _torchrun(tmp_path, *args, "--resume=True")
-    assert resumed.returncode == 0, resumed.stderr
-    assert_resumed_as_recorded(store, recorded, resumed_from=last, checkpoint=STEPS)
+    assert_resumed_as_recorded(store, uninterrupted, resumed_from=last, checkpoint=STEPS)
 
 
 def test_a_recording_trains_as_the_script_without_replay_bit_for_bit(token_file, tmp_path):
