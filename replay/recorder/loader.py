@@ -108,6 +108,7 @@ class _Dispatch:
     rank: int
     world: int
     device: torch.device
+    drop_last: bool   # an epoch's batches left over after its last whole dispatch are fetched and dropped
 
 
 @dataclass
@@ -214,8 +215,9 @@ class RecordedLoader:
         elif self._dispatch is not None:   # a dispatcher: where every rank's stream stands, rank 0's
             first = untrained[0] if untrained else None
             where = (first.pass_.number, first.position, first.number) if first else self._next or (0, 0, 0)
-            current = first.pass_ if first else self._dispatch_pass if self._dispatch.rank else None
-            passes = [current] if current is not None and current.number == where[0] else []
+            current = self._dispatch_pass if self._dispatch.rank else None
+            begun: list[Pass | None] = list({id(b.pass_): b.pass_ for b in untrained}.values()) or [current]
+            passes = [p for p in begun if p is not None and p.number >= where[0]]
         else:
             where = (self._pass_no, self._position, self._number)
             passes = [self._pass] if self._pass is not None else []
@@ -347,8 +349,8 @@ class RecordedLoader:
             self._driver_pass()
             if self._driver_skips:
                 self._tell_epoch()
-        if self._dispatch is not None and self._dispatch.rank:   # taken as its iterator was made
-            restored, self._tap_restored = self._tap_restored, None
+        if self._dispatch is not None and self._dispatch.rank and not self._persistent:   # taken as its iterator was
+            restored, self._tap_restored = self._tap_restored, None                       # made (`_make_iterator`)
         else:
             restored = self._restored.popleft() if self._restored else None   # begun before the restored checkpoint
         self._exhausted = False
@@ -402,8 +404,13 @@ class RecordedLoader:
             head = self._queue[0]
             while self._queue and len(parts) < self._dispatch.per and self._queue[0].pass_ is head.pass_:
                 parts.append(self._queue.popleft())
-            told = [head.pass_.number, head.position, head.number, len(parts),
-                    int(self._exhausted and not self._queue)]
+            count = len(parts)
+            left = sum(1 for b in self._queue if b.pass_ is head.pass_)
+            if self._exhausted and self._dispatch.drop_last and 0 < left < self._dispatch.per:
+                for _ in range(left):   # too few for a dispatch: the dispatcher fetched them and drops them
+                    self._queue.popleft()
+                count, left = count + left, 0
+            told = [head.pass_.number, head.position, head.number, count, int(self._exhausted and not left)]
         else:
             told = [0] * 5
         if self._dispatch.world > 1:
@@ -495,11 +502,16 @@ def _tapped(dataloader: Any) -> tuple[Any, _Dispatch | None]:
                          "data-parallel ranks; a slice_fn_for_dispatch or a tensor-parallel mesh is not: prepare "
                          "the loader with DataLoaderConfiguration(dispatch_batches=False)")
     dispatch = _Dispatch(1 if dataloader.split_batches else state.num_processes, state.process_index,
-                         state.num_processes, torch.device(state.device))
+                         state.num_processes, torch.device(state.device), bool(dataloader._drop_last))
     if base.batch_sampler is None:
         raise UsageError("loop.loader(...): accelerate's DataLoaderDispatcher over a DataLoader without automatic "
                          "batching (batch_size=None) cannot be recorded: give the DataLoader a batch size")
-    if not dataloader._drop_last and _uneven_end(base.batch_sampler, dispatch):
+    uneven = _uneven_end(base.batch_sampler, dispatch)
+    if not dataloader._drop_last and uneven is None:
+        raise UsageError("loop.loader(...): accelerate's DataLoaderDispatcher over a batch sampler that does not say "
+                         "its batch_size and its sampler's length cannot be recorded without drop_last=True (whether "
+                         "an epoch's last dispatch is padded from its first depends on them)")
+    if not dataloader._drop_last and uneven:
         raise UsageError("loop.loader(...): accelerate's DataLoaderDispatcher pads each epoch's last, uneven dispatch "
                          "with samples of the epoch's first, which a run resumed or replayed inside the epoch cannot "
                          "draw again: make the samples an epoch a multiple of the batch size times the number of "
@@ -507,16 +519,16 @@ def _tapped(dataloader: Any) -> tuple[Any, _Dispatch | None]:
     return base, dispatch
 
 
-def _uneven_end(batch_sampler: Any, dispatch: _Dispatch) -> bool:
+def _uneven_end(batch_sampler: Any, dispatch: _Dispatch) -> bool | None:
     """Whether an epoch's last dispatch holds a number of samples the ranks cannot share evenly (accelerate then
-    pads it from the epoch's first dispatch); True where the batch sampler does not say how many it yields."""
+    pads it from the epoch's first dispatch); None where the batch sampler does not say how many it yields."""
     size, sampler = getattr(batch_sampler, "batch_size", None), getattr(batch_sampler, "sampler", None)
     if sampler is None or not isinstance(size, int):
-        return True
+        return None
     try:
         samples, batches = len(sampler), len(batch_sampler)
     except TypeError:
-        return True
+        return None
     if batches == 0:
         return False
     last_batch = size if getattr(batch_sampler, "drop_last", False) else samples - (batches - 1) * size

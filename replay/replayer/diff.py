@@ -587,7 +587,7 @@ def _whole_heads(see: Callable[[str, str, str, torch.Tensor], None], where: str,
     """Collects the S and P a call's backends hand out (kernels/internals.py), a group of heads at a time, and
     hands them to `see` as (batch, heads, queries, keys) once every head of the layer has given them (a flash
     backend in its backward: forward quantities, recomputed there). A layer with heads on a backend that hands
-    out nothing (eager, SDPA) gives none."""
+    out nothing (SDPA, Triton, plug-ins) gives none."""
     got: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     def watch(heads: list[int] | None, s: torch.Tensor | None, p: torch.Tensor) -> None:
@@ -596,7 +596,7 @@ def _whole_heads(see: Callable[[str, str, str, torch.Tensor], None], where: str,
         if len(got) == n_head:
             for j, what in enumerate(("S", "P")):
                 parts = [t for h in range(n_head) if (t := got[h][j]) is not None]
-                if len(parts) < n_head:   # eager attention gives its P, not its S
+                if len(parts) < n_head:   # a backend of the layer kept it
                     continue
                 held = functools.reduce(torch.promote_types, (t.dtype for t in parts))
                 see("forward", where, what, torch.stack([t.to(held) for t in parts], 1))

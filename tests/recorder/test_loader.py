@@ -271,7 +271,7 @@ def test_a_replay_stopped_and_resumed_continues_from_its_own_checkpoint(tmp_path
     (9, 4, True, 2, False),     # 4, 4: one dispatch of 8
     (20, 4, False, 2, False),   # 5 batches: the last dispatch is one batch of 4
     (15, 4, False, 2, True),    # 4, 4, 4, 3: the last dispatch 4 + 3
-    (18, 4, False, 2, False),   # 4, 4, 4, 4, 2: the last dispatch 4 + 2
+    (18, 4, False, 2, False),   # 4, 4, 4, 4, 2: the last dispatch the batch of 2
     (10, 4, False, 1, False),   # split_batches: the last batch of 2, split in two
     (9, 4, False, 1, True),     # ... of 1
 ])
@@ -287,4 +287,6 @@ def test_a_dispatchers_uneven_last_dispatch_is_found_from_the_sampler(samples, b
     sizes = [len(b) for b in sampler]
     last = sum(sizes[i] for i in dispatches[-1])   # counted from the batches themselves
     assert (last % 2 != 0) == uneven, last
-    assert _uneven_end(sampler, _Dispatch(per, 0, 2, torch.device("cpu"))) == uneven
+    dispatch = _Dispatch(per, 0, 2, torch.device("cpu"), drop_last)
+    assert _uneven_end(sampler, dispatch) == uneven
+    assert _uneven_end([[0, 1], [2]], dispatch) is None   # a batch sampler of one's own, saying neither: unknown
