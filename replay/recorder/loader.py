@@ -283,13 +283,13 @@ class RecordedLoader:
                 self._it, self._pass = None, None
                 self._pass_no, self._position, self._skip_to = self._pass_no + 1, 0, 0
                 continue
-            taken = self._queue.popleft() if self._dispatch is None else None
-            if self._dispatch is not None:
-                data, taken = self._dispatched(data)
-            if taken is None:   # a dispatch of a step the replay skips: drawn on every rank and dropped
-                continue
-            self._take(taken)
-            return data
+            if self._dispatch is None:
+                self._take(self._queue.popleft())
+                return data
+            data, taken = self._dispatched(data)
+            if taken is not None:   # else a dispatch of a step the replay skips: drawn on every rank and dropped
+                self._take(taken)
+                return data
 
     def __len__(self) -> int:
         return len(self._outer)
