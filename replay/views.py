@@ -266,6 +266,7 @@ def diff_lines(result: StepDiff, top: int = 8) -> list[str]:
         sides = (f"A = as the store ran it, B = {changed}" if result.overrides else
                  "A and B = as the store ran it, twice")
     lines = [f"diff {result.store} step {result.step} ({result.whose}): {sides}",
+             *(f"note: {note}" for note in result.notes),
              f"{result.compared} tensors compared in execution order (forward, backward, weight gradients); "
              f"{len(result.differences)} differ"]
     for side, only in (("A", result.only_in_a), ("B", result.only_in_b)):

@@ -539,17 +539,17 @@ class Bisect:
         return f"replay run {self.store_path} --from {req.start} --to {req.stop} {req.overrides.as_args()}".strip()
 
     def _diff_command(self, steps: Any, layers: Any, heads: Any) -> str | None:
-        """For an attention or precision counterfactual of a built-in run: the `replay diff` of the first step
-        where it parts from the record (from the checkpoint it still prevents the spike from), with the
-        counterfactual where the search put it, after the plain replay that checkpoints that step where the
-        record has no checkpoint there."""
+        """For an attention or precision counterfactual: the `replay diff` of the first step where it parts from
+        the record (from the checkpoint it still prevents the spike from), with the counterfactual where the
+        search put it; for a built-in run, after the plain replay that checkpoints that step where the record has
+        no checkpoint there (a script's diff replays the steps before it itself)."""
         fix = self.fix
         first = steps.separation.first_bit if steps and steps.separation else None
-        if first is None or not (fix.touches_attention or fix.precision) or not self.record.capabilities.builtin:
+        if first is None or not (fix.touches_attention or fix.precision):
             return None
         scoped = (fix.with_scope(units=heads.heads) if heads and heads.heads else
                   fix.with_scope(layers=layers.layers) if layers and layers.layers else fix)
-        if any(c.step == first for c in self.record.checkpoints()):
+        if not self.record.capabilities.builtin or any(c.step == first for c in self.record.checkpoints()):
             return f"replay diff {self.store_path} --step {first} {scoped.as_args()}".strip()
         name = f"at-{first}"
         return (f"replay run {self.store_path} --from {first} --to {first} --checkpoint-every 1 --name {name} && "

@@ -64,6 +64,7 @@ from replay.recorder.run_options import PRECISIONS, RunOptions
 from replay.recorder.serving import Serving
 from replay.recorder.spikes import SpikeEvent
 from replay.recorder.state import TorchTrainState, note_sharding, unwrap
+from replay.recorder.step_trace import StepTrace
 from replay.recorder.stream import StreamBatch, StreamLoader
 from replay.recorder.zero import engine_state
 from replay.store import RunStore
@@ -181,6 +182,7 @@ class Loop:
         self._evaluating = 0
         self._loader: RecordedLoader | StreamLoader | None = None
         self._serving: Serving | None = None
+        self._trace: StepTrace | None = None   # a step `replay diff` traces (recorder/step_trace.py)
         self._begun = self._window_open = self._closed = False
 
     @_refusals_in_one_line
@@ -338,10 +340,23 @@ class Loop:
             if self._current.skipping and not self._yield_skipped:
                 self._skip(step_scheduler=True)
                 continue
+            self._begin_trace(step)
             yield step
             if not self._current.logged:
                 raise UsageError(f"step {step} ended without loop.log(loss=...): call it once in every step")
         self._complete()
+
+    def _begin_trace(self, step: int) -> None:
+        """The step a `replay diff` of the run asks this rank to trace (recorder/step_trace.py), traced until its
+        `log`."""
+        request = self._mode.window.trace if self._mode.window is not None else None
+        if request is not None and request.step == step and request.rank == self.rank:
+            self._trace = StepTrace(request, self.model, self.optimizer, self.attention)
+
+    def _end_trace(self) -> None:
+        if self._trace is not None:
+            trace, self._trace = self._trace, None
+            trace.end()
 
     def _settle(self) -> Generator[int, None, str | None]:
         """A served replay's first steps: the script holds the batches it drew ahead for the last replay's next
@@ -630,6 +645,7 @@ class Loop:
             raise UsageError(f"step {now.number} drew no training batch: pass every training micro-batch's sample ids "
                              "through loop.sample_ids(...), or take its batches from loop.loader(...)")
         now.logged = True
+        self._end_trace()
         self._ahead = now.draws[trained:]
         if now.settling:   # trained to be undone (`_settle`): nothing of it is recorded
             return None
@@ -725,6 +741,7 @@ class Loop:
             return
         self._window_open = False
         try:
+            self._end_trace()
             last = self._current
             if not self._completed and last is not None and last.logged and last.settling is None \
                     and last.number == self._mode.recorder_config.total_steps - 1:

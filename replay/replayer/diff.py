@@ -32,94 +32,71 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
+import os
 import re
+import shutil
 import socket
-import sys
 import tempfile
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 
 from replay.config import RunConfig
-from replay.errors import UsageError
-from replay.kernels import internals
+from replay.errors import ReplayError, UsageError
 from replay.kernels.plan import AttentionPlan
-from replay.kernels.registry import apply_plan, hf_attention_modules
+from replay.kernels.registry import apply_plan
+from replay.launch.script import ScriptServer
 from replay.recorder.environment import set_rng_state
+from replay.recorder.step_trace import (
+    CALL,
+    Keep,
+    See,
+    TraceFile,
+    Tracer,
+    attention_traced,
+    call_phase,
+    digest,
+    raw,
+)
+from replay.replayer import replays
 from replay.replayer.overrides import apply as apply_overrides
+from replay.replayer.replays import ReplayRequest
 from replay.store import RunStore
-from replay.store.integrity import crc32c
 from replay.store.lease import writing
 from replay.store.location import Location
+from replay.store.manifest import TraceRequest
 from replay.store.overrides import Overrides
 from replay.store.step_diff import Deviation, Difference, HeadDiff, StepDiff
+from replay.store.verification import Verification
 from replay.train.data import load_data
 from replay.train.model import build_model, lm_loss
 
-_TRACER = "replay-diff"   # the attention implementation a traced side runs its own through
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-@dataclass
-class _Seen:
-    """A tensor side A produced: its digest, and where its bytes lie in the side's file."""
+class Side(Protocol):
+    """One side of a diff: a step run from a state, its tensors handed out in execution order."""
 
-    digest: int
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+    notes: list[str]   # what the side's run said of itself that the answer must carry
 
+    def play(self, see: See, keep: Keep) -> None:
+        """Run the step, every tensor to `see` as it is produced, an attention call's to `keep` too."""
 
-class _Tracer:
-    """Hooks on a model that hand every tensor of a step, in execution order, to `see(phase, where, what, t)`."""
-
-    def __init__(self, model: torch.nn.Module, see: Callable[[str, str, str, torch.Tensor], None]):
-        self.model, self.see = model, see
-        self.handles: list[Any] = []
-        self.calls: dict[str, int] = defaultdict(int)
-        for name, module in model.named_modules():
-            if not name or module is model:
-                continue
-            self.handles.append(module.register_forward_hook(self._forward(name)))
-            self.handles.append(module.register_full_backward_hook(self._backward(name)))
-
-    def _key(self, name: str) -> str:
-        n = self.calls[name]
-        self.calls[name] += 1
-        return name if n == 0 else f"{name}#{n}"
-
-    def _forward(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            key = self._key(f"forward {name}")
-            for i, t in enumerate(_tensors(output)):
-                self.see("forward", key.removeprefix("forward "), "output" if i == 0 else f"output {i}", t)
-        return hook
-
-    def _backward(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
-            key = self._key(f"backward {name}")
-            for i, t in enumerate(_tensors(grad_output)):
-                self.see("backward", key.removeprefix("backward "), "grad of output" + (f" {i}" if i else ""), t)
-        return hook
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+    def trace(self) -> TraceFile:
+        """Run the step into a trace (the caller closes it)."""
 
 
 @dataclass
 class _Side:
-    """One side of a diff: the config of the run it comes from (the model it builds), the config it runs with
-    (its attention plan and precision), the run's data, one rank's micro-batches of the step and that rank's
-    checkpoint it restores."""
+    """A built-in run's side, run in this process: the config of the run it comes from (the model it builds),
+    the config it runs with (its attention plan and precision), the run's data, one rank's micro-batches of the
+    step and that rank's checkpoint it restores."""
 
     built: RunConfig
     runs: RunConfig
@@ -127,6 +104,74 @@ class _Side:
     ids: list[np.ndarray]      # per rank played, its micro-batches' sample ids
     shard: dict[str, Any]      # rank 0's: the replicated model
     rngs: list[Any]            # per rank played, its RNG states
+    losses: list[float]        # per rank played, the loss the store logged for its micro-batches at the step
+    store: str                 # the run's location, for the notes
+    notes: list[str] = field(default_factory=list)
+
+    def play(self, see: See, keep: Keep) -> None:
+        _run_side(self, see, keep)
+
+    def trace(self) -> TraceFile:
+        traced = TraceFile.temporary()
+        try:
+            _run_side(self, traced.see, traced.keep)
+        except BaseException:
+            traced.close()
+            raise
+        return traced
+
+
+@dataclass
+class _ScriptSide:
+    """A script's run's side: a replay of the one step, started as `replay run` starts it, that traces the step
+    on rank `rank` into a temporary folder (recorder/step_trace.py) and is removed once it has run."""
+
+    location: Location
+    step: int
+    overrides: Overrides
+    rank: int
+    label: str                                   # "a" or "b": the replay's name
+    ranks: ScriptServer | None = None            # the script's ranks, kept up between the sides where they can be
+    notes: list[str] = field(default_factory=list)   # what its replay's verification says against the record
+
+    def play(self, see: See, keep: Keep) -> None:
+        with self.trace() as traced:
+            traced.play(see, keep)
+
+    def trace(self) -> TraceFile:
+        folder = Path(tempfile.mkdtemp(prefix="replay-diff-"))
+        name = f"diff-{self.step}-{self.label}-{os.getpid()}"
+        request = ReplayRequest(self.step, self.step, name=name, overrides=self.overrides,
+                                trace=TraceRequest(self.step, self.rank, str(folder)))
+        try:
+            done = replays.run(self.location, request, ranks=self.ranks, command="replay diff")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        finally:
+            kept = self.location / "replays" / name
+            if kept.holds_anything():
+                kept.remove_tree()
+        traced = TraceFile.open(folder, owned=True)
+        if traced is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ReplayError(f"the script's replay of step {self.step} ran but rank {self.rank} never began the "
+                              "step through the loop (`for step in loop.steps()`): nothing of it was traced")
+        self.notes += _verified(done.verification, self.step, self.overrides)
+        return traced
+
+
+def _verified(verification: Verification | None, step: int, overrides: Overrides) -> list[str]:
+    """What a side's replay says against the record where it is not what the diff takes it for: the side as
+    recorded not the record bit for bit, or the steps before `step` of the side with overrides not the record's."""
+    if verification is None or verification.divergence is None:
+        return []
+    first = verification.divergence.step
+    if overrides.to_dict() and first >= step:   # the overrides' own difference, from the step on
+        return []
+    side = "side B (with the overrides)" if overrides.to_dict() else "side A (as recorded)"
+    return [f"{side}: its replay is not the record bit for bit from step {first} on ({verification.describe()}): "
+            "the sides are this machine's runs of the step, not the record's"]
 
 
 def _as_run(location: Location, step: int, rank: int | None) -> _Side:
@@ -135,7 +180,8 @@ def _as_run(location: Location, step: int, rank: int | None) -> _Side:
     store = RunStore.open(location)
     manifest = store.manifest
     if not store.capabilities.builtin:
-        raise UsageError(f"replay diff runs the built-in trainer's step; {location} is a run of a script of its own")
+        raise UsageError(f"replay diff A B runs two built-in runs' steps; {location} is a run of a script of its own: "
+                         "diff the run with the overrides of the replay (replay diff RUN --step N --attention ...)")
     held = _state_at(location, store, step)
     if held is None:
         have = ", ".join(str(c.step) for c in store.checkpoints()) or "none"
@@ -150,13 +196,16 @@ def _as_run(location: Location, step: int, rank: int | None) -> _Side:
     if rank is not None and not 0 <= rank < manifest.world_size:
         raise UsageError(f"--rank {rank}: {location} was recorded on ranks 0..{manifest.world_size - 1}")
     ranks = range(manifest.world_size) if rank is None else [rank]
-    recorded_ids = store.read_steps(["sample_ids"], start=step, stop=step + 1)["sample_ids"][0]   # [rank, micro, ...]
+    logged = store.read_steps(["sample_ids", "rank_loss"], start=step, stop=step + 1)
+    recorded_ids = logged["sample_ids"][0]   # [rank, micro, ...]
+    losses = np.atleast_1d(np.asarray(logged["rank_loss"][0], np.float64))
     shard = held.read_shard(step, 0)   # the replicated model is rank 0's to keep; each rank keeps its own RNG
     rngs = [shard["rng"] if r == 0 else held.read_shard(step, r)["rng"] for r in ranks]
     if "model" not in shard["state"].get("replicated", {}):
         raise UsageError(f"{location}'s checkpoints hold each rank's piece of the model (DeepSpeed ZeRO): replay diff "
                          "restores a whole model, from a run of plain or DDP ranks")
-    return _Side(manifest.config, manifest.config, data, [recorded_ids[r] for r in ranks], shard, rngs)
+    return _Side(manifest.config, manifest.config, data, [recorded_ids[r] for r in ranks], shard, rngs,
+                 [float(losses[r]) for r in ranks], str(location))
 
 
 def _state_at(location: Location, store: RunStore, step: int) -> RunStore | None:
@@ -171,15 +220,52 @@ def _state_at(location: Location, store: RunStore, step: int) -> RunStore | None
     return None
 
 
-def _prepare(location: Location, step: int, overrides: Overrides, rank: int | None = 0) -> tuple[_Side, _Side]:
-    """Side A, the step as the store ran it, and side B, the same with `overrides`."""
-    a = _as_run(location, step, rank)
+@contextlib.contextmanager
+def _prepare(location: Location, step: int, overrides: Overrides,
+             rank: int | None = 0) -> Iterator[tuple[Side, Side]]:
+    """Side A, the step as the store ran it, and side B, the same with `overrides` (a script's: on its ranks,
+    kept up between the two where the script can serve replays)."""
     store = RunStore.open(location)
-    side_b = apply_overrides(a.runs, overrides, (step, step), store.capabilities)
     if overrides.skip or overrides.drop or overrides.lr_scale is not None:
         raise UsageError("replay diff compares one step's forward and backward: --skip, --drop and --lr-scale "
                          "change no operation of it (replay run shows what they do)")
-    return a, dataclasses.replace(a, runs=side_b)
+    if not store.capabilities.builtin:
+        script_a, script_b = _script_sides(location, store, step, overrides, rank)
+        assert store.manifest.command is not None, "a script's run holds its command"
+        with ScriptServer(store.manifest.command, keep=store.capabilities.serves_replays) as server:
+            script_a.ranks = script_b.ranks = server
+            yield script_a, script_b
+        return
+    a = _as_run(location, step, rank)
+    side_b = apply_overrides(a.runs, overrides, (step, step), store.capabilities)
+    yield a, dataclasses.replace(a, runs=side_b, notes=[])
+
+
+def _script_sides(location: Location, store: RunStore, step: int, overrides: Overrides,
+                  rank: int | None) -> tuple[_ScriptSide, _ScriptSide]:
+    """A script's run: each side a replay of step `step` (from the checkpoint at or before it) that traces it on
+    `rank`; checked here as `replay run` checks a replay, before either starts."""
+    manifest = store.manifest
+    if store.kind != "run":
+        raise UsageError(f"{location} is a replay of a script's run: diff its run with the replay's overrides "
+                         "(replay diff RUN --step N --attention ...)")
+    store.check_relaunchable("replay diff")
+    if store.capabilities.multi_node:
+        raise UsageError(f"{location} was recorded on {store.capabilities.nodes} nodes: replay diff starts a "
+                         "script's ranks on this machine; diff a run of one node")
+    if rank is None:
+        raise UsageError("--rank all: a script's ranks each train their own micro-batches in a process of their "
+                         "own; diff one rank's (--rank R)")
+    if not 0 <= rank < manifest.world_size:
+        raise UsageError(f"--rank {rank}: {location} was recorded on ranks 0..{manifest.world_size - 1}")
+    if manifest.sharding is not None or store.capabilities.sharded:
+        raise UsageError(f"{location}'s ranks each hold a piece of the model or its gradients (FSDP2, DeepSpeed "
+                         "ZeRO): replay diff traces a whole model, of plain or DDP ranks")
+    if not 0 <= step < store.end_step:
+        raise UsageError(f"{location}'s step log holds steps 0..{store.end_step - 1}, not step {step}: diff a step "
+                         "the run trained")
+    apply_overrides(manifest.config, overrides, (step, step), store.capabilities)   # refused before either side runs
+    return (_ScriptSide(location, step, Overrides(), rank, "a"), _ScriptSide(location, step, overrides, rank, "b"))
 
 
 def _two_runs(location: Location, other: Location, step: int,
@@ -212,7 +298,7 @@ def _same(a: Any, b: Any) -> bool:
     """Equal bit for bit: tensors, arrays and the dicts, lists and scalars around them."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and bool((_raw(a.contiguous()) == _raw(b.contiguous())).all()))
+                and a.shape == b.shape and bool((raw(a.contiguous()) == raw(b.contiguous())).all()))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
                 and a.shape == b.shape and a.tobytes() == b.tobytes())
@@ -242,7 +328,6 @@ def capture(location: Location, step: int, overrides: Overrides, name: str, rank
     module path: the module and those inside it), so that the comparison has their deviations. Returns how
     many tensors the trace covers."""
     check_name(name, "--capture")
-    _, side = _prepare(location, step, overrides, rank)
     entries: list[dict[str, Any]] = []
     whole: dict[int, torch.Tensor] = {}   # the entries kept whole, by their place in `entries`
 
@@ -251,7 +336,7 @@ def capture(location: Location, step: int, overrides: Overrides, name: str, rank
         if _kept(where, keep):
             whole[len(entries)] = t.clone()
         entries.append({"key": f"{phase}|{where}|{what}", "shape": list(t.shape), "dtype": str(t.dtype),
-                        "digest": _digest(t), "stats": _stats(t)})
+                        "digest": digest(t), "stats": _stats(t)})
 
     wq_inputs: dict[str, torch.Tensor] = {}   # the W_Q inputs of the attention calls kept whole
 
@@ -260,13 +345,14 @@ def capture(location: Location, step: int, overrides: Overrides, name: str, rank
         if what == "x" and _kept(call, keep):
             wq_inputs[call] = t.clone()
 
-    _run_side(side, note, note_input)
+    with _prepare(location, step, overrides, rank) as (_, side):
+        side.play(note, note_input)
     with writing(location, "replay diff --capture"):
         store = RunStore.open(location, mode="a")
         for i, t in whole.items():   # the tensors first, the document that names them last
-            entries[i]["kept"] = store.write_trace_tensor(name, f"{i}", _raw(t).numpy())
+            entries[i]["kept"] = store.write_trace_tensor(name, f"{i}", raw(t).numpy())
         kept_inputs = {call: {"shape": list(t.shape), "dtype": str(t.dtype),
-                              "kept": store.write_trace_tensor(name, f"x{j}", _raw(t.contiguous()).numpy())}
+                              "kept": store.write_trace_tensor(name, f"x{j}", raw(t.contiguous()).numpy())}
                        for j, (call, t) in enumerate(sorted(wq_inputs.items()))}
         store.write_trace(name, {"step": step, "rank": rank, "overrides": overrides.to_dict(), "machine": _machine(),
                                  "entries": entries, "wq_inputs": kept_inputs})
@@ -308,63 +394,60 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
     if against is not None:
         return _against(location, step, overrides, against, rank)
     changes: dict[str, list[Any]] | None = None
-    if other is None:
-        a, b = _prepare(location, step, overrides, rank)
-    elif overrides.to_dict():
-        raise UsageError("replay diff A B runs the step as each run ran it: leave out the overrides (or diff one "
-                         "store against its overrides: replay diff A --step N --attention ...)")
-    else:
-        a, b, changes = _two_runs(location, other, step, rank)
-    with tempfile.TemporaryFile(prefix="replay-diff-") as kept_a:   # side A's tensors, one after another
-        seen: dict[str, _Seen] = {}
+    with contextlib.ExitStack() as held:
+        if other is None:
+            a, b = held.enter_context(_prepare(location, step, overrides, rank))
+        elif overrides.to_dict():
+            raise UsageError("replay diff A B runs the step as each run ran it: leave out the overrides (or diff one "
+                             "store against its overrides: replay diff A --step N --attention ...)")
+        else:
+            a, b, changes = _two_runs(location, other, step, rank)
+        with a.trace() as traced_a:   # side A's tensors, one after another, in a file
+            comparison = _Comparison(traced_a)
+            b.play(comparison.see, comparison.heads.put)
+    return StepDiff(str(location), step, overrides.to_dict(), comparison.compared, _first(comparison.differences),
+                    comparison.differences, comparison.heads_with_scores(), comparison.only_in_a(),
+                    comparison.only_in_b, other=None if other is None else str(other), changes=changes, rank=rank,
+                    notes=a.notes + b.notes)
 
-        def keep(phase: str, where: str, what: str, t: torch.Tensor) -> None:
-            key = f"{phase}|{where}|{what}"
-            t = t.detach().contiguous().cpu()
-            seen[key] = _Seen(_digest(t), kept_a.tell(), t.dtype, tuple(t.shape))
-            _raw(t).numpy().tofile(kept_a)
 
-        def keep_input(key: str, t: torch.Tensor) -> None:   # O and the gradients are in the file already
-            call, _, what = key.partition("|")
-            if what == "x":
-                keep("input", call, what, t)
+class _Comparison:
+    """Side B's tensors, as they are produced, against side A's trace: each by its CRC-32C, read back from A's
+    file only where they differ; the S and P deviations per head; the per-head signals call by call."""
 
-        def theirs_of(key: str) -> torch.Tensor | None:
-            entry = seen.get(f"{_phase(key)}|{key}")
-            return None if entry is None else _read(kept_a, entry)
+    def __init__(self, a: TraceFile):
+        self.a = a
+        self.compared = 0
+        self.differences: list[Difference] = []
+        self.only_in_b: list[str] = []
+        self.produced: set[str] = set()
+        self.scores: dict[tuple[int, int], dict[str, float]] = {}
+        self.heads = _HeadStats(a.call_tensor)
 
-        _run_side(a, keep, keep_input)
-        differences: list[Difference] = []
-        only_in_b: list[str] = []
-        compared = 0
-        heads = _HeadStats(theirs_of)
-        produced: set[str] = set()
+    def see(self, phase: str, where: str, what: str, t: torch.Tensor) -> None:
+        key = f"{phase}|{where}|{what}"
+        self.produced.add(key)
+        t = t.detach().contiguous().cpu()
+        theirs = self.a.entries.get(key)
+        if theirs is None:   # an output one side's attention gives and the other's does not (its weights)
+            self.only_in_b.append(key.replace("|", " "))
+            return
+        self.compared += 1
+        same = theirs.dtype == t.dtype and theirs.shape == tuple(t.shape) and theirs.digest == digest(t)
+        read = None if same else self.a.read(theirs) if theirs.shape == tuple(t.shape) else \
+            torch.full_like(t, math.nan)
+        if what in ("S", "P"):
+            _note_scores(self.scores, where, what, [0.0] * t.shape[1] if read is None else _per_head_max(read, t))
+        if read is not None:
+            self.differences.append(Difference(self.compared - 1, phase, where, what, list(t.shape),
+                                               str(t.dtype).removeprefix("torch."), _deviation(read, t)))
 
-        def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
-            nonlocal compared
-            key = f"{phase}|{where}|{what}"
-            produced.add(key)
-            t = t.detach().contiguous().cpu()
-            theirs = seen.get(key)
-            if theirs is None:   # an output one side's attention gives and the other's does not (its weights)
-                only_in_b.append(key.replace("|", " "))
-                return
-            compared += 1
-            same = theirs.dtype == t.dtype and theirs.shape == tuple(t.shape) and theirs.digest == _digest(t)
-            read = None if same else _read(kept_a, theirs) if theirs.shape == tuple(t.shape) else \
-                torch.full_like(t, math.nan)
-            if what in ("S", "P"):
-                _note_scores(scores, where, what, [0.0] * t.shape[1] if read is None else _per_head_max(read, t))
-            if read is not None:
-                differences.append(Difference(compared - 1, phase, where, what, list(t.shape),
-                                              str(t.dtype).removeprefix("torch."), _deviation(read, t)))
+    def only_in_a(self) -> list[str]:
+        return [key.replace("|", " ") for key in self.a.entries if key not in self.produced
+                and not key.startswith("input|")]
 
-        scores: dict[tuple[int, int], dict[str, float]] = {}
-        _run_side(b, compare, heads.put)
-    only_in_a = [key.replace("|", " ") for key in seen if key not in produced and not key.startswith("input|")]
-    return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
-                    differences, _with_scores(heads.done(), scores), only_in_a, only_in_b,
-                    other=None if other is None else str(other), changes=changes, rank=rank)
+    def heads_with_scores(self) -> list[HeadDiff]:
+        return _with_scores(self.heads.done(), self.scores)
 
 
 def _against(location: Location, step: int, overrides: Overrides, name: str, rank: int | None) -> StepDiff:
@@ -378,7 +461,6 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
         taken = trace.get("rank", 0)
         raise UsageError(f"the trace {name!r} is of {_whose(taken)} micro-batches, not {_whose(rank)}: give --rank "
                          f"{'all' if taken is None else taken}")
-    _, side = _prepare(location, step, overrides, rank)
     store = RunStore.open(location)
     theirs = {e["key"]: e for e in trace["entries"]}
     differences: list[Difference] = []
@@ -387,7 +469,7 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
 
     def theirs_of(key: str) -> torch.Tensor | None:   # what the trace kept whole, for the per-head signals
         call, _, what = key.partition("|")
-        entry = inputs.get(call) if what == "x" else theirs.get(f"{_phase(key)}|{key}")
+        entry = inputs.get(call) if what == "x" else theirs.get(f"{call_phase(key)}|{key}")
         return None if entry is None or "kept" not in entry else _trace_tensor(store, entry)
 
     def compare(phase: str, where: str, what: str, t: torch.Tensor) -> None:
@@ -400,7 +482,7 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
         whole = _trace_tensor(store, entry) if "kept" in entry else None
         if whole is not None and what in ("S", "P") and whole.shape == t.shape:
             _note_scores(scores, where, what, _per_head_max(whole, t))
-        if entry["digest"] != _digest(t) or entry["shape"] != list(t.shape) or entry["dtype"] != str(t.dtype):
+        if entry["digest"] != digest(t) or entry["shape"] != list(t.shape) or entry["dtype"] != str(t.dtype):
             differences.append(Difference(len(produced) - 1, phase, where, what, list(t.shape),
                                           str(t.dtype).removeprefix("torch."),
                                           None if whole is None else _deviation(whole, t),
@@ -408,14 +490,16 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
 
     scores: dict[tuple[int, int], dict[str, float]] = {}
     heads = _HeadStats(theirs_of)
-    _run_side(side, compare, heads.put)
+    with _prepare(location, step, overrides, rank) as (_, side):
+        side.play(compare, heads.put)
     ours = set(produced)
     compared = sum(1 for key in produced if key in theirs)
     return StepDiff(str(location), step, overrides.to_dict(), compared, _first(differences),
                     differences, _with_scores(heads.done(), scores) if inputs else [],
                     [key.replace("|", " ") for key in theirs if key not in ours],
                     [key.replace("|", " ") for key in produced if key not in theirs],
-                    against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]}, rank=rank)
+                    against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]}, rank=rank,
+                    notes=side.notes)
 
 
 def _deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
@@ -498,128 +582,30 @@ def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None],
     model.load_state_dict(side.shard["state"]["replicated"]["model"])
     apply_plan(model, AttentionPlan.parse(cfg.model.attention))
     model.train()
-    tracer = _Tracer(model, see)
+    tracer = Tracer(model, see)
     world = len(side.ids)   # every rank's micro-batches: their gradients averaged over the ranks, as DDP's
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     try:
-        with _attention_traced(model, see, keep), warnings.catch_warnings():
-            # torch's notes on the hooks: the model's own output (a ModelOutput) has no gradient hook, and the
-            # embeddings' inputs (token ids) no gradient; the gradients of their outputs are traced all the same
-            warnings.filterwarnings("ignore", "For backward hooks to be called", UserWarning)
-            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
-            for ids, rng in zip(side.ids, side.rngs, strict=True):
+        with attention_traced(model, see, keep):
+            for ids, rng, logged in zip(side.ids, side.rngs, side.losses, strict=True):
                 set_rng_state(rng)
+                total = torch.zeros((), dtype=torch.float32)   # the rank's loss, summed as the trainer sums it
                 for micro in ids:
                     x, y = side.data.batch(micro)
                     with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
                         loss = lm_loss(model, x, y)
                     (loss / (len(ids) * world)).backward()
+                    total += loss.detach()
+                if cfg == side.built and float(total / len(ids)) != logged:   # as the store ran it: its loss
+                    side.notes.append(f"{side.store}'s step, run here as it ran, is not its record: its loss on "
+                                      f"these micro-batches is {float(total / len(ids))!r}, the record's {logged!r} "
+                                      "(another CPU, or torch, computes other bits): the sides are this machine's "
+                                      "runs of the step")
     finally:
         tracer.close()
     for name, p in model.named_parameters():
         if p.grad is not None:
             see("gradient", name, "grad", p.grad)
-
-
-@contextlib.contextmanager
-def _attention_traced(model: torch.nn.Module, see: Callable[[str, str, str, torch.Tensor], None],
-                      keep: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
-    """Every attention call of `model` through the implementation it has now, its q, k, v, O and their
-    gradients handed to `see` (per call; (batch, heads, tokens, head dim)), and to `keep` as `CALL|O`, `CALL|dO`,
-    `CALL|dQ`, `CALL|dK`, `CALL|dV` with `CALL|x`, the input of W_Q's projection, for the per-head signals."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    config: Any = model.config
-    name = config._attn_implementation
-    modules = hf_attention_modules(model)
-    inner = (ALL_ATTENTION_FUNCTIONS[name] if name != "eager"
-             else sys.modules[type(modules[0]).__module__].eager_attention_forward)
-    calls: dict[int, int] = defaultdict(int)
-    inputs: dict[int, torch.Tensor] = {}
-
-    def pre(module: Any, args: Any, kwargs: Any) -> None:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        inputs[module.layer_idx] = hidden.detach()
-
-    def traced(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-               **kwargs: Any) -> Any:
-        layer = module.layer_idx
-        where = f"attention {layer}" + (f"#{calls[layer]}" if calls[layer] else "")
-        calls[layer] += 1
-        with internals.watching(_whole_heads(see, where, query.shape[1])):
-            if name == "eager":   # the model's own: S is the input of its softmax (kernels/internals.py)
-                mask = args[0] if args else kwargs.get("attention_mask")
-                out, scores = internals.eager_scores(lambda: inner(module, query, key, value, *args, **kwargs), mask)
-            else:
-                out, scores = inner(module, query, key, value, *args, **kwargs), None
-        o = out[0] if isinstance(out, tuple) else out
-        weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-        if scores is not None and isinstance(weights, torch.Tensor):
-            see("forward", where, "S", scores)
-        if isinstance(weights, torch.Tensor):   # transformers' eager attention returns its P (after its dropout)
-            see("forward", where, "P", weights)
-        heads_o = o.transpose(1, 2) if o.dim() == 4 and o.shape[1] != query.shape[1] else o   # (B, H, T, D)
-        see("forward", where, "O", heads_o)
-        keep(f"{where}|O", heads_o.detach())
-        keep(f"{where}|x", inputs[layer])
-        for what, t in (("dQ", query), ("dK", key), ("dV", value)):
-            if t.requires_grad:
-                t.register_hook(_grad_hook(see, keep, where, what))
-        if o.requires_grad:   # the output the model goes on with; its gradient as (B, H, T, D), as O is kept
-            o.register_hook(_grad_hook(see, keep, where, "dO", transposed=heads_o is not o))
-        return out
-
-    AttentionInterface.register(_TRACER, traced)
-    AttentionMaskInterface.register(_TRACER, ALL_MASK_ATTENTION_FUNCTIONS[name])   # the mask its own gets
-    hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in modules]
-    model.set_attn_implementation(_TRACER)   # type: ignore[operator]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def _whole_heads(see: Callable[[str, str, str, torch.Tensor], None], where: str,
-                 n_head: int) -> internals.Watcher:
-    """Collects the S and P a call's backends hand out (kernels/internals.py), a group of heads at a time, and
-    hands them to `see` as (batch, heads, queries, keys) once every head of the layer has given them (a flash
-    backend in its backward: forward quantities, recomputed there). A layer with heads on a backend that hands
-    out nothing (SDPA, Triton, plug-ins) gives none."""
-    got: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-
-    def watch(heads: list[int] | None, s: torch.Tensor | None, p: torch.Tensor) -> None:
-        for i, head in enumerate(range(n_head) if heads is None else heads):
-            got[head] = (None if s is None else s[:, i], p[:, i])
-        if len(got) == n_head:
-            for j, what in enumerate(("S", "P")):
-                parts = [t for h in range(n_head) if (t := got[h][j]) is not None]
-                if len(parts) < n_head:   # a backend of the layer kept it
-                    continue
-                held = functools.reduce(torch.promote_types, (t.dtype for t in parts))
-                see("forward", where, what, torch.stack([t.to(held) for t in parts], 1))
-            got.clear()
-    return watch
-
-
-def _grad_hook(see: Callable[[str, str, str, torch.Tensor], None], keep: Callable[[str, torch.Tensor], None],
-               where: str, what: str, transposed: bool = False) -> Callable[[torch.Tensor], None]:
-    def hook(grad: torch.Tensor) -> None:
-        grad = grad.transpose(1, 2) if transposed else grad
-        see("backward", where, what, grad)
-        keep(f"{where}|{what}", grad.detach())
-    return hook
-
-
-_CALL = ("O", "x", "dO", "dQ", "dK", "dV")   # what a call's per-head signals are computed from
-
-
-def _phase(key: str) -> str:
-    """The phase `see` hands a kept attention tensor (`CALL|WHAT`) in; the W_Q input is kept only."""
-    what = key.rpartition("|")[2]
-    return "forward" if what == "O" else "input" if what == "x" else "backward"
 
 
 class _HeadStats:
@@ -637,18 +623,19 @@ class _HeadStats:
         call, _, what = key.partition("|")
         held = self._pending[call]
         held[what] = t if what == "x" else t.clone()   # x: the hidden state the model holds for its backward anyway
-        if len(held) == len(_CALL):
+        if len(held) == len(CALL):
             del self._pending[call]
-            a = {what: self._theirs(f"{call}|{what}") for what in _CALL}
+            a = {what: self._theirs(f"{call}|{what}") for what in CALL}
             if all(t is not None for t in a.values()):
                 self._add(int(call.split()[1].split("#")[0]), cast(dict[str, torch.Tensor], a), held)
 
     def _add(self, layer: int, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         per = self._per
-        for what in ("O", "dO", "dQ", "dK", "dV"):
+        n_head = b["O"].shape[1]   # query heads; with grouped-query attention dK and dV have fewer, each shared
+        for what in ("O", "dO", "dQ", "dK", "dV"):   # by a group of query heads, whose rows show its deviation
             err = (b[what].double() - a[what].double()).abs()
-            for h in range(err.shape[1]):
-                per[(layer, h)][what].append(float(err[:, h].max()))
+            for h in range(n_head):
+                per[(layer, h)][what].append(float(err[:, h * err.shape[1] // n_head].max()))
         e = (b["dO"].double() * b["O"].double()).sum(-1) - (a["dO"].double() * a["O"].double()).sum(-1)   # (B, H, T)
         dq = b["dQ"].double() - a["dQ"].double()   # (B, H, T, D)
         x = a["x"].double()                        # (B, T, C): W_Q's input
@@ -666,35 +653,6 @@ class _HeadStats:
         return [HeadDiff(layer, h, max(v["O"]), max(v["dO"]), max(v["dQ"]), max(v["dK"]), max(v["dV"]),
                          max(v["delta"]), float(np.mean(v["sign"])), float(np.mean(v["align"])))
                 for (layer, h), v in sorted(self._per.items())]
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if hasattr(value, "to_tuple"):   # a transformers ModelOutput
-        return _tensors(value.to_tuple())
-    return []
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as integers of its width (bfloat16 has no numpy type)."""
-    return t.reshape(-1).view(_INTS[t.element_size()]) if t.is_floating_point() else t.reshape(-1)
-
-
-def _digest(t: torch.Tensor) -> int:
-    return crc32c(_raw(t).numpy())   # in place
-
-
-def _read(file: Any, seen: _Seen) -> torch.Tensor:
-    file.seek(seen.offset)
-    raw = torch.from_numpy(np.fromfile(file, dtype=_raw(torch.empty(0, dtype=seen.dtype)).numpy().dtype,
-                                       count=math.prod(seen.shape)))
-    file.seek(0, 2)   # back to the end, where side A's tensors were appended
-    return (raw.view(seen.dtype) if seen.dtype.is_floating_point else raw).reshape(seen.shape)
 
 
 def _ulps(a: torch.Tensor, peak: float, largest: float) -> float:

@@ -34,7 +34,7 @@ from replay.store.capabilities import Capabilities
 from replay.store.lease import writing
 from replay.store.lifecycle import resume_run
 from replay.store.location import Location, Where
-from replay.store.manifest import Manifest, ReplaySpec
+from replay.store.manifest import Manifest, ReplaySpec, TraceRequest
 from replay.store.overrides import Overrides, Reached
 from replay.store.run_store import DigestInfo
 from replay.store.verification import SCALARS, STATE, Divergence, ScalarChange, StateChange, Verification
@@ -60,6 +60,7 @@ class ReplayRequest:
     discard: bool = False           # remove an interrupted replay and run it anew
     allow_changed: bool = False     # a script of the user's own: run it even if its files changed
     ranks: int | None = None        # processes to play the recorded ranks on (train/fewer_ranks.py); None: one each
+    trace: TraceRequest | None = None   # a step to trace on one rank (replay diff of a script's run)
 
 
 @dataclass
@@ -133,7 +134,8 @@ def prepare(parent: RunStore, req: ReplayRequest, warn: Callable[[str], None] = 
     spec = ReplaySpec(parent="../..", start=req.start, stop=req.stop, start_checkpoint=ckpt.step,
                       start_checkpoint_kind=ckpt.kind, checkpoint_every=req.checkpoint_every,
                       overrides=req.overrides, skip=req.overrides.skip, drop=req.overrides.drop,
-                      lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head), processes=processes)
+                      lr_scope=req.overrides.lr_scope(cfg.model.n_layer, cfg.model.n_head), processes=processes,
+                      trace=req.trace)
     path = store_path / "replays" / replay_id(req)
     if (path / "zarr.json").exists():
         kept = _existing(path, spec, req, store_path, recorded.world_size)

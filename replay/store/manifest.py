@@ -56,6 +56,16 @@ class CommandInfo:
                                                        # its replays' ranks from a server that imported them)
 
 
+@dataclass(frozen=True)
+class TraceRequest:
+    """A replay asked to trace one step on one rank (`replay diff` of a script's run, recorder/step_trace.py):
+    every tensor of that step written into `directory`, a folder of the machine the rank runs on."""
+
+    step: int
+    rank: int
+    directory: str
+
+
 @dataclass
 class ReplaySpec:
     """What makes a store a replay of its parent run's steps `start`..`stop`."""
@@ -73,9 +83,10 @@ class ReplaySpec:
     processes: int | None = None   # --ranks: processes that played the recorded ranks (None: one per rank)
     verification: Verification | None = None              # written when the replay has run
     reached: Reached | None = None                        # what its overrides reached (recorder/overrides.py)
+    trace: TraceRequest | None = None                     # a step to trace (replay diff of a script's run)
 
 
-_TYPED_SPEC_FIELDS = ("parent", "start", "stop", "overrides", "verification", "reached")   # read by hand below
+_TYPED_SPEC_FIELDS = ("parent", "start", "stop", "overrides", "verification", "reached", "trace")   # read by hand below
 
 PROBE_SAMPLES = 4                  # the analysis probe's batch: this many samples ...
 PROBE_TOKENS = 256                 # ... and at most this many of their tokens
@@ -165,6 +176,8 @@ class Manifest:
             out["placement"] = asdict(self.placement)
         if self.replay is not None:
             spec = asdict(self.replay)
+            if spec["trace"] is None:
+                del spec["trace"]
             out.update({"parent": spec.pop("parent"), "window": {"from": spec.pop("start"), "to": spec.pop("stop")},
                         **spec, "overrides": self.replay.overrides.to_dict()})
         return out
@@ -184,7 +197,8 @@ class Manifest:
                                 overrides=Overrides.from_dict(d["overrides"]),
                                 verification=Verification.from_dict(d["verification"]) if d.get("verification")
                                 else None,
-                                reached=Reached.from_dict(d["reached"]) if d.get("reached") else None)
+                                reached=Reached.from_dict(d["reached"]) if d.get("reached") else None,
+                                trace=TraceRequest(**d["trace"]) if d.get("trace") else None)
         data = {f.name: d["data"].get(f.name) for f in dataclasses.fields(DataInfo)}
         return cls(kind=meta["kind"], schema=meta["schema"], config=RunConfig.from_dict(d["config"]),
                    world_size=d["world_size"], launcher=d["launcher"], data=DataInfo(**data), created=d["created"],

@@ -69,6 +69,7 @@ class StepDiff:
     other: str | None = None                 # side B was another run (or replay), as it ran
     changes: dict[str, list[Any]] | None = None   # ... and its config's differences from A's: key -> [A's, B's]
     rank: int | None = 0                     # whose micro-batches and RNG states the step ran (None: every rank's)
+    notes: list[str] = field(default_factory=list)   # what a side's replay said against the record (a script's run)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

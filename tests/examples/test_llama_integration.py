@@ -69,6 +69,22 @@ def test_one_query_head_on_emulated_bf16_attention_diverges_exactly_at_from(llam
     assert not v["bitwise"] and v["divergence"]["step"] == 12   # steps 10, 11 were bit for bit
 
 
+def test_diff_of_one_query_head_traces_the_transformers_model_without_changing_its_bits(llama):
+    """`replay diff` through transformers' attention interface, grouped-query attention: side A's replay, traced,
+    is the record bit for bit (no note: tracing adds nothing to the backward's graph); head 1.3 on emulated BF16
+    is the first difference, the only head whose O moves, and the heads sharing its key/value head show the
+    same dK."""
+    done = replay_cli("diff", str(llama), "--step", "12", "--attention", "fa2-emu:dtype=bf16", "--heads", "1.3",
+                      "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["notes"] == []
+    assert (answer["first"]["where"], answer["first"]["what"]) == ("attention 1", "O")
+    heads = {(h["layer"], h["head"]): h for h in answer["heads"]}
+    assert len(heads) == 2 * N_HEAD and [k for k, h in heads.items() if h["o"] > 0] == [(1, 3)]
+    assert heads[(1, 2)]["dk"] == heads[(1, 3)]["dk"] > 0
+
+
 @pytest.fixture(scope="module")
 def fsdp(runs, token_file) -> Path:
     """The FSDP2 recording, 16 steps, checkpoints every 10; its `--out` (each step's loss, the final weights

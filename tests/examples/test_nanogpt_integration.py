@@ -177,6 +177,55 @@ def test_a_halved_learning_rate_changes_the_state_at_from_and_the_loss_one_step_
     assert (replayed != RunStore.open(torchrun_store).read_steps(["loss"], start=16, stop=18)["loss"]).all()
 
 
+def test_diff_of_a_scripts_step_names_layer_1s_attention_and_leaves_the_store_as_it_was(torchrun_store):
+    """`replay diff` of a script's run: step 12 replayed twice through the script (from checkpoint 10), side A
+    as recorded (its replay checked bit for bit against the record: no note), side B with layer 1's attention on
+    emulated BF16, every tensor of rank 0's step traced by the loop. The first difference is layer 1's attention
+    output; layer 0's heads' O are untouched; both replays are removed."""
+    before = tree_snapshot(torchrun_store)
+    done = replay_cli("diff", str(torchrun_store), "--step", "12", "--attention", "reference-emu:dtype=bf16",
+                      "--layers", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    first = answer["first"]
+    assert (first["phase"], first["where"], first["what"]) == ("forward", "attention 1", "O"), first
+    assert 0 < first["deviation"]["relative"] < 0.1 and answer["notes"] == []
+    o = {(h["layer"], h["head"]): h["o"] for h in answer["heads"]}
+    assert sorted(o) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert o[(0, 0)] == o[(0, 1)] == 0 and min(o[(1, 0)], o[(1, 1)]) > 0
+    grads = {d["where"] for d in answer["differences"] if d["phase"] == "gradient"}
+    assert "transformer.h.1.attn.c_attn.weight" in grads and "transformer.wte.weight" in grads
+    assert tree_snapshot(torchrun_store) == before
+
+
+def test_a_scripts_step_captured_by_one_command_is_compared_by_another(torchrun_store):
+    """The script's step as recorded, captured (`--capture`, layer 1's attention kept whole) by one command's
+    replay and compared by another's with layer 1 on emulated BF16: every tensor before layer 1's O has the
+    trace's bits, and O is the first difference, with its deviation from the kept tensor."""
+    store = str(torchrun_store)
+    taken = replay_cli("diff", store, "--step", "12", "--capture", "rec", "--keep", "attention 1")
+    assert taken.returncode == 0, taken.stderr
+    changed = replay_cli("diff", store, "--step", "12", "--against", "rec", "--attention", "reference-emu:dtype=bf16",
+                         "--layers", "1", "--json")
+    assert changed.returncode == 0, changed.stderr
+    answer = json.loads(changed.stdout)
+    first = answer["first"]
+    assert (first["where"], first["what"]) == ("attention 1", "O") and 0 < first["deviation"]["relative"] < 0.1
+    assert first["order"] > 10 and all(d["order"] >= first["order"] for d in answer["differences"])
+
+
+def test_diffs_a_script_cannot_run_are_refused_in_one_line_before_it_starts(torchrun_store):
+    store = str(torchrun_store)
+    before = tree_snapshot(torchrun_store)
+    for args, says in [(("--step", "12", "--rank", "all"), "a script's ranks each train their own micro-batches"),
+                       (("--step", "40"), "not step 40"),
+                       ((store, "--step", "12"), "is a run of a script of its own"),
+                       (("--step", "12", "--rank", "2"), "recorded on ranks 0..1")]:
+        done = replay_cli("diff", store, *args)
+        assert done.returncode == 2 and says in error_line(done), (args, done.stderr)
+    assert tree_snapshot(torchrun_store) == before
+
+
 def test_an_edited_script_is_refused_unless_allowed(data_dir, tmp_path):
     script = tmp_path / "train.py"
     shutil.copy(EXAMPLE / "train.py", script)

@@ -22,6 +22,7 @@ STEP = 10
 def test_the_step_run_twice_as_recorded_is_the_same_bit_for_bit(two_rank_store):
     result = diff(Location.parse(two_rank_store), STEP, Overrides())
     assert result.first is None and result.differences == [] and result.only_in_a == result.only_in_b == []
+    assert result.notes == []   # each side's loss is the one the store logged for rank 0, bit for bit
     assert result.compared > 50   # every module's output and gradient, the attention calls', the weights'
     assert [(h.layer, h.head) for h in result.heads] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(h.o == h.do == h.dq == h.delta == 0 for h in result.heads)
@@ -66,6 +67,26 @@ def test_a_planted_perturbation_of_one_operation_is_named_as_the_first_differenc
                                                                             "output")
     assert first.deviation.max_abs > 0 and first.deviation.ulps <= 1
     assert all(d.order >= first.order for d in result.differences)
+
+
+def test_a_side_as_recorded_whose_loss_is_not_the_records_is_said(two_rank_store, monkeypatch):
+    """A test double for a machine that computes other bits: side A's model (the first built) has layer 0's MLP
+    output scaled by 1 + 2^-8. The answer says, in a note, that the step run here as the store ran it does not
+    give the loss the store logged."""
+    built = diff_module.build_model
+    models: list[torch.nn.Module] = []
+
+    def build_planted(*args, **kwargs):
+        model = built(*args, **kwargs)
+        models.append(model)
+        if len(models) == 1:
+            model.transformer.h[0].mlp.register_forward_hook(lambda module, inputs, output: output * (1 + 2 ** -8))
+        return model
+
+    monkeypatch.setattr(diff_module, "build_model", build_planted)
+    result = diff(Location.parse(two_rank_store), STEP, Overrides())
+    assert result.first is not None and len(result.notes) == 1, result.notes
+    assert result.notes[0].startswith(f"{Location.parse(two_rank_store)}'s step, run here as it ran, is not its record")
 
 
 def test_the_command_prints_the_first_difference_and_refuses_a_step_without_a_checkpoint(two_rank_store):
