@@ -230,10 +230,10 @@ def _prepare(location: Location, step: int, overrides: Overrides,
         raise UsageError("replay diff compares one step's forward and backward: --skip, --drop and --lr-scale "
                          "change no operation of it (replay run shows what they do)")
     if not store.capabilities.builtin:
-        script_a, script_b = _script_sides(location, store, step, overrides, rank)
-        assert store.manifest.command is not None, "a script's run holds its command"
-        with ScriptServer(store.manifest.command, keep=store.capabilities.serves_replays) as server:
-            script_a.ranks = script_b.ranks = server
+        played = _check_script_step(location, store, step, overrides, rank)
+        script_a = _ScriptSide(location, step, Overrides(), played, "a")
+        script_b = _ScriptSide(location, step, overrides, played, "b")
+        with _script_served(store, script_a, script_b):
             yield script_a, script_b
         return
     a = _as_run(location, step, rank)
@@ -241,14 +241,14 @@ def _prepare(location: Location, step: int, overrides: Overrides,
     yield a, dataclasses.replace(a, runs=side_b, notes=[])
 
 
-def _script_sides(location: Location, store: RunStore, step: int, overrides: Overrides,
-                  rank: int | None) -> tuple[_ScriptSide, _ScriptSide]:
-    """A script's run: each side a replay of step `step` (from the checkpoint at or before it) that traces it on
-    `rank`; checked here as `replay run` checks a replay, before either starts."""
+def _check_script_step(location: Location, store: RunStore, step: int, overrides: Overrides,
+                       rank: int | None) -> int:
+    """A script's run whose step `step` a replay can trace on `rank`, with `overrides`: checked here as `replay
+    run` checks a replay, before either side starts. Returns the rank."""
     manifest = store.manifest
     if store.kind != "run":
-        raise UsageError(f"{location} is a replay of a script's run: diff its run with the replay's overrides "
-                         "(replay diff RUN --step N --attention ...)")
+        raise UsageError(f"{location} is a replay of a script's run: diff the run against it (replay diff RUN "
+                         f"{location} --step N) or the run with its overrides (replay diff RUN --step N --attention ...)")
     store.check_relaunchable("replay diff")
     if store.capabilities.multi_node:
         raise UsageError(f"{location} was recorded on {store.capabilities.nodes} nodes: replay diff starts a "
@@ -264,8 +264,18 @@ def _script_sides(location: Location, store: RunStore, step: int, overrides: Ove
     if not 0 <= step < store.end_step:
         raise UsageError(f"{location}'s step log holds steps 0..{store.end_step - 1}, not step {step}: diff a step "
                          "the run trained")
-    apply_overrides(manifest.config, overrides, (step, step), store.capabilities)   # refused before either side runs
-    return (_ScriptSide(location, step, Overrides(), rank, "a"), _ScriptSide(location, step, overrides, rank, "b"))
+    apply_overrides(manifest.config, overrides, (step, step), store.capabilities)
+    return rank
+
+
+@contextlib.contextmanager
+def _script_served(store: RunStore, *sides: _ScriptSide) -> Iterator[None]:
+    """The sides' replays on the script's ranks, kept up between them where the script can serve replays."""
+    assert store.manifest.command is not None, "a script's run holds its command"
+    with ScriptServer(store.manifest.command, keep=store.capabilities.serves_replays) as server:
+        for side in sides:
+            side.ranks = server
+        yield
 
 
 def _two_runs(location: Location, other: Location, step: int,
@@ -292,6 +302,50 @@ def _two_runs(location: Location, other: Location, step: int,
     changes = {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
                if flat_a.get(k) != flat_b.get(k)}
     return a, b, changes
+
+
+@contextlib.contextmanager
+def _two_script_runs(location: Location, other: Location, step: int,
+                     rank: int | None) -> Iterator[tuple[_ScriptSide, _ScriptSide, dict[str, list[Any]]]]:
+    """Step `step` of a script's run and a replay of it (or two replays of it) as each ran it: each a replay of
+    the run's step with the overrides that act on it there, from the run's state at the step, which both hold
+    when no override of theirs acted before it."""
+    (root, ours), (root_b, theirs) = _as_script_replay(location, step), _as_script_replay(other, step)
+    if root != root_b:
+        raise UsageError(f"{location} and {other} are not replays of one script's run: replay diff A B of a script's "
+                         "runs compares a run with its replays")
+    store = RunStore.open(root)
+    played = _check_script_step(root, store, step, ours, rank)
+    _check_script_step(root, store, step, theirs, rank)
+    a, b = _ScriptSide(root, step, ours, played, "a"), _ScriptSide(root, step, theirs, played, "b")
+    flat_a = _flat(RunStore.open(location).manifest.config.to_dict())
+    flat_b = _flat(RunStore.open(other).manifest.config.to_dict())
+    changes = {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
+               if flat_a.get(k) != flat_b.get(k)}
+    with _script_served(store, a, b):
+        yield a, b, changes
+
+
+def _as_script_replay(location: Location, step: int) -> tuple[Location, Overrides]:
+    """A script's run, or a replay of it, at `step`: the run's location and the overrides that act on the step's
+    computation there; refused where the store's state at the step is not the run's (an override of the replay
+    acted before it)."""
+    store = RunStore.open(location)
+    spec = store.manifest.replay
+    if spec is None:
+        return location, Overrides()
+    if not spec.start_checkpoint <= step <= spec.stop:
+        raise UsageError(f"{location} replays steps {spec.start_checkpoint}..{spec.stop}, not step {step}")
+    given = spec.overrides
+    computing = Overrides(attention=given.attention, layers=given.layers, heads=given.heads, units=given.units,
+                          precision=given.precision, fix=given.fix, hp_delta=given.hp_delta)
+    acted = ([f"its overrides from step {spec.start}"] if given.to_dict() and spec.start < step else []) + \
+        [f"it skips step {s}" for s in spec.skip if s <= step] + [f"it leaves samples of step {s} out" for s, _ in
+                                                                  spec.drop if s <= step]
+    if acted:
+        raise UsageError(f"{location} does not hold the run's state at step {step} ({acted[0]}): replay diff A B runs "
+                         f"one step from one state; diff step {spec.start}, where it parts from the run")
+    return location.resolve(spec.parent), computing if step >= spec.start else Overrides()
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -400,6 +454,8 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
         elif overrides.to_dict():
             raise UsageError("replay diff A B runs the step as each run ran it: leave out the overrides (or diff one "
                              "store against its overrides: replay diff A --step N --attention ...)")
+        elif not RunStore.open(location).capabilities.builtin:
+            a, b, changes = held.enter_context(_two_script_runs(location, other, step, rank))
         else:
             a, b, changes = _two_runs(location, other, step, rank)
         with a.trace() as traced_a:   # side A's tensors, one after another, in a file

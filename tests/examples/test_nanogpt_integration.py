@@ -214,12 +214,30 @@ def test_a_scripts_step_captured_by_one_command_is_compared_by_another(torchrun_
     assert first["order"] > 10 and all(d["order"] >= first["order"] for d in answer["differences"])
 
 
+def test_a_scripts_run_diffed_against_its_counterfactual_replay_parts_at_the_replays_first_step(torchrun_store,
+                                                                                                  served):
+    """`replay diff RUN REPLAY --step N` of a script: the replay's overrides acted from its window's first step,
+    12, so step 12 is diffed from the state both hold, layer 1's attention output first, and the config change
+    named; step 13, after the replay's overrides acted, is refused."""
+    store = str(torchrun_store)
+    made = replay_cli("run", store, "--from", "12", "--to", "13", "--attention", "reference-emu:dtype=bf16", "--layers",
+                      "1", "--name", "cf-diff", "--json", ranks=served)
+    assert made.returncode == 0, made.stderr
+    replay = f"{store}/replays/cf-diff"
+    done = replay_cli("diff", store, replay, "--step", "12", "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert (answer["first"]["where"], answer["first"]["what"]) == ("attention 1", "O") and answer["notes"] == []
+    assert answer["changes"]["model.attention"][1] == "sdpa;1=reference-emu:dtype=bf16", answer["changes"]
+    later = replay_cli("diff", store, replay, "--step", "13")
+    assert later.returncode == 2 and "does not hold the run's state at step 13" in error_line(later)
+
+
 def test_diffs_a_script_cannot_run_are_refused_in_one_line_before_it_starts(torchrun_store):
     store = str(torchrun_store)
     before = tree_snapshot(torchrun_store)
     for args, says in [(("--step", "12", "--rank", "all"), "a script's ranks each train their own micro-batches"),
                        (("--step", "40"), "not step 40"),
-                       ((store, "--step", "12"), "is a run of a script of its own"),
                        (("--step", "12", "--rank", "2"), "recorded on ranks 0..1")]:
         done = replay_cli("diff", store, *args)
         assert done.returncode == 2 and says in error_line(done), (args, done.stderr)
