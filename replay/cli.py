@@ -499,7 +499,9 @@ def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_de
             raise UsageError("--capture writes a trace, --save a diff's answer: give one of them")
         check_name(save, "--save")
     if capture:
-        count = capture_trace(store, step, overrides, capture, rank, tuple(keep))
+        count, notes = capture_trace(store, step, overrides, capture, rank, tuple(keep))
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
         click.echo(f"trace {capture} of step {step}: {count} tensors' digests and statistics"
                    + (f", whole those of {', '.join(keep)}" if keep else "") + f", in {store}/traces/{capture}")
         return

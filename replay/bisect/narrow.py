@@ -545,8 +545,10 @@ class Bisect:
         no checkpoint there (a script's diff replays the steps before it itself)."""
         fix = self.fix
         first = steps.separation.first_bit if steps and steps.separation else None
-        if first is None or not (fix.touches_attention or fix.precision):
-            return None
+        caps = self.record.capabilities
+        if first is None or not (fix.touches_attention or fix.precision) or not caps.builtin and (
+                caps.sharded or caps.multi_node or self.record.manifest.sharding is not None):
+            return None   # a script's run whose step replay diff does not trace (docs/diff.md)
         scoped = (fix.with_scope(units=heads.heads) if heads and heads.heads else
                   fix.with_scope(layers=layers.layers) if layers and layers.layers else fix)
         if not self.record.capabilities.builtin or any(c.step == first for c in self.record.checkpoints()):

@@ -741,7 +741,6 @@ class Loop:
             return
         self._window_open = False
         try:
-            self._end_trace()
             last = self._current
             if not self._completed and last is not None and last.logged and last.settling is None \
                     and last.number == self._mode.recorder_config.total_steps - 1:
@@ -749,7 +748,10 @@ class Loop:
             self._finish()   # a loop left after its last log (a `break`): that step's checkpoint is still due
             self.recorder.close()
         finally:
-            self._mode.close()
+            try:
+                self._end_trace()   # a step left while traced (an error): its hooks out before the mode's plan
+            finally:
+                self._mode.close()
 
 
 class _Autocast:

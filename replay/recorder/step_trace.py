@@ -52,7 +52,6 @@ Keep = Callable[[str, torch.Tensor], None]            # ("CALL|WHAT", tensor): a
 
 CALL = ("O", "x", "dO", "dQ", "dK", "dV")   # what a call's per-head signals are computed from
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_TRACER = "replay-diff"   # the attention implementation a traced transformers model runs its own through
 _CALL_KEY = re.compile(r"attention \d+(#\d+)?")
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _INDEX = "index.json"
@@ -80,6 +79,7 @@ class TraceFile:
     def __init__(self, file: IO[bytes], entries: dict[str, Entry] | None = None, directory: Path | None = None,
                  owned: bool = False):
         self._file, self._directory, self._owned = file, directory, owned   # owned: the folder goes with it
+        self._closed = False
         self.entries: dict[str, Entry] = entries if entries is not None else {}   # in execution order
 
     def __enter__(self) -> TraceFile:
@@ -122,12 +122,16 @@ class TraceFile:
         os.replace(part, self._directory / _INDEX)
 
     def close(self) -> None:
+        self._closed = True
         self._file.close()
         if self._owned and self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
 
     def see(self, phase: str, where: str, what: str, t: torch.Tensor) -> None:
-        """Append a tensor of the step (a later one of the same key replaces it in the index)."""
+        """Append a tensor of the step (nothing once the trace is closed: a hook the step left on a tensor that a
+        later backward reaches)."""
+        if self._closed:
+            return
         t = t.detach().contiguous().cpu()
         self._file.seek(0, 2)
         self.entries[f"{phase}|{where}|{what}"] = Entry(f"{phase}|{where}|{what}", digest(t), self._file.tell(),
@@ -159,12 +163,19 @@ class TraceFile:
     def play(self, see: See, keep: Keep) -> None:
         """Hand every tensor of the trace to `see` and `keep` in execution order, as the step handed them."""
         for entry in self.entries.values():
-            phase, where, what = entry.key.split("|")
+            phase, where, what = split_key(entry.key)
             t = self.read(entry)
             if phase != "input":
                 see(phase, where, what, t)
             if _CALL_KEY.fullmatch(where) and what in CALL:
                 keep(f"{where}|{what}", t)
+
+
+def split_key(key: str) -> tuple[str, str, str]:
+    """A trace's key as (phase, where, what): a module's name may hold '|', the phase and what do not."""
+    phase, rest = key.split("|", 1)
+    where, what = rest.rsplit("|", 1)
+    return phase, where, what
 
 
 def call_phase(key: str) -> str:
@@ -205,12 +216,7 @@ class Tracer:
             for i, t in enumerate(_tensors(output)):
                 self.see("forward", key, "output" if i == 0 else f"output {i}", t)
                 if t.requires_grad:
-                    t.register_hook(self._backward(key, "grad of output" + (f" {i}" if i else "")))
-        return hook
-
-    def _backward(self, key: str, what: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self.see("backward", key, what, grad)
+                    t.register_hook(_Numbered(self.see, "backward", key, "grad of output" + (f" {i}" if i else "")))
         return hook
 
     def close(self) -> None:
@@ -222,22 +228,20 @@ class Tracer:
 def attention_traced(model: torch.nn.Module, see: See, keep: Keep) -> Iterator[None]:
     """Every attention call of a transformers `model` through the implementation it has now, its O and
     gradients (and S and P where they are handed out) to `see`, and to `keep` for the per-head signals with the
-    input of W_Q's projection; the model's own implementation set back at the end."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    input of W_Q's projection. The implementation keeps its name (transformers' code asks the name: flash
+    attention's kernel, GPT-2's eager upcast, the masks), its function swapped in the attention interface for
+    the block."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config: Any = model.config
     name = config._attn_implementation
     modules = hf_attention_modules(model)
-    inner = (ALL_ATTENTION_FUNCTIONS[name] if name != "eager"
-             else sys.modules[type(modules[0]).__module__].eager_attention_forward)
+    inner = ALL_ATTENTION_FUNCTIONS.get(name, sys.modules[type(modules[0]).__module__].eager_attention_forward)
     calls = _Calls()
     inputs: dict[int, torch.Tensor] = {}
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        inputs[module.layer_idx] = hidden.detach()
+        inputs[module.layer_idx] = _first_tensor(args, kwargs)
 
     def traced(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                **kwargs: Any) -> Any:
@@ -255,20 +259,41 @@ def attention_traced(model: torch.nn.Module, see: See, keep: Keep) -> Iterator[N
             see("forward", where, "S", scores)
         if isinstance(weights, torch.Tensor):   # transformers' eager attention returns its P (after its dropout)
             see("forward", where, "P", weights)
-        heads_o = o.transpose(1, 2) if o.dim() == 4 and o.shape[1] != query.shape[1] else o   # (B, H, T, D)
-        _traced_call(see, keep, where, heads_o, inputs[layer], (query, key, value), o, transposed=heads_o is not o)
+        # an attention function returns (batch, tokens, heads, head dim): O as (batch, heads, tokens, head dim)
+        _traced_call(see, keep, where, o.transpose(1, 2), inputs[layer], (query, key, value), o, transposed=True)
         return out
 
-    AttentionInterface.register(_TRACER, traced)
-    AttentionMaskInterface.register(_TRACER, ALL_MASK_ATTENTION_FUNCTIONS[name])   # the mask its own gets
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in modules]
-    model.set_attn_implementation(_TRACER)   # type: ignore[operator]
     try:
-        yield
+        with _swapped(ALL_ATTENTION_FUNCTIONS, name, traced):
+            yield
     finally:
         for h in hooks:
             h.remove()
-        model.set_attn_implementation(name)   # type: ignore[operator]
+        inputs.clear()
+
+
+@contextlib.contextmanager
+def _swapped(interface: Any, name: str, function: Callable[..., Any]) -> Iterator[None]:
+    """`interface[name]` is `function` for the block, then what it was (or nothing) again: in the mapping that
+    answers for the name (an interface's own, else the one its class shares)."""
+    mapping = interface._local_mapping if name in interface._local_mapping else type(interface)._global_mapping
+    missing = object()
+    was = mapping.get(name, missing)
+    mapping[name] = function
+    try:
+        yield
+    finally:
+        if was is missing:
+            del mapping[name]
+        else:
+            mapping[name] = was
+
+
+def _first_tensor(args: Any, kwargs: Any) -> torch.Tensor:
+    """A module's input: its first tensor argument, positional or by keyword (empty where it has none)."""
+    found = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+    return torch.empty(0) if found is None else found.detach()
 
 
 @contextlib.contextmanager
@@ -280,7 +305,7 @@ def sdpa_traced(modules: list[torch.nn.Module], see: See, keep: Keep) -> Iterato
     handles = []
     try:
         for layer, module in enumerate(modules):
-            handles.append(module.register_forward_pre_hook(mode.entering(layer)))
+            handles.append(module.register_forward_pre_hook(mode.entering(layer), with_kwargs=True))
             handles.append(module.register_forward_hook(mode.leaving(), always_call=True))
         with mode:
             yield
@@ -297,8 +322,8 @@ class _SdpaCalls(TorchFunctionMode):
         self.calls = _Calls()
 
     def entering(self, layer: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self.active.append((layer, args[0].detach() if args else torch.empty(0)))
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            self.active.append((layer, _first_tensor(args, kwargs)))
         return hook
 
     def leaving(self) -> Callable[..., None]:
@@ -370,11 +395,27 @@ def whole_heads(see: See, where: str, n_head: int) -> internals.Watcher:
 
 
 def _grad_hook(see: See, keep: Keep, where: str, what: str, transposed: bool = False) -> Callable[[torch.Tensor], None]:
+    handed = _Numbered(see, "backward", where, what)
+
     def hook(grad: torch.Tensor) -> None:
         grad = grad.transpose(1, 2) if transposed else grad
-        see("backward", where, what, grad)
-        keep(f"{where}|{what}", grad.detach())
+        handed(grad)
+        if handed.fired == 1:   # a second backward through the call (a graph kept) is traced, not kept
+            keep(f"{where}|{what}", grad.detach())
     return hook
+
+
+class _Numbered:
+    """A gradient hook that hands its gradient to `see`, numbered from its second firing on (`what #1`, ...: a
+    second backward through a kept graph), so that no key is seen twice."""
+
+    def __init__(self, see: See, phase: str, where: str, what: str):
+        self.see, self.phase, self.where, self.what = see, phase, where, what
+        self.fired = 0
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.see(self.phase, self.where, self.what if self.fired == 0 else f"{self.what} #{self.fired}", grad)
+        self.fired += 1
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -415,6 +456,7 @@ class StepTrace:
                 self._exits.callback(handle.remove)
         except BaseException:
             self._exits.close()
+            self.file.close()
             raise
 
     def _gradients(self) -> None:
@@ -428,10 +470,12 @@ class StepTrace:
     def end(self) -> None:
         """The step is done: the hooks removed, the gradients (if no optimizer step took them) and the index
         written."""
-        self._exits.close()
-        self._gradients()
-        self.file.save()
-        self.file.close()
+        try:
+            self._exits.close()
+            self._gradients()
+            self.file.save()
+        finally:
+            self.file.close()
 
 
 def _attention_modules(model: torch.nn.Module, pattern: str | None) -> list[torch.nn.Module]:

@@ -104,7 +104,7 @@ class _Side:
     ids: list[np.ndarray]      # per rank played, its micro-batches' sample ids
     shard: dict[str, Any]      # rank 0's: the replicated model
     rngs: list[Any]            # per rank played, its RNG states
-    losses: list[float]        # per rank played, the loss the store logged for its micro-batches at the step
+    losses: dict[int, float]   # per rank played, the loss the store logged for its micro-batches at the step
     store: str                 # the run's location, for the notes
     notes: list[str] = field(default_factory=list)
 
@@ -155,13 +155,14 @@ class _ScriptSide:
         traced = TraceFile.open(folder, owned=True)
         if traced is None:
             shutil.rmtree(folder, ignore_errors=True)
-            raise ReplayError(f"the script's replay of step {self.step} ran but rank {self.rank} never began the "
-                              "step through the loop (`for step in loop.steps()`): nothing of it was traced")
-        self.notes += _verified(done.verification, self.step, self.overrides)
+            raise ReplayError(f"the script's replay of step {self.step} ran but left no trace in {folder}: rank "
+                              f"{self.rank} never began the step through `loop.steps()`, or its process cannot "
+                              "write there (a temporary folder of its own: set TMPDIR to a folder both share)")
+        self.notes += _verified(done.verification, self.step, self.overrides, self.label.upper())
         return traced
 
 
-def _verified(verification: Verification | None, step: int, overrides: Overrides) -> list[str]:
+def _verified(verification: Verification | None, step: int, overrides: Overrides, side: str) -> list[str]:
     """What a side's replay says against the record where it is not what the diff takes it for: the side as
     recorded not the record bit for bit, or the steps before `step` of the side with overrides not the record's."""
     if verification is None or verification.divergence is None:
@@ -169,9 +170,9 @@ def _verified(verification: Verification | None, step: int, overrides: Overrides
     first = verification.divergence.step
     if overrides.to_dict() and first >= step:   # the overrides' own difference, from the step on
         return []
-    side = "side B (with the overrides)" if overrides.to_dict() else "side A (as recorded)"
-    return [f"{side}: its replay is not the record bit for bit from step {first} on ({verification.describe()}): "
-            "the sides are this machine's runs of the step, not the record's"]
+    how = "with its overrides" if overrides.to_dict() else "as recorded"
+    return [f"side {side} ({how}): its replay is not the record bit for bit from step {first} on "
+            f"({verification.describe()}): the sides are this machine's runs of the step, not the record's"]
 
 
 def _as_run(location: Location, step: int, rank: int | None) -> _Side:
@@ -205,7 +206,7 @@ def _as_run(location: Location, step: int, rank: int | None) -> _Side:
         raise UsageError(f"{location}'s checkpoints hold each rank's piece of the model (DeepSpeed ZeRO): replay diff "
                          "restores a whole model, from a run of plain or DDP ranks")
     return _Side(manifest.config, manifest.config, data, [recorded_ids[r] for r in ranks], shard, rngs,
-                 [float(losses[r]) for r in ranks], str(location))
+                 {r: float(losses[r]) for r in ranks}, str(location))
 
 
 def _state_at(location: Location, store: RunStore, step: int) -> RunStore | None:
@@ -248,7 +249,7 @@ def _check_script_step(location: Location, store: RunStore, step: int, overrides
     manifest = store.manifest
     if store.kind != "run":
         raise UsageError(f"{location} is a replay of a script's run: diff the run against it (replay diff RUN "
-                         f"{location} --step N) or the run with its overrides (replay diff RUN --step N --attention ...)")
+                         f"{location} --step N), or the run with its overrides (replay diff RUN --step N ...)")
     store.check_relaunchable("replay diff")
     if store.capabilities.multi_node:
         raise UsageError(f"{location} was recorded on {store.capabilities.nodes} nodes: replay diff starts a "
@@ -374,13 +375,14 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def capture(location: Location, step: int, overrides: Overrides, name: str, rank: int | None = 0,
-            keep: tuple[str, ...] = ()) -> int:
+            keep: tuple[str, ...] = ()) -> tuple[int, list[str]]:
     """`replay diff --capture NAME`: the step as the store ran it (with `overrides`, if any), every tensor's
     digest and statistics in execution order, written into the store as the trace NAME, for a comparison in
     another process or on another machine (`diff(..., against=NAME)`); whole tensors only of the modules and
     attention calls `keep` names (`attention 1`: every call of layer 1's attention, with its W_Q input; a
     module path: the module and those inside it), so that the comparison has their deviations. Returns how
-    many tensors the trace covers."""
+    many tensors the trace covers, and what the side's run said of itself (a side as recorded that is not its
+    record here), which the trace keeps too."""
     check_name(name, "--capture")
     entries: list[dict[str, Any]] = []
     whole: dict[int, torch.Tensor] = {}   # the entries kept whole, by their place in `entries`
@@ -409,8 +411,8 @@ def capture(location: Location, step: int, overrides: Overrides, name: str, rank
                               "kept": store.write_trace_tensor(name, f"x{j}", raw(t.contiguous()).numpy())}
                        for j, (call, t) in enumerate(sorted(wq_inputs.items()))}
         store.write_trace(name, {"step": step, "rank": rank, "overrides": overrides.to_dict(), "machine": _machine(),
-                                 "entries": entries, "wq_inputs": kept_inputs})
-    return len(entries)
+                                 "entries": entries, "wq_inputs": kept_inputs, "notes": side.notes})
+    return len(entries), side.notes
 
 
 def _kept(where: str, keep: tuple[str, ...]) -> bool:
@@ -458,13 +460,15 @@ def diff(location: Location, step: int, overrides: Overrides, against: str | Non
             a, b, changes = held.enter_context(_two_script_runs(location, other, step, rank))
         else:
             a, b, changes = _two_runs(location, other, step, rank)
-        with a.trace() as traced_a:   # side A's tensors, one after another, in a file
-            comparison = _Comparison(traced_a)
-            b.play(comparison.see, comparison.heads.put)
+        with contextlib.ExitStack() as traces:
+            # a script's side B replays first: an override of it that reaches nothing is refused before A is paid for
+            traced_b = traces.enter_context(b.trace()) if isinstance(b, _ScriptSide) else None
+            comparison = _Comparison(traces.enter_context(a.trace()))   # A's tensors, one after another, in a file
+            (b if traced_b is None else traced_b).play(comparison.see, comparison.heads.put)
     return StepDiff(str(location), step, overrides.to_dict(), comparison.compared, _first(comparison.differences),
                     comparison.differences, comparison.heads_with_scores(), comparison.only_in_a(),
                     comparison.only_in_b, other=None if other is None else str(other), changes=changes, rank=rank,
-                    notes=a.notes + b.notes)
+                    notes=list(dict.fromkeys(a.notes + b.notes)))
 
 
 class _Comparison:
@@ -555,7 +559,7 @@ def _against(location: Location, step: int, overrides: Overrides, name: str, ran
                     [key.replace("|", " ") for key in theirs if key not in ours],
                     [key.replace("|", " ") for key in produced if key not in theirs],
                     against={"trace": name, "machine": trace["machine"], "overrides": trace["overrides"]}, rank=rank,
-                    notes=side.notes)
+                    notes=list(dict.fromkeys([f"the trace: {note}" for note in trace.get("notes", [])] + side.notes)))
 
 
 def _deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
@@ -643,7 +647,7 @@ def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None],
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     try:
         with attention_traced(model, see, keep):
-            for ids, rng, logged in zip(side.ids, side.rngs, side.losses, strict=True):
+            for ids, rng, (rank, logged) in zip(side.ids, side.rngs, side.losses.items(), strict=True):
                 set_rng_state(rng)
                 total = torch.zeros((), dtype=torch.float32)   # the rank's loss, summed as the trainer sums it
                 for micro in ids:
@@ -654,9 +658,9 @@ def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None],
                     total += loss.detach()
                 if cfg == side.built and float(total / len(ids)) != logged:   # as the store ran it: its loss
                     side.notes.append(f"{side.store}'s step, run here as it ran, is not its record: its loss on "
-                                      f"these micro-batches is {float(total / len(ids))!r}, the record's {logged!r} "
-                                      "(another CPU, or torch, computes other bits): the sides are this machine's "
-                                      "runs of the step")
+                                      f"rank {rank}'s micro-batches is {float(total / len(ids))!r}, the record's "
+                                      f"{logged!r} (another CPU, or torch, computes other bits): the sides are this "
+                                      "machine's runs of the step")
     finally:
         tracer.close()
     for name, p in model.named_parameters():
@@ -699,6 +703,9 @@ class _HeadStats:
             nonzero = e[:, h][e[:, h] != 0]
             per[(layer, h)]["delta"].append(float(e[:, h].abs().max()))
             per[(layer, h)]["sign"].append(float(torch.sign(nonzero).mean()) if nonzero.numel() else 0.0)
+            if x.dim() != 3 or x.shape[0] * x.shape[1] != dq.shape[0] * dq.shape[2]:   # no (B, T, C) input seen
+                per[(layer, h)]["align"].append(math.nan)
+                continue
             # token t's rank-1 term of the error is x_t e_t^T: their sum is X^T E, and |x_t e_t^T| = |x_t| |e_t|
             xs, es = x.reshape(-1, x.shape[-1]), dq[:, h].reshape(-1, dq.shape[-1])
             total = float(torch.linalg.norm(xs.T @ es))

@@ -38,15 +38,19 @@ def _gradients(model: torch.nn.Module, ids: torch.Tensor, traced: TraceFile | No
 def test_a_traced_step_has_the_gradients_of_the_untraced_one_bit_for_bit():
     """The hooks add no node to the backward's graph (a module's full backward hook would, and changes the order
     in which the three projections' gradients of the normed hidden state are summed): every gradient is the same
-    bits traced or not, and the model's attention implementation is its own again afterwards."""
+    bits traced or not, and the attention interface's function is its own again afterwards (its name never
+    changed: transformers' code reads it)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     model = _llama()
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
     plain = _gradients(model, ids, None)
     with TraceFile.temporary() as traced:
         seen = _gradients(model, ids, traced)
         keys = list(traced.entries)
     assert tensors_equal(seen, plain)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "sdpa" and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa   # as it was
     assert "backward|model.layers.0.self_attn.q_proj|grad of output" in keys
     assert {"forward|attention 1|O", "backward|attention 1|dK", "input|attention 1|x"} <= set(keys)
     assert keys.index("forward|attention 0|O") < keys.index("forward|attention 1|O") < \
