@@ -299,10 +299,14 @@ def _two_runs(location: Location, other: Location, step: int,
                                           zip(a.ids, b.ids, strict=True) for x, y in zip(xs, ys, strict=True)):
         raise UsageError(f"{location} and {other} train different samples at step {step} ({_whose(rank)}): replay diff "
                          "compares one step on the same samples")
-    flat_a, flat_b = _flat(a.runs.to_dict()), _flat(b.runs.to_dict())
-    changes = {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
-               if flat_a.get(k) != flat_b.get(k)}
-    return a, b, changes
+    return a, b, _changes(a.runs, b.runs)
+
+
+def _changes(a: RunConfig, b: RunConfig) -> dict[str, list[Any]]:
+    """How config `b` differs from `a`: each differing key (dotted) with [a's value, b's]."""
+    flat_a, flat_b = _flat(a.to_dict()), _flat(b.to_dict())
+    return {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
+            if flat_a.get(k) != flat_b.get(k)}
 
 
 @contextlib.contextmanager
@@ -319,10 +323,7 @@ def _two_script_runs(location: Location, other: Location, step: int,
     played = _check_script_step(root, store, step, ours, rank)
     _check_script_step(root, store, step, theirs, rank)
     a, b = _ScriptSide(root, step, ours, played, "a"), _ScriptSide(root, step, theirs, played, "b")
-    flat_a = _flat(RunStore.open(location).manifest.config.to_dict())
-    flat_b = _flat(RunStore.open(other).manifest.config.to_dict())
-    changes = {k: [flat_a.get(k), flat_b.get(k)] for k in sorted(flat_a.keys() | flat_b.keys())
-               if flat_a.get(k) != flat_b.get(k)}
+    changes = _changes(RunStore.open(location).manifest.config, RunStore.open(other).manifest.config)
     with _script_served(store, a, b):
         yield a, b, changes
 
