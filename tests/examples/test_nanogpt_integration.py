@@ -177,27 +177,6 @@ def test_a_halved_learning_rate_changes_the_state_at_from_and_the_loss_one_step_
     assert (replayed != RunStore.open(torchrun_store).read_steps(["loss"], start=16, stop=18)["loss"]).all()
 
 
-def test_diff_of_a_scripts_step_names_layer_1s_attention_and_leaves_the_store_as_it_was(torchrun_store):
-    """`replay diff` of a script's run: step 12 replayed twice through the script (from checkpoint 10), side A
-    as recorded (its replay checked bit for bit against the record: no note), side B with layer 1's attention on
-    emulated BF16, every tensor of rank 0's step traced by the loop. The first difference is layer 1's attention
-    output; layer 0's heads' O are untouched; both replays are removed."""
-    before = tree_snapshot(torchrun_store)
-    done = replay_cli("diff", str(torchrun_store), "--step", "12", "--attention", "reference-emu:dtype=bf16",
-                      "--layers", "1", "--json")
-    assert done.returncode == 0, done.stderr
-    answer = json.loads(done.stdout)
-    first = answer["first"]
-    assert (first["phase"], first["where"], first["what"]) == ("forward", "attention 1", "O"), first
-    assert 0 < first["deviation"]["relative"] < 0.1 and answer["notes"] == []
-    o = {(h["layer"], h["head"]): h["o"] for h in answer["heads"]}
-    assert sorted(o) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert o[(0, 0)] == o[(0, 1)] == 0 and min(o[(1, 0)], o[(1, 1)]) > 0
-    grads = {d["where"] for d in answer["differences"] if d["phase"] == "gradient"}
-    assert "transformer.h.1.attn.c_attn.weight" in grads and "transformer.wte.weight" in grads
-    assert tree_snapshot(torchrun_store) == before
-
-
 def test_a_scripts_step_captured_by_one_command_is_compared_by_another(torchrun_store):
     """The script's step as recorded, captured (`--capture`, layer 1's attention kept whole) by one command's
     replay and compared by another's with layer 1 on emulated BF16: every tensor before layer 1's O has the
@@ -216,19 +195,30 @@ def test_a_scripts_step_captured_by_one_command_is_compared_by_another(torchrun_
 
 def test_a_scripts_run_diffed_against_its_counterfactual_replay_parts_at_the_replays_first_step(torchrun_store,
                                                                                                   served):
-    """`replay diff RUN REPLAY --step N` of a script: the replay's overrides acted from its window's first step,
-    12, so step 12 is diffed from the state both hold, layer 1's attention output first, and the config change
-    named; step 13, after the replay's overrides acted, is refused."""
+    """`replay diff RUN REPLAY --step N` of a script, the replay's layer 1 on emulated BF16 attention from step 12:
+    step 12 replayed twice through the script (from checkpoint 10), every tensor of rank 0's step traced by its
+    loop, side A as recorded (its replay checked against the record: no note) and side B as the replay ran it.
+    Layer 1's attention output is the first difference, layer 0's heads' O are untouched, the config change is
+    named, and both replays are removed; step 13, after the replay's overrides acted, is refused."""
     store = str(torchrun_store)
     made = replay_cli("run", store, "--from", "12", "--to", "13", "--attention", "reference-emu:dtype=bf16", "--layers",
                       "1", "--name", "cf-diff", "--json", ranks=served)
     assert made.returncode == 0, made.stderr
     replay = f"{store}/replays/cf-diff"
+    before = tree_snapshot(torchrun_store)
     done = replay_cli("diff", store, replay, "--step", "12", "--json")
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
-    assert (answer["first"]["where"], answer["first"]["what"]) == ("attention 1", "O") and answer["notes"] == []
+    first = answer["first"]
+    assert (first["phase"], first["where"], first["what"]) == ("forward", "attention 1", "O"), first
+    assert 0 < first["deviation"]["relative"] < 0.1 and answer["notes"] == []
     assert answer["changes"]["model.attention"][1] == "sdpa;1=reference-emu:dtype=bf16", answer["changes"]
+    o = {(h["layer"], h["head"]): h["o"] for h in answer["heads"]}
+    assert sorted(o) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert o[(0, 0)] == o[(0, 1)] == 0 and min(o[(1, 0)], o[(1, 1)]) > 0
+    grads = {d["where"] for d in answer["differences"] if d["phase"] == "gradient"}
+    assert "transformer.h.1.attn.c_attn.weight" in grads and "transformer.wte.weight" in grads
+    assert tree_snapshot(torchrun_store) == before
     later = replay_cli("diff", store, replay, "--step", "13")
     assert later.returncode == 2 and "does not hold the run's state at step 13" in error_line(later)
 
