@@ -44,7 +44,7 @@ from replay.store.lease import Lease, require
 from replay.store.lifecycle import create_run, no_data, resume_run
 from replay.store.location import Location, Where
 from replay.store.run_store import DigestInfo
-from replay.store.tensors import Packed, pack, whole_buffer
+from replay.store.tensors import Packed, pack, same_bits, whole_buffer
 
 
 class TrainState(Protocol):
@@ -207,7 +207,7 @@ class Recorder:
                                    lambda r: store.read_subtree(step, r, ("state", "local")))
         set_rng_state(own["rng"])
         for rank in self.ranks[1:]:   # one process, one set of generators: the ranks it plays must agree
-            if not _same(store.read_subtree(step, rank, ("rng",)), own["rng"]):
+            if not same_bits(store.read_subtree(step, rank, ("rng",)), own["rng"]):
                 raise ReplayError(f"recorded ranks {self.ranks[0]} and {rank} hold different RNG states at step "
                                   f"{step}: one process cannot play both; replay on the recorded ranks")
 
@@ -487,14 +487,3 @@ def _padded(digest: np.ndarray, width: int) -> np.ndarray:
     return digest if len(digest) == width else np.concatenate([digest, np.zeros(width - len(digest), np.uint32)])
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Two state trees (dicts, lists, tensors, arrays, scalars) hold the same values, bit for bit."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(np.asarray(a), np.asarray(b))
-    return bool(a == b)

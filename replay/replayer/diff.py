@@ -6,18 +6,21 @@ gradients averaged as DDP's, up to the order of the sum) forward and backward, n
 
 Every tensor the step produces is compared, in execution order: each module's output (forward), the gradient
 of each module's output (backward), every attention call's output O and gradients dO, dQ, dK, dV (per head),
-and each parameter's gradient at the end. Side A runs first and keeps each tensor in a temporary file (in
-memory only its attention calls' tensors, for the per-head signals); side B compares each of its tensors with
-A's as it is produced, by a CRC-32C of its bytes, and reads A's from the file only where they differ, for the
-deviation (max and mean absolute, relative, in ULPs of A's largest magnitude in A's format). The first
+and each parameter's gradient at the end. Side A runs first and keeps each tensor in a temporary file;
+side B compares each of its tensors with A's as it is produced, by a CRC-32C of its bytes (`_Comparison`), and
+reads A's from the file only where they differ, for the deviation (max and mean absolute, relative, in
+ULPs of A's largest magnitude in A's format). The first
 differing tensor in B's order is the first difference. For the attention calls, per head:
 the deviation of O, dO, dQ, dK, dV, and of `delta = rowsum(dO * O)` with the sign bias of its error (Qiu & Yao's
 mechanism: a biased delta error has one sign), and how aligned the rank-1 terms of W_Q's gradient error are
 across tokens (1: every token's term points one way, as a bias does).
 
 Without overrides both sides are the record: a step that runs the same twice in one process reports no
-difference (and one that does not, its first nondeterministic operation). The built-in trainer's runs (GPT-2),
-one rank's micro-batches; a checkpoint at step N is needed (a replay with `--checkpoint-every 1` writes one).
+difference (and one that does not, its first nondeterministic operation). The built-in trainer's runs (GPT-2)
+run in this process and need a checkpoint at step N (a replay with `--checkpoint-every 1` writes one); a side as
+recorded must give the loss the store logged. A script's run (`_ScriptSide`) is replayed through the script
+instead, once per side, its `Loop` tracing the step on one rank into a folder (recorder/step_trace.py), and the
+two traces compared alike.
 
 `replay diff A B --step N` runs the step as each of two runs (or replays) ran it, from the state and samples they
 share at N (checked bit for bit first: the model, the RNG states, the rank's samples and their tokens), side B
@@ -73,6 +76,7 @@ from replay.store.location import Location
 from replay.store.manifest import TraceRequest
 from replay.store.overrides import Overrides
 from replay.store.step_diff import Deviation, Difference, HeadDiff, StepDiff
+from replay.store.tensors import same_bits
 from replay.store.verification import Verification
 from replay.train.data import load_data
 from replay.train.model import build_model, lm_loss
@@ -288,14 +292,14 @@ def _two_runs(location: Location, other: Location, step: int,
     if model_a.keys() != model_b.keys():
         raise UsageError(f"{location} and {other} are not the same model (their parameters differ): replay diff "
                          "compares one step of two runs of one model")
-    parted = next((key for key in model_a if not _same(model_a[key], model_b[key])), None)
-    if parted is None and not _same(a.rngs, b.rngs):
+    parted = next((key for key in model_a if not same_bits(model_a[key], model_b[key])), None)
+    if parted is None and not same_bits(a.rngs, b.rngs):
         parted = "the random generators' states"
     if parted is not None:
         raise UsageError(f"{location} and {other} hold different states at step {step} ({parted} differs): replay "
                          "diff runs one step from one state; diff the step where they part, the last whose state "
                          "they share")
-    if not _same(a.ids, b.ids) or not all(_same(a.data.batch(x), b.data.batch(y)) for xs, ys in
+    if not same_bits(a.ids, b.ids) or not all(same_bits(a.data.batch(x), b.data.batch(y)) for xs, ys in
                                           zip(a.ids, b.ids, strict=True) for x, y in zip(xs, ys, strict=True)):
         raise UsageError(f"{location} and {other} train different samples at step {step} ({_whose(rank)}): replay diff "
                          "compares one step on the same samples")
@@ -348,21 +352,6 @@ def _as_script_replay(location: Location, step: int) -> tuple[Location, Override
         raise UsageError(f"{location} does not hold the run's state at step {step} ({acted[0]}): replay diff A B runs "
                          f"one step from one state; diff step {spec.start}, where it parts from the run")
     return location.resolve(spec.parent), computing if step >= spec.start else Overrides()
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal bit for bit: tensors, arrays and the dicts, lists and scalars around them."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and bool((raw(a.contiguous()) == raw(b.contiguous())).all()))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-                and a.shape == b.shape and a.tobytes() == b.tobytes())
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

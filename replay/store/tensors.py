@@ -191,3 +191,23 @@ def _unkey(k: Any) -> Any:
 
 def _segment(k: Any) -> str:
     return str(k).replace("/", "|")
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Two state trees (dicts, lists or tuples, tensors, arrays, scalars) hold the same values bit for bit: a
+    tensor's or an array's type, shape and bytes (a NaN equals a NaN of its bits; -0.0 is not 0.0)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b)))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and a.tobytes() == b.tobytes())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
