@@ -460,7 +460,8 @@ def _tile(text: str) -> tuple[int, int]:
 @main.command("diff")
 @click.argument("store", type=STORE)
 @click.argument("other", type=STORE, required=False)
-@click.option("--step", required=True, type=int, help="The step to run twice (a committed checkpoint there).")
+@click.option("--step", required=True, type=int, help="The step to run twice (a built-in run's: a committed "
+              "checkpoint there; a script's: replayed through the script from the checkpoint before it).")
 @_attention_options
 @click.option("--capture", help="Write this side's trace (every tensor's digest and statistics) into the store "
               "under this name, to compare in another process or on another machine, instead of diffing.")
@@ -476,8 +477,9 @@ def _tile(text: str) -> tuple[int, int]:
 @_main_errors
 def diff_cmd(store, other, step, attention, layers, heads, precision, fix, hp_delta, capture, against, keep, save,
              rank, top, as_json) -> None:
-    """Run step N of the run in STORE twice from its checkpoint, as recorded (A) and with the overrides (B),
-    or as STORE and OTHER (two runs or replays with the same state and samples at N) each ran it, and say
+    """Run step N of the run in STORE twice from its checkpoint (a script's run: through the script), as
+    recorded (A) and with the overrides (B), or as STORE and OTHER (two runs or replays with the same state and
+    samples at N) each ran it, and say
     where they first part: every module's output and gradient, every attention call's O, dO, dQ, dK and dV,
     and every weight gradient, compared as they are produced; per attention head, the deviations and Qiu &
     Yao's signals (delta's sign bias, W_Q's gradient error alignment)."""

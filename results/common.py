@@ -61,6 +61,10 @@ class Context:
     def __post_init__(self):
         self.log = self.work / "logs"
 
+    def note_reused(self, output: str) -> None:
+        """An earlier run's output (a store, a command's answer) that the calling section's thread reuses."""
+        self.reused.append((threading.current_thread().name, output))
+
 
 @dataclass
 class Section:
@@ -91,7 +95,7 @@ def cli(ctx: Context, *args: Any, as_json: bool = False, commands: list[str] | N
         first, _, stored = cache.read_text().partition("\n")
         if first == f"$ {line}":
             print(f"  (reused) $ {line}", file=sys.stderr)
-            ctx.reused.append((threading.current_thread().name, line))
+            ctx.note_reused(line)
             return json.loads(stored) if as_json else stored
     ctx.log.mkdir(parents=True, exist_ok=True)
     log = ctx.log / f"{time.strftime('%H%M%S')}-{args[0]}-{os.urandom(3).hex()}.log"
@@ -170,7 +174,7 @@ def complete_store(ctx: Context, store: Path) -> bool:
         done = False
     if done:
         print(f"  (reused) {store}", file=sys.stderr)
-        ctx.reused.append((threading.current_thread().name, str(store)))
+        ctx.note_reused(str(store))
     else:
         print(f"  {store} is incomplete: recording it anew", file=sys.stderr)
         shutil.rmtree(store)

@@ -33,7 +33,7 @@ def story(ctx: Context) -> Section:
     else:
         store = ctx.work / "demo"
         if store.exists():   # `replay demo` reuses the stages already done there
-            ctx.reused.append(str(store))
+            ctx.note_reused(str(store))
         demo = cli(ctx, "demo", "--out", store, commands=commands)
         body.append("What `replay demo` printed:\n\n```\n" + demo.strip() + "\n```")
         bisect = ["bisect", store, "--fix", FIX, "--json"]   # the demo's session: answered from the store
