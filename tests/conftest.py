@@ -170,12 +170,12 @@ def _file_seconds(path: Path) -> float:
 
 # The integration files' seconds in `make test` (their tests' setup, call and teardown, summed; tests/conftest.py
 # orders the files by it), the 32 longest, from a run on 2 cores, AMD EPYC without AVX-512 (2026-11-27; the
-# Accelerate file's dispatcher tests and the script diffs of the nanoGPT and Llama files, added after, measured
-# alone): what matters is their order. A new long file
-# belongs here; the others run after these in collection order.
+# Accelerate file's dispatcher tests and the script diffs of the nanoGPT, Llama and Lightning files, added after,
+# measured alone): what matters is their order. A new long file belongs here; the others run after these in
+# collection order.
 FILE_SECONDS = {
     "examples/test_accelerate_integration.py": 354, "launch/test_multinode_integration.py": 246,
-    "examples/test_hf_trainer_integration.py": 232, "examples/test_lightning_integration.py": 226,
+    "examples/test_hf_trainer_integration.py": 232, "examples/test_lightning_integration.py": 240,
     "store/test_s3_store_integration.py": 215, "examples/test_nanogpt_integration.py": 280,
     "bisect/test_narrow_integration.py": 184, "examples/test_streaming_integration.py": 179,
     "test_results_integration.py": 159, "examples/test_dataloader_integration.py": 155,

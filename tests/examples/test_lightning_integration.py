@@ -76,6 +76,18 @@ def test_replays_across_epochs_are_bit_for_bit_and_changes_diverge_at_from(recor
     assert "Traceback" not in refused.stderr, refused.stderr
 
 
+def test_diff_of_a_step_traces_lightnings_own_step_without_changing_its_bits(recorded):
+    """`replay diff` through the callback: step 4 replayed twice under Lightning's Trainer, DDP and BF16 precision
+    plugin, rank 0's step traced by the loop; side A's replay is the record bit for bit (no note), and layer 1's
+    attention on emulated BF16 is the first difference."""
+    done = replay_cli("diff", str(recorded), "--step", "4", "--attention", "reference-emu:dtype=bf16", "--layers", "1",
+                      "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["notes"] == [] and (answer["first"]["where"], answer["first"]["what"]) == ("attention 1", "O")
+    assert {(h["layer"], h["head"]) for h in answer["heads"] if h["o"] > 0} == {(1, h) for h in range(4)}
+
+
 def test_a_killed_recording_resumes_to_the_uninterrupted_one(recorded, token_file, tmp_path):
     store = tmp_path / "cut"
     args = [f"--data_dir={token_file.parent}", f"--store={store}", *SETTINGS]
