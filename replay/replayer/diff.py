@@ -327,7 +327,9 @@ def _two_script_runs(location: Location, other: Location, step: int,
     played = _check_script_step(root, store, step, ours, rank)
     _check_script_step(root, store, step, theirs, rank)
     a, b = _ScriptSide(root, step, ours, played, "a"), _ScriptSide(root, step, theirs, played, "b")
-    changes = _changes(RunStore.open(location).manifest.config, RunStore.open(other).manifest.config)
+    recorded, caps = store.manifest.config, store.capabilities   # the configs the two sides run the step with
+    changes = _changes(apply_overrides(recorded, ours, (step, step), caps),
+                       apply_overrides(recorded, theirs, (step, step), caps))
     with _script_served(store, a, b):
         yield a, b, changes
 
@@ -345,12 +347,17 @@ def _as_script_replay(location: Location, step: int) -> tuple[Location, Override
     given = spec.overrides
     computing = Overrides(attention=given.attention, layers=given.layers, heads=given.heads, units=given.units,
                           precision=given.precision, fix=given.fix, hp_delta=given.hp_delta)
-    acted = ([f"its overrides from step {spec.start}"] if given.to_dict() and spec.start < step else []) + \
-        [f"it skips step {s}" for s in spec.skip if s <= step] + [f"it leaves samples of step {s} out" for s, _ in
-                                                                  spec.drop if s <= step]
-    if acted:
-        raise UsageError(f"{location} does not hold the run's state at step {step} ({acted[0]}): replay diff A B runs "
-                         f"one step from one state; diff step {spec.start}, where it parts from the run")
+    if step in spec.skip or any(s == step for s, _ in spec.drop):
+        raise UsageError(f"{location} {'skips' if step in spec.skip else 'leaves samples out of'} step {step}: it did "
+                         "not train the step's samples; replay diff compares one step on the same samples")
+    acted = [(s, f"it skips step {s}") for s in spec.skip] + [(s, f"it leaves samples of step {s} out")
+                                                             for s, _ in spec.drop]
+    if computing.to_dict() or given.lr_scale is not None:
+        acted.append((spec.start, f"its overrides from step {spec.start}"))
+    parted = min((a for a in acted if a[0] < step), default=None)   # the first step where it parts from the run
+    if parted is not None:
+        raise UsageError(f"{location} does not hold the run's state at step {step} ({parted[1]}): replay diff A B runs "
+                         f"one step from one state; diff step {parted[0]}, where it parts from the run")
     return location.resolve(spec.parent), computing if step >= spec.start else Overrides()
 
 

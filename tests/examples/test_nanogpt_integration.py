@@ -199,7 +199,8 @@ def test_a_scripts_run_diffed_against_its_counterfactual_replay_parts_at_the_rep
     step 12 replayed twice through the script (from checkpoint 10), every tensor of rank 0's step traced by its
     loop, side A as recorded (its replay checked against the record: no note) and side B as the replay ran it.
     Layer 1's attention output is the first difference, layer 0's heads' O are untouched, the config change is
-    named, and both replays are removed; step 13, after the replay's overrides acted, is refused."""
+    named, and both replays are removed; step 13, after the replay's overrides acted, is refused; step 11, before
+    its window, is the run's on both sides, with no change of config between them."""
     store = str(torchrun_store)
     made = replay_cli("run", store, "--from", "12", "--to", "13", "--attention", "reference-emu:dtype=bf16", "--layers",
                       "1", "--name", "cf-diff", "--json", ranks=served)
@@ -221,6 +222,10 @@ def test_a_scripts_run_diffed_against_its_counterfactual_replay_parts_at_the_rep
     assert tree_snapshot(torchrun_store) == before
     later = replay_cli("diff", store, replay, "--step", "13")
     assert later.returncode == 2 and "does not hold the run's state at step 13" in error_line(later)
+    before_window = replay_cli("diff", store, replay, "--step", "11", "--json")   # the replay's fast-forward
+    assert before_window.returncode == 0, before_window.stderr
+    answer = json.loads(before_window.stdout)
+    assert answer["first"] is None and answer["changes"] == {}, answer["changes"]   # both ran it as recorded
 
 
 def test_diffs_a_script_cannot_run_are_refused_in_one_line_before_it_starts(torchrun_store):
