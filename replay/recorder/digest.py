@@ -39,7 +39,7 @@ except ImportError:   # a source tree whose C modules are not built (`pip instal
     _watch = None  # type: ignore[assignment]
 
 LATE = "(tensors that appeared after the first step)"
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # an element width -> the integers of it
 
 
 def named_tensors(state: Any, rank: int) -> list[tuple[str, torch.Tensor]]:
@@ -285,7 +285,7 @@ def _fused_sums(tensors: list[torch.Tensor]) -> Callable[[], torch.Tensor] | Non
     """The GPU tensors' sums in one Triton launch per word width (kernels/word_sums.py), where every one is
     contiguous on one CUDA device and Triton runs there; else None, and `_device_sums` takes them one by one.
     Both give the same sums."""
-    if not tensors or any(not t.is_contiguous() or t.device != tensors[0].device or t.element_size() not in _WORDS
+    if not tensors or any(not t.is_contiguous() or t.device != tensors[0].device or t.element_size() not in WORDS
                           for t in tensors):
         return None
     if torch.cuda.get_device_capability(tensors[0].device)[0] < 7:
@@ -300,9 +300,9 @@ def _device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     rows = []
     for t in tensors:
         flat = t.detach().reshape(-1)
-        if flat.element_size() not in _WORDS:
+        if flat.element_size() not in WORDS:
             flat = flat.contiguous().view(torch.uint8)
-        words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
+        words = flat.view(WORDS[flat.element_size()]).to(torch.int64)
         rows.append(torch.stack([words.sum(), (words * words).sum()]))
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
 

@@ -42,6 +42,7 @@ from replay.kernels import internals
 from replay.kernels.explicit import causal_attention
 from replay.kernels.registry import hf_attention_modules, transformers_model_in
 from replay.kernels.sdpa_dispatch import attention_modules
+from replay.recorder.digest import WORDS
 from replay.recorder.overrides import torch_optimizer
 from replay.recorder.state import unwrap
 from replay.store.integrity import crc32c
@@ -51,7 +52,6 @@ See = Callable[[str, str, str, torch.Tensor], None]   # (phase, where, what, ten
 Keep = Callable[[str, torch.Tensor], None]            # ("CALL|WHAT", tensor): an attention call's, for its heads
 
 CALL = ("O", "x", "dO", "dQ", "dK", "dV")   # what a call's per-head signals are computed from
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CALL_KEY = re.compile(r"attention \d+(#\d+)?")
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _INDEX = "index.json"
@@ -186,7 +186,7 @@ def call_phase(key: str) -> str:
 
 def raw(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as integers of its width (bfloat16 has no numpy type)."""
-    return t.reshape(-1).view(_INTS[t.element_size()]) if t.is_floating_point() else t.reshape(-1)
+    return t.reshape(-1).view(WORDS[t.element_size()]) if t.is_floating_point() else t.reshape(-1)
 
 
 def digest(t: torch.Tensor) -> int:
