@@ -284,6 +284,7 @@ def serve(sock: socket.socket, imports: Sequence[str] | None = None) -> int:
     # lazy: these seconds of imports are the server's purpose; the command that starts it never loads torch
     with collector_paused():
         import torch
+        import torch._dynamo  # noqa: F401  (torch imports it at a process's first optimizer: seconds of CPU a rank)
         import torch.distributed as dist
 
         if imports is None:
