@@ -54,6 +54,7 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),   # the vector width torch's own kernels chose
         "env": tracked(os.environ),
         "env_covers": {"names": list(ENV), "prefixes": list(ENV_PREFIXES)},   # what `env` holds, set or not
     }

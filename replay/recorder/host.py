@@ -10,6 +10,11 @@ from importlib import metadata
 from typing import Any
 
 _PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "zarr", "triton")
+# The x86 instruction sets torch's, oneDNN's and MKL's CPU kernels choose between, and with them the order in which
+# a product sums: two machines of one model name may differ in them (a cloud VM's "AMD EPYC" with and without
+# AVX-512), and then in the bits they compute. Elsewhere every feature the CPU names is kept.
+_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
 NODE_ENV = "REPLAY_NODE"   # a node's name where the hostname does not tell it (launch/ray_ranks.py: the Ray node)
 
 
@@ -21,7 +26,8 @@ def host() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return {"python": platform.python_version(), "packages": versions, "platform": platform.platform(),
-            "machine": platform.machine(), "processor": _cpu_model(), "hostname": socket.gethostname()}
+            "machine": platform.machine(), "processor": _cpu_model(), "cpu_flags": _cpu_flags(),
+            "hostname": socket.gethostname()}
 
 
 def this_node() -> tuple[int, str]:
@@ -38,6 +44,8 @@ def environment_notes(recorded: dict[str, Any]) -> list[str]:
     for key in ("python", "machine", "processor"):
         if recorded.get(key) != now.get(key):
             notes.append(f"{key}: recorded {recorded.get(key)}, now {now.get(key)}")
+    if "cpu_flags" in recorded and (flags := flags_differ(recorded["cpu_flags"], now["cpu_flags"], "this machine")):
+        notes.append(flags)
     for pkg, version in recorded.get("packages", {}).items():
         if now["packages"].get(pkg) != version:
             notes.append(f"{pkg}: recorded {version}, now {now['packages'].get(pkg)}")
@@ -57,7 +65,13 @@ def differences(recorded: dict[str, Any], replayed: dict[str, Any]) -> list[str]
     for key in sorted(set(was) | set(now)):
         if was.get(key) != now.get(key) and _covers(recorded, key) and _covers(replayed, key):
             out.append(f"{key}: recorded {_value(was.get(key))}, replayed {_value(now.get(key))}")
-    for key in ("torch_threads", "deterministic_algorithms", "tf32", "device", "python", "machine", "processor"):
+    for key in ("torch_threads", "deterministic_algorithms", "tf32", "device", "cpu_capability"):
+        if key in recorded and recorded.get(key) != replayed.get(key):
+            out.append(f"{key}: recorded {recorded.get(key)}, replayed {replayed.get(key)}")
+    if "cpu_flags" in recorded and (flags := flags_differ(recorded["cpu_flags"], replayed.get("cpu_flags"),
+                                                                "the replay's")):
+        out.append(flags)
+    for key in ("python", "machine", "processor"):
         if key in recorded and recorded.get(key) != replayed.get(key):
             out.append(f"{key}: recorded {recorded.get(key)}, replayed {replayed.get(key)}")
     packages = replayed.get("packages") or {}
@@ -75,6 +89,33 @@ def _covers(fingerprint: dict[str, Any], key: str) -> bool:
 
 def _value(value: str | None) -> str:
     return "unset" if value is None else repr(value)
+
+
+def flags_differ(recorded: list[str], other: list[str] | None, where: str) -> str | None:
+    """The CPU instruction sets the recording's machine and `where` ("this machine", "the replay's") do not share,
+    as a note; None where they are the same."""
+    if other is None:
+        return f"CPU instruction sets: recorded {' '.join(recorded) or 'none'}, unknown on {where}"
+    gone, new = [f for f in recorded if f not in other], [f for f in other if f not in recorded]
+    if not gone and not new:
+        return None
+    parts = ([f"{' '.join(gone)} on the recording's CPU only"] if gone else []) + \
+            ([f"{' '.join(new)} on {where} only"] if new else [])
+    return f"CPU instruction sets: {', '.join(parts)}"
+
+
+def _cpu_flags() -> list[str]:
+    """The CPU's instruction sets that decide which kernels compute (`_ISA_FLAGS` on x86), in /proc/cpuinfo's order."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    names = value.split()
+                    return [n for n in names if n in _ISA_FLAGS] if key.strip() == "flags" else names
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_model() -> str:

@@ -626,7 +626,8 @@ def _machine() -> str:
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return f"{socket.gethostname()}: {cpu or 'a CPU'}, {device}, torch {torch.__version__}"
+    return (f"{socket.gethostname()}: {cpu or 'a CPU'} ({torch.backends.cpu.get_cpu_capability()}), {device}, "
+            f"torch {torch.__version__}")
 
 
 def _run_side(side: _Side, see: Callable[[str, str, str, torch.Tensor], None],

@@ -60,6 +60,30 @@ def test_a_plain_replay_that_differs_from_its_record_names_the_first_step_and_ex
     assert "state" not in line   # the state after step 15's update is the record's
 
 
+def test_a_record_from_a_cpu_with_other_instruction_sets_is_named_as_the_likely_cause(store_copy):
+    """Two machines of one model name (a cloud VM's "AMD EPYC" with and without AVX-512) pick other kernels and
+    may compute other bits: the instruction sets and torch's CPU capability the record names are compared with
+    the replay's, and a difference is said with the replay's verdict, before the step that differs."""
+    from replay.store.lease import Lease
+
+    env = RunStore.open(store_copy).manifest.environment
+    assert env["cpu_flags"] and env["cpu_capability"], env   # recorded with the run
+    other = "amx_bf16" if "amx_bf16" not in env["cpu_flags"] else "avx512_fp16"
+    gone = env["cpu_flags"][-1]
+    with Lease.acquire(store_copy, "a test"):   # the record as a machine with `other` and without `gone` wrote it
+        store = RunStore.open(store_copy, mode="a")
+        store.update_manifest(environment={**env, "cpu_flags": [*env["cpu_flags"][:-1], other],
+                                           "cpu_capability": "ZVECTOR"})
+        store.root["steps/grad_norm"][14] = store.root["steps/grad_norm"][14] * (1 + 1e-12)
+    result = replay_cli("run", str(store_copy), "--from", "13", "--to", "14", "--verify")
+    assert result.returncode == 5, result.stderr
+    said = f"CPU instruction sets: {other} on the recording's CPU only, {gone} on the replay's only"
+    assert f"environment differs from the recording: {said}" in result.stderr, result.stderr
+    line = error_line(result)
+    capability = f"cpu_capability: recorded ZVECTOR, replayed {torch.backends.cpu.get_cpu_capability()}"
+    assert capability in line and said in line and line.index(said) < line.index("first divergence at step 14"), line
+
+
 def test_a_state_that_differs_after_an_update_is_named_by_its_tensors(store_copy):
     # the record's digest of one tensor of rank 1 at step 14 changed: the losses, norms and rates of every step
     # are the record's, so only the digests can tell
