@@ -132,6 +132,7 @@ def bench_overhead(workdir: Path, blocks: int, batch: int, sets: list[str] = SMA
     loop = Loop(str(workdir / f"run-{checkpoint_every}"), model, opt, scheduler=sched, total_steps=steps,
                 checkpoint_every=every, snapshot_every=snapshot_every)
     steps_of = loop.steps()
+    record_cpu: list[float] = []   # the training thread's CPU in the Loop's own calls, step by step
 
     def step(s: int, recorded: bool) -> tuple[float, float, float]:
         """Seconds of step s: wall clock, the training thread's CPU, and the process's CPU (every thread)."""
@@ -139,8 +140,13 @@ def bench_overhead(workdir: Path, blocks: int, batch: int, sets: list[str] = SMA
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         if recorded:
             assert next(steps_of) == s, "the loop yields the steps in order"
-            loss, grad_norm, lr = rec_step(loop.sample_ids(ids))
+            r0 = time.thread_time()
+            tapped = loop.sample_ids(ids)
+            r1 = time.thread_time()
+            loss, grad_norm, lr = rec_step(tapped)
+            r2 = time.thread_time()
             loop.log(loss, grad_norm, lr, tokens=ids.size * cfg.model.block_size)
+            record_cpu.append(r1 - r0 + time.thread_time() - r2)
         else:
             plain_step(ids)
         return time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0
@@ -148,6 +154,7 @@ def bench_overhead(workdir: Path, blocks: int, batch: int, sets: list[str] = SMA
     for s in range(warmup):
         step(s, False)
         step(s, True)
+    record_cpu.clear()
     means: dict[bool, list[np.ndarray]] = {False: [], True: []}
     for b in range(blocks):
         first = warmup + b * block
@@ -167,6 +174,9 @@ def bench_overhead(workdir: Path, blocks: int, batch: int, sets: list[str] = SMA
     for i, what in enumerate(("wall clock", "training thread's CPU", "process's CPU, every thread")):
         print(f"  {what}: {100 * (median[i] - 1):+.2f}% [{100 * (low[i] - 1):+.2f}% .. {100 * (high[i] - 1):+.2f}%]; "
               f"median step {1e3 * rec[i]:.2f} ms recorded vs {1e3 * plain[i]:.2f} ms plain", flush=True)
+    own = np.quantile(record_cpu, [0.25, 0.5, 0.75]) * 1e6
+    print(f"  the Loop's own calls (sample_ids, log), timed alone: {own[1]:.0f} us of the training thread a step "
+          f"[{own[0]:.0f} .. {own[2]:.0f}], {100 * own[1] / 1e6 / plain[1]:.2f}% of the plain step's CPU", flush=True)
     print(f"  ({n_params(model) / 1e6:.2f}M params, {cfg.model.n_layer} layers x {cfg.model.n_embd}, seq "
           f"{cfg.model.block_size}, batch {cfg.batch_size}, {cfg.precision} on {device}, "
           f"{torch.get_num_threads()} thread(s); recorded through Loop: sample_ids, log, the state digests)",
