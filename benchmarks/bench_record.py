@@ -139,8 +139,8 @@ def bench_overhead(workdir: Path, blocks: int, batch: int, sets: list[str] = SMA
         ids = order.rank_ids(s, 0, 1, cfg.micro_batch_size)
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         if recorded:
+            r0 = time.thread_time()   # the loop's next step ends the last one: its step-log flush, checkpoints
             assert next(steps_of) == s, "the loop yields the steps in order"
-            r0 = time.thread_time()
             tapped = loop.sample_ids(ids)
             r1 = time.thread_time()
             loss, grad_norm, lr = rec_step(tapped)
@@ -175,8 +175,9 @@ def bench_overhead(workdir: Path, blocks: int, batch: int, sets: list[str] = SMA
         print(f"  {what}: {100 * (median[i] - 1):+.2f}% [{100 * (low[i] - 1):+.2f}% .. {100 * (high[i] - 1):+.2f}%]; "
               f"median step {1e3 * rec[i]:.2f} ms recorded vs {1e3 * plain[i]:.2f} ms plain", flush=True)
     own = np.quantile(record_cpu, [0.25, 0.5, 0.75]) * 1e6
-    print(f"  the Loop's own calls (sample_ids, log), timed alone: {own[1]:.0f} us of the training thread a step "
-          f"[{own[0]:.0f} .. {own[2]:.0f}], {100 * own[1] / 1e6 / plain[1]:.2f}% of the plain step's CPU", flush=True)
+    share = 100 * own[1] / 1e6 / plain[1]
+    print(f"  the Loop's own calls (its next step, sample_ids, log), timed alone: {own[1]:.0f} us of the training "
+          f"thread a step [{own[0]:.0f} .. {own[2]:.0f}], {share:.2f}% of the plain step's CPU", flush=True)
     print(f"  ({n_params(model) / 1e6:.2f}M params, {cfg.model.n_layer} layers x {cfg.model.n_embd}, seq "
           f"{cfg.model.block_size}, batch {cfg.batch_size}, {cfg.precision} on {device}, "
           f"{torch.get_num_threads()} thread(s); recorded through Loop: sample_ids, log, the state digests)",

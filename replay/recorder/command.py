@@ -21,10 +21,12 @@ from replay.store.manifest import CommandInfo
 
 # kept with the command, and set again (exactly: those the record did not have are left out) for its replays:
 # they change what runs and how it computes (the code found, thread counts, hashing, cuBLAS's workspace) ...
-ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")
+ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG",
+       "ATEN_CPU_CAPABILITY")   # the vector width torch's kernels use, read once as torch is imported
 # ... and so do the launchers' settings: accelerate's (its mixed precision, its CPU mode), DeepSpeed's,
-# Lightning's (its global seed, its workers' seeding), NCCL's and torch's own for it (its algorithms)
-ENV_PREFIXES = ("ACCELERATE_", "DS_", "DEEPSPEED_", "PL_", "NCCL_", "TORCH_NCCL_")
+# Lightning's (its global seed, its workers' seeding), NCCL's and torch's own for it (its algorithms), and
+# torch.compile's (read once, as the process's first optimizer imports torch._dynamo)
+ENV_PREFIXES = ("ACCELERATE_", "DS_", "DEEPSPEED_", "PL_", "NCCL_", "TORCH_NCCL_", "TORCHINDUCTOR_")
 # what `replay run` (launch/script.py) sets for the command it starts again
 STORE_ENV = "REPLAY_LOOP_STORE"      # the replay store to write
 RESUME_ENV = "REPLAY_LOOP_RESUME"    # "1": continue that replay from its last committed checkpoint

@@ -12,9 +12,10 @@ from typing import Any
 _PACKAGES = ("torch", "transformers", "deepspeed", "numpy", "zarr", "triton")
 # The x86 instruction sets torch's, oneDNN's and MKL's CPU kernels choose between, and with them the order in which
 # a product sums: two machines of one model name may differ in them (a cloud VM's "AMD EPYC" with and without
-# AVX-512), and then in the bits they compute. Elsewhere every feature the CPU names is kept.
+# AVX-512), and then in the bits they compute. On ARM, the same for its vector and matrix extensions.
 _ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
-              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
+              "asimd", "asimdhp", "asimddp", "fphp", "sve", "sve2", "bf16", "i8mm", "svebf16", "svei8mm", "sme")
 NODE_ENV = "REPLAY_NODE"   # a node's name where the hostname does not tell it (launch/ray_ranks.py: the Ray node)
 
 
@@ -105,14 +106,14 @@ def flags_differ(recorded: list[str], other: list[str] | None, where: str) -> st
 
 
 def _cpu_flags() -> list[str]:
-    """The CPU's instruction sets that decide which kernels compute (`_ISA_FLAGS` on x86), in /proc/cpuinfo's order."""
+    """The CPU's instruction sets that decide which kernels compute (`_ISA_FLAGS`), in /proc/cpuinfo's order."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() in ("flags", "Features"):
                     names = value.split()
-                    return [n for n in names if n in _ISA_FLAGS] if key.strip() == "flags" else names
+                    return [n for n in names if n in _ISA_FLAGS]
     except OSError:
         pass
     return []

@@ -263,7 +263,8 @@ def run(store: Where, req: ReplayRequest, ranks: RankLauncher | None = None, und
             raise ReplayError(f"the training script ended without an error after step {done.end_step - 1}, "
                               f"before the window {req.start}..{req.stop} was done: it left `loop.steps()` early "
                               "(a `break`, or a step limit of its own)")
-        notes = differences(recorded.last_environment, done.manifest.last_environment) or notes
+        if recorded.last_environment and done.manifest.last_environment:   # the machines the ranks ran on, not this one
+            notes = differences(recorded.last_environment, done.manifest.last_environment)
         verification = dataclasses.replace(verify(parent, done), environment=notes)
         result = Replay(path, created=pending, verification=verification, environment_notes=notes,
                         warnings=warnings, reached=done.manifest.replay_spec.reached)

@@ -216,7 +216,7 @@ static void detect(void)
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d))
         return;
-    int sse42 = (c >> 20) & 1, pclmul = (c >> 1) & 1, osxsave = (c >> 27) & 1;
+    int sse42 = (c >> 20) & 1, pclmul = (c >> 1) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1;
     available[SSE42] = sse42 && pclmul;
     if (!osxsave || !__get_cpuid_count(7, 0, &a, &b, &c, &d))
         return;
@@ -225,7 +225,7 @@ static void detect(void)
     __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
     int ymm_saved = (xcr0_lo & 0x6) == 0x6;     /* XMM, YMM */
     int zmm_saved = (xcr0_lo & 0xE6) == 0xE6;   /* XMM, YMM, opmask, ZMM 0-15 upper halves, ZMM 16-31 */
-    available[AVX2] = available[SSE42] && avx2 && vpclmul && ymm_saved;
+    available[AVX2] = available[SSE42] && avx && avx2 && vpclmul && ymm_saved;   /* 256-bit VPCLMULQDQ needs AVX */
     available[AVX512] = available[SSE42] && avx512f && vpclmul && zmm_saved;
 }
 #endif /* CRC_X86 */
