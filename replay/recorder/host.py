@@ -27,7 +27,7 @@ def host() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return {"python": platform.python_version(), "packages": versions, "platform": platform.platform(),
-            "machine": platform.machine(), "processor": _cpu_model(), "cpu_flags": _cpu_flags(),
+            "machine": platform.machine(), "processor": cpu_model(), "cpu_flags": _cpu_flags(),
             "hostname": socket.gethostname()}
 
 
@@ -41,12 +41,7 @@ def environment_notes(recorded: dict[str, Any]) -> list[str]:
     if not recorded:
         return ["the record has no environment fingerprint; bitwise equality is not guaranteed"]
     now = host()
-    notes = []
-    for key in ("python", "machine", "processor"):
-        if recorded.get(key) != now.get(key):
-            notes.append(f"{key}: recorded {recorded.get(key)}, now {now.get(key)}")
-    if "cpu_flags" in recorded and (flags := flags_differ(recorded["cpu_flags"], now["cpu_flags"], "this machine")):
-        notes.append(flags)
+    notes = _differing(recorded, now, ("python", "machine", "processor", "cpu_flags"), "now", "this machine")
     for pkg, version in recorded.get("packages", {}).items():
         if now["packages"].get(pkg) != version:
             notes.append(f"{pkg}: recorded {version}, now {now['packages'].get(pkg)}")
@@ -66,15 +61,9 @@ def differences(recorded: dict[str, Any], replayed: dict[str, Any]) -> list[str]
     for key in sorted(set(was) | set(now)):
         if was.get(key) != now.get(key) and _covers(recorded, key) and _covers(replayed, key):
             out.append(f"{key}: recorded {_value(was.get(key))}, replayed {_value(now.get(key))}")
-    for key in ("torch_threads", "deterministic_algorithms", "tf32", "device", "cpu_capability"):
-        if key in recorded and recorded.get(key) != replayed.get(key):
-            out.append(f"{key}: recorded {recorded.get(key)}, replayed {replayed.get(key)}")
-    if "cpu_flags" in recorded and (flags := flags_differ(recorded["cpu_flags"], replayed.get("cpu_flags"),
-                                                                "the replay's")):
-        out.append(flags)
-    for key in ("python", "machine", "processor"):
-        if key in recorded and recorded.get(key) != replayed.get(key):
-            out.append(f"{key}: recorded {recorded.get(key)}, replayed {replayed.get(key)}")
+    out += _differing(recorded, replayed, ("torch_threads", "deterministic_algorithms", "tf32", "device",
+                                           "cpu_capability", "cpu_flags", "python", "machine", "processor"),
+                      "replayed", "the replay's")
     packages = replayed.get("packages") or {}
     out += [f"{pkg}: recorded {version}, replayed {packages.get(pkg)}"
             for pkg, version in (recorded.get("packages") or {}).items() if packages.get(pkg) != version]
@@ -92,6 +81,19 @@ def _value(value: str | None) -> str:
     return "unset" if value is None else repr(value)
 
 
+def _differing(recorded: dict[str, Any], other: dict[str, Any], keys: tuple[str, ...], side: str,
+               where: str) -> list[str]:
+    """A note for each of `keys` the record has that `other` (a fingerprint, or this machine's `host()`) has
+    otherwise; `side` and `where` name `other` in them ("replayed", "the replay's")."""
+    notes: list[str] = []
+    for key in (k for k in keys if k in recorded):
+        if key == "cpu_flags":
+            notes += [note] if (note := flags_differ(recorded[key], other.get(key), where)) else []
+        elif recorded[key] != other.get(key):
+            notes.append(f"{key}: recorded {recorded[key]}, {side} {other.get(key)}")
+    return notes
+
+
 def flags_differ(recorded: list[str], other: list[str] | None, where: str) -> str | None:
     """The CPU instruction sets the recording's machine and `where` ("this machine", "the replay's") do not share,
     as a note; None where they are the same."""
@@ -107,24 +109,22 @@ def flags_differ(recorded: list[str], other: list[str] | None, where: str) -> st
 
 def _cpu_flags() -> list[str]:
     """The CPU's instruction sets that decide which kernels compute (`_ISA_FLAGS`), in /proc/cpuinfo's order."""
+    named = _cpuinfo("flags") or _cpuinfo("Features") or ""   # x86's name for them, ARM's
+    return [n for n in named.split() if n in _ISA_FLAGS]
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor()
+
+
+def _cpuinfo(key: str) -> str | None:
+    """The first value of `key` in /proc/cpuinfo (None without it, or without /proc)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    names = value.split()
-                    return [n for n in names if n in _ISA_FLAGS]
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
-    return []
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return None

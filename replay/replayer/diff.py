@@ -56,6 +56,7 @@ from replay.kernels.plan import AttentionPlan
 from replay.kernels.registry import apply_plan
 from replay.launch.script import ScriptServer
 from replay.recorder.environment import set_rng_state
+from replay.recorder.host import cpu_model
 from replay.recorder.step_trace import (
     CALL,
     Keep,
@@ -623,10 +624,8 @@ def _stats(t: torch.Tensor) -> dict[str, float | None]:
 
 
 def _machine() -> str:
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return (f"{socket.gethostname()}: {cpu or 'a CPU'} ({torch.backends.cpu.get_cpu_capability()}), {device}, "
+    return (f"{socket.gethostname()}: {cpu_model() or 'a CPU'} ({torch.backends.cpu.get_cpu_capability()}), {device}, "
             f"torch {torch.__version__}")
 
 
