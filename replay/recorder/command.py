@@ -24,9 +24,10 @@ from replay.store.manifest import CommandInfo
 ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG",
        "ATEN_CPU_CAPABILITY")   # the vector width torch's kernels use, read once as torch is imported
 # ... and so do the launchers' settings: accelerate's (its mixed precision, its CPU mode), DeepSpeed's,
-# Lightning's (its global seed, its workers' seeding), NCCL's and torch's own for it (its algorithms), and
-# torch.compile's (read once, as the process's first optimizer imports torch._dynamo)
-ENV_PREFIXES = ("ACCELERATE_", "DS_", "DEEPSPEED_", "PL_", "NCCL_", "TORCH_NCCL_", "TORCHINDUCTOR_")
+# Lightning's (its global seed, its workers' seeding), NCCL's and torch's own for it (its algorithms). Not
+# TORCHINDUCTOR_*: torch sets some of them itself as it runs (its cache directory), so a record and its replay
+# would differ in them without computing anything otherwise.
+ENV_PREFIXES = ("ACCELERATE_", "DS_", "DEEPSPEED_", "PL_", "NCCL_", "TORCH_NCCL_")
 # what `replay run` (launch/script.py) sets for the command it starts again
 STORE_ENV = "REPLAY_LOOP_STORE"      # the replay store to write
 RESUME_ENV = "REPLAY_LOOP_RESUME"    # "1": continue that replay from its last committed checkpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import numpy as np
@@ -224,3 +225,18 @@ def test_record_with_an_attention_plan_trains_on_those_backends(tmp_path):
         "eager;1=fa2-emu:br=16,bc=16;1.1=reference-emu:fix=safe-softmax,beta=7"
     a, b = runs["plan"].read_steps()["loss"], runs["eager"].read_steps()["loss"]
     assert a[0] != b[0] and np.allclose(a, b, atol=0.05)   # other rounding, same model: close, not equal
+
+
+def test_a_replay_names_no_difference_of_a_variable_torch_sets_for_its_own_caches(tmp_path):
+    """torch's code sets some variables of its own as it runs (inductor's cache directory, whenever something asks
+    where it is), so a recording command may have them and its replay not: they change no bit, and a replay on
+    the recording's machine names no difference of environment (one named would excuse a replay that is not bit
+    for bit). One rank: it trains in the `replay record` process itself."""
+    store = str(tmp_path / "one")
+    made = replay_cli("record", "--store", store, "--steps", "4", "--nproc", "1", "--checkpoint-every", "2",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}, process=True)
+    assert made.returncode == 0, made.stderr
+    result = replay_cli("run", store, "--from", "2", "--to", "3", "--verify", "--json", process=True)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["verification"]["bitwise"] and answer["environment_differences"] == [], answer
