@@ -5,7 +5,7 @@ calls `sdpa_dispatch` routes), and, per attention module, the torch functions it
 A replay's overrides read it to prove that an attention override reached its heads (recorder/overrides.py),
 and to say which path attention really took; a module that ran without any SDPA call it could route (an
 explicit `softmax(q @ k^T) @ v`, as minGPT's) is named with what it called instead, and told of
-`kernels.explicit.causal_attention`.
+`kernels.explicit.causal_attention` (or, where it holds torch's flex attention, of `kernels.flex`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ EXPLICIT = ("softmax", "matmul", "bmm", "baddbmm", "einsum", "__matmul__", "mask
 
 @dataclass
 class ModuleSeen:
-    """An attention module as it ran: its name and class, how many times, and the explicit attention
-    functions it called."""
+    """An attention module as it ran: its name and class, how many times, the explicit attention functions it
+    called, and whether it holds torch's flex attention (kernels/flex.py's `holds_flex`), whose calls no mode
+    sees."""
 
     name: str
     kind: str
     runs: int = 0
     called: set[str] = field(default_factory=set)
+    flex: bool = False
 
 
 @dataclass
@@ -38,8 +40,8 @@ class AttentionReach:
         for head in heads:
             self.calls[(layer, head, backend)] += 1
 
-    def entered(self, layer: int, name: str, kind: str) -> None:
-        seen = self.modules.setdefault(layer, ModuleSeen(name, kind))
+    def entered(self, layer: int, name: str, kind: str, flex: bool = False) -> None:
+        seen = self.modules.setdefault(layer, ModuleSeen(name, kind, flex=flex))
         seen.runs += 1
 
     def called(self, layer: int, function: str) -> None:
@@ -58,6 +60,13 @@ class AttentionReach:
             return ("no attention module of the model ran (name them with Loop(..., attention='PATTERN'), e.g. "
                     "'transformer.h.*.attn')")
         seen = self.modules[min(self.modules)]
+        if seen.flex:
+            return (f"its attention modules ran ({seen.name}, {seen.kind}: {seen.runs} time(s)) and hold torch's flex "
+                    "attention, whose calls replay cannot route; call it through replay instead, which leaves the "
+                    "run bit for bit as it was: y = flex_attention(q, k, v, block_mask=..., kernel=<the flex "
+                    "attention it calls>) (from replay.kernels.flex import flex_attention), or, for a kernel the "
+                    "module holds, replace it once with routable(kernel) (from replay.kernels.flex import routable), "
+                    "and record again (docs/your-loop.md)")
         did = f"called {', '.join(sorted(seen.called))}" if seen.called else "called no attention function replay knows"
         return (f"its attention modules ran ({seen.name}, {seen.kind}: {seen.runs} time(s)) but never called "
                 f"torch.nn.functional.scaled_dot_product_attention, which is what replay routes to another backend; "

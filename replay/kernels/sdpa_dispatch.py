@@ -9,7 +9,7 @@ as the innermost modules whose class name contains "Attention" (else those named
 `self_attn` or `self_attention`); the i-th of them, in the model's order, is layer i. A forward pre-hook
 on each notes which layer is running, and a TorchFunctionMode hands every SDPA call made inside one of them
 (and every call of `kernels.explicit.causal_attention`, which hand-written attention calls instead of its
-explicit softmax) to that layer's backends
+explicit softmax, and of `kernels.flex.flex_attention`, which flex attention calls instead) to that layer's backends
 (`registry.LayerAttention`: per head, with autocast off for our own backends). SDPA called anywhere else,
 and layers whose every head is `sdpa`, run PyTorch's own kernel untouched.
 
@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
 from replay.kernels.explicit import causal_attention, dropout_probability
+from replay.kernels.flex import flex_attention, holds_flex, routed_call, routed_output
 from replay.kernels.plan import AttentionPlan
 from replay.kernels.reach import AttentionReach
 from replay.kernels.registry import LayerAttention, raise_deferred
@@ -92,10 +93,12 @@ class _PlanMode(TorchFunctionMode):
         self.layers: dict[tuple[int, int], LayerAttention] = {}
 
     def entering(self, layer: int, module: torch.nn.Module, name: str):
+        flex = self.reach is not None and holds_flex(module)
+
         def hook(*_):
             self.active.append((layer, module))
             if self.reach is not None:
-                self.reach.entered(layer, name, type(module).__name__)
+                self.reach.entered(layer, name, type(module).__name__, flex)
         return hook
 
     def leaving(self):
@@ -105,7 +108,7 @@ class _PlanMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in (_SDPA, causal_attention) or not self.active:
+        if func not in (_SDPA, causal_attention, flex_attention) or not self.active:
             if self.active and self.reach is not None:
                 self.reach.called(self.active[-1][0], getattr(func, "__name__", ""))
             return func(*args, **kwargs)
@@ -115,6 +118,9 @@ class _PlanMode(TorchFunctionMode):
             q, k, v = _qkv(bound)
             keep, scale = _causal_keep(layer, q, k, bound)
             dropout = bound.get("dropout_p", 0.0)
+        elif func is flex_attention:   # kernels/flex.py: its arguments are read once the call is routed
+            bound = dict(zip(_FLEX_PARAMS, args, strict=False)) | kwargs
+            q, dropout = bound["query"], 0.0
         else:   # kernels/explicit.py: causal, no mask beyond it
             bound = dict(zip(("q", "k", "v"), args, strict=False)) | kwargs
             q, k, v = _qkv({"query": bound["q"], "key": bound["k"], "value": bound["v"]})
@@ -131,13 +137,17 @@ class _PlanMode(TorchFunctionMode):
             if self.reach is not None:
                 self.reach.ran(layer, range(n_head), "sdpa")
             return func(*args, **kwargs)
+        if func is flex_attention:
+            q, k, v, keep, scale = routed_call(layer, bound)
         device = q.device.type
         if torch.is_autocast_enabled(device):   # SDPA under autocast computes in the autocast dtype
             q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
-        return attention(module, q, k, v, keep, scale, dropout)
+        out = attention(module, q, k, v, keep, scale, dropout)
+        return routed_output(bound, out) if func is flex_attention else out
 
 
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_FLEX_PARAMS = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa")
 
 
 def _qkv(bound: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,9 +2,10 @@
 in its manifest, and stops, keeping nothing, when an override reached nothing (recorder/overrides.py).
 
 The script is minGPT's shape (its attention computed by hand: q @ k^T, masked_fill, softmax, dropout, @ v,
-which no `--attention` can reach), and the two changes that make it reachable: with --call, the documented one,
-replay's `causal_attention` (the run's bits unchanged), and with --sdpa, one call of
-torch.nn.functional.scaled_dot_product_attention instead."""
+which no `--attention` can reach), and the changes that make it reachable: with --call, the documented one,
+replay's `causal_attention` (the run's bits unchanged), with --sdpa, one call of
+torch.nn.functional.scaled_dot_product_attention instead, and with --flex, flex attention through replay's
+`flex_attention` call (kernels/flex.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+import torch
 
 from replay.launch.script import ScriptServer
 from replay.store import RunStore
@@ -25,11 +29,23 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from replay.kernels.explicit import causal_attention
+from replay.kernels.flex import flex_attention
 from replay.recorder import Loop
 
+DEVICE = "cuda" if "--cuda" in sys.argv else "cpu"
+N_EMBD = 32 if DEVICE == "cuda" else 16   # flex attention's Triton kernels on a GPU: heads of 16 at least
+CAUSAL = create_block_mask(lambda b, h, q, k: q >= k, None, None, 8, 8, device=DEVICE,
+                           BLOCK_SIZE=4 if DEVICE == "cpu" else 128)
+
+def cpu_flex(q, k, v, block_mask, **_):   # torch's flex attention has no backward on a CPU: a stand-in kernel
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=create_mask(block_mask.mask_mod, None, None, 8, 8))
+
+FLEX = torch.compile(torch.nn.attention.flex_attention.flex_attention) if DEVICE == "cuda" else cpu_flex
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd=16, n_head=2, block_size=8):
+    def __init__(self, n_embd=N_EMBD, n_head=2, block_size=8):
         super().__init__()
         self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
         self.attn_dropout, self.n_head, self.n_embd = nn.Dropout(0.1), n_head, n_embd
@@ -41,6 +57,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if "--sdpa" in sys.argv:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True)
+        elif "--flex" in sys.argv:
+            y = flex_attention(q, k, v, block_mask=CAUSAL, kernel=FLEX)
         elif "--call" in sys.argv:
             y = causal_attention(q, k, v, dropout=self.attn_dropout)
         else:
@@ -51,7 +69,7 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 class GPT(nn.Module):
-    def __init__(self, vocab=32, n_embd=16):
+    def __init__(self, vocab=32, n_embd=N_EMBD):
         super().__init__()
         self.wte, self.attn, self.lm_head = nn.Embedding(vocab, n_embd), CausalSelfAttention(), nn.Linear(n_embd, vocab)
 
@@ -59,13 +77,13 @@ class GPT(nn.Module):
         return self.lm_head(self.attn(self.wte(idx)))
 
 torch.manual_seed(0)
-model = GPT()
+model = GPT().to(DEVICE)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-data = torch.randint(0, 32, (64, 9))
+data = torch.randint(0, 32, (64, 9)).to(DEVICE)
 with Loop(sys.argv[1], model, optimizer, total_steps=6, checkpoint_every=2) as loop:
     for step in loop.steps():
         ix = loop.sample_ids(torch.randint(0, 64, (4,)))
-        x, y = data[ix, :8], data[ix, 1:]
+        x, y = data[ix.to(DEVICE), :8], data[ix.to(DEVICE), 1:]
         loss = F.cross_entropy(model(x).view(-1, 32), y.reshape(-1))
         loss.backward()
         optimizer.step()
@@ -142,3 +160,19 @@ def test_the_documented_call_records_the_run_bit_for_bit_and_the_override_reache
     assert answer["reached"]["path"] == [{"layer": 0, "backend": "reference-emu:dtype=bf16", "heads": [0, 1],
                                           "calls": 2}]
     assert plain["verification"]["bitwise"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: torch's flex attention trains on one only")])])
+def test_flex_attention_through_replays_call_is_reached_by_the_override_and_diverges_at_from(tmp_path, device):
+    store = _record(tmp_path, "--flex", *(["--cuda"] if device == "cuda" else []))   # on a CPU, a stand-in kernel
+    with ScriptServer(RunStore.open(store).manifest.command) as served:   # the script started once for both
+        plain = json.loads(replay_cli("run", str(store), "--from", "2", "--to", "3", "--json", ranks=served).stdout)
+        result = replay_cli("run", str(store), *COUNTERFACTUAL, "--json", ranks=served)
+    assert plain["verification"]["bitwise"] and plain["verification"]["level"] == "state"
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    divergence = answer["verification"]["divergence"]
+    assert divergence["step"] == 2 and divergence["state"]["tensors"]
+    assert answer["reached"]["path"] == [{"layer": 0, "backend": "reference-emu:dtype=bf16", "heads": [0, 1],
+                                          "calls": 2}]
