@@ -38,16 +38,18 @@ from replay.kernels.baseline import causal_mask
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable[..., torch.Tensor] | None = None, block_mask: BlockMask | None = None,
-                   scale: float | None = None, enable_gqa: bool = False, *,
-                   kernel: Callable[..., Any] | None = None, **options: Any) -> Any:
+                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                   kernel_options: Any = None, *, kernel: Callable[..., Any] | None = None,
+                   **options: Any) -> Any:
     """torch's `flex_attention` (or `kernel`, e.g. `torch.compile(flex_attention)`) with its arguments as given;
-    `options` (`kernel_options`, `return_aux`, ...) go to it unchanged. Under an attention plan, see above."""
+    `options` (`return_aux`) go to it unchanged. Under an attention plan, see above."""
     if has_torch_function((query, key, value)):   # a TorchFunctionMode is active: sdpa_dispatch's routes this call
         return handle_torch_function(flex_attention, (query, key, value), query, key, value, score_mod=score_mod,
-                                     block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel=kernel,
-                                     **options)
+                                     block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                     kernel_options=kernel_options, kernel=kernel, **options)
     return (kernel or _torch_flex)(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                   enable_gqa=enable_gqa, **options)
+                                   enable_gqa=enable_gqa, return_lse=return_lse, kernel_options=kernel_options,
+                                   **options)
 
 
 def routable(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,7 +70,10 @@ def holds_flex(module: torch.nn.Module) -> bool:
     calls reach no TorchFunctionMode, so a replay that finds no call says so, naming this module's way out."""
     forward = getattr(type(module), "forward", None)
     places = [*(vars(cls) for cls in type(module).__mro__), getattr(forward, "__globals__", {})]
-    return any(_is_torch_flex(value) for place in places for value in list(place.values()))
+    try:
+        return any(_is_torch_flex(value) for place in places for value in list(place.values()))
+    except Exception:   # an object whose attributes raise: this only chooses the words of a hint
+        return False
 
 
 def _is_torch_flex(value: Any) -> bool:
@@ -82,11 +87,11 @@ def _is_torch_flex(value: Any) -> bool:
     return False
 
 
-def routed_call(layer: int, bound: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                             torch.Tensor | None, float]:
+def routed_call(layer: int, bound: dict[str, Any], cache: dict[str, Any]) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
     """A `flex_attention` call's arguments (`bound`, by name) as the backends take them: q, k, v with as many
     key as query heads, the mask (bool [B, 1, N, M], True = attend, causal; None where it is plain causal)
-    and the scale. Refuses what the backends cannot compute."""
+    and the scale. Refuses what the backends cannot compute. `cache`: a dict the caller keeps for its calls."""
     q, k, v = bound["query"], bound["key"], bound["value"]
     aux = bound.get("return_aux")
     refused = [name for name in ("score_mod", "return_lse") if bound.get(name)]
@@ -104,32 +109,73 @@ def routed_call(layer: int, bound: dict[str, Any]) -> tuple[torch.Tensor, torch.
                          "evenly")
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scale = bound.get("scale") or q.shape[-1] ** -0.5
-    return q, k, v, _keep(layer, bound.get("block_mask"), q.shape[0], q.shape[-2], k.shape[-2], q.device), scale
+    keep = _keep(layer, bound.get("block_mask"), q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device, cache)
+    return q, k, v, keep, scale
 
 
-def _keep(layer: int, block_mask: BlockMask | None, batch: int, n: int, m: int,
-          device: torch.device) -> torch.Tensor | None:
-    """The elements a block mask lets through (its blocks, and its mask_mod within them) as one bool mask for
-    all heads, [B, 1, N, M]; None where that is plain causal."""
+def _keep(layer: int, block_mask: BlockMask | None, batch: int, heads: int, n: int, m: int, device: torch.device,
+          cache: dict[str, Any]) -> torch.Tensor | None:
+    """The elements a block mask lets through, as flex computes them (its partial blocks where its mask_mod allows,
+    its full blocks whole), as one bool mask for all heads, [B, 1, N, M]; None where that is plain causal. `cache`
+    keeps the last one: every layer of a step takes the same block mask."""
     if block_mask is None:
         raise UsageError(f"layer {layer} calls flex attention without a block mask: every query sees every key; "
                          "replay's attention backends compute causal attention only (pass a causal block mask)")
-    rows, cols = block_mask.BLOCK_SIZE
-    blocks = block_mask.to_dense().bool()   # [B, H, N / rows, M / cols]: the blocks computed, partial or full
-    if blocks.shape[0] not in (1, batch):
-        raise UsageError(f"layer {layer} calls flex attention with a block mask for batch {blocks.shape[0]} and "
-                         f"inputs of batch {batch}")
-    dense = blocks.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)[..., :n, :m].to(device)
-    heads = blocks.shape[1]
-    dense = dense & create_mask(block_mask.mask_mod, blocks.shape[0], heads, n, m, device=device)
-    if heads > 1 and not bool((dense == dense[:, :1]).all()):
-        raise UsageError(f"layer {layer} calls flex attention with a mask that differs between heads: replay's "
-                         "attention backends take one mask for all heads")
-    keep = dense[:, :1].expand(batch, 1, n, m)
+    if tuple(block_mask.seq_lengths) != (n, m):
+        raise UsageError(f"layer {layer} calls flex attention with a block mask for {block_mask.seq_lengths[0]} "
+                         f"queries and {block_mask.seq_lengths[1]} keys, and {n} queries and {m} keys")
+    if block_mask.kv_num_blocks.shape[0] not in (1, batch):
+        raise UsageError(f"layer {layer} calls flex attention with a block mask for batch "
+                         f"{block_mask.kv_num_blocks.shape[0]} and inputs of batch {batch}")
+    cached = cache.get("keep")
+    if cached is not None and cached[0] is block_mask and cached[1] == (batch, heads, n, m, device):
+        return cached[2]
+    partial, full = _blocks(block_mask, block_mask.kv_num_blocks, block_mask.kv_indices, n, m, device), None
+    if block_mask.full_kv_num_blocks is not None:
+        full = _blocks(block_mask, block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n, m, device)
+    first = None
+    for head in range(heads):   # one head at a time: [B, N, M] each, not [B, H, N, M] at once
+        dense = _head(block_mask, partial, full, batch, head, n, m, device)
+        if first is None:
+            first = dense
+        elif not torch.equal(dense, first):
+            raise UsageError(f"layer {layer} calls flex attention with a mask that differs between heads (0 and "
+                             f"{head}): replay's attention backends take one mask for all heads")
+    assert first is not None
+    elements = first[:, None]
     within = causal_mask(n, m, device)
-    if bool((keep & ~within).any()):
+    if bool((elements & ~within).any()):
         raise UsageError(f"layer {layer} calls flex attention with a mask that lets queries see later keys: "
                          "replay's attention backends compute causal attention only")
-    if not bool(keep.any(dim=-1).all()):
+    if not bool(elements.any(dim=-1).all()):
         raise UsageError(f"layer {layer} calls flex attention with a mask under which a query sees no key")
-    return None if torch.equal(keep, within.expand_as(keep)) else keep
+    keep = None if torch.equal(elements, within.expand_as(elements)) else elements
+    cache["keep"] = (block_mask, (batch, heads, n, m, device), keep)
+    return keep
+
+
+def _blocks(block_mask: BlockMask, num_blocks: torch.Tensor, indices: torch.Tensor | None, n: int, m: int,
+            device: torch.device) -> torch.Tensor:
+    """Which elements one kind of block (partial or full) covers: bool [B or 1, H or 1, N, M]."""
+    assert indices is not None
+    rows, cols = block_mask.BLOCK_SIZE
+    blocks = BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=(rows, cols), seq_lengths=(n, m),
+                                      compute_q_blocks=False).to_dense().bool()
+    return blocks.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)[..., :n, :m].to(device)
+
+
+def _head(block_mask: BlockMask, partial: torch.Tensor, full: torch.Tensor | None, batch: int, head: int, n: int,
+          m: int, device: torch.device) -> torch.Tensor:
+    """Head `head`'s elements, bool [B, N, M]: its partial blocks where the mask_mod allows (evaluated at every
+    batch row and this head, as flex evaluates it), and its full blocks."""
+    mask_mod = block_mask.mask_mod
+
+    def at_head(b, h, q, k):
+        return mask_mod(b, h + head, q, k)
+
+    pick = min(head, partial.shape[1] - 1)
+    allowed = create_mask(at_head, batch, 1, n, m, device=device)[:, 0]
+    dense = partial[:, pick] & allowed
+    if full is not None:
+        dense = dense | full[:, min(head, full.shape[1] - 1)]
+    return dense.expand(batch, n, m)

@@ -60,7 +60,7 @@ class AttentionReach:
             return ("no attention module of the model ran (name them with Loop(..., attention='PATTERN'), e.g. "
                     "'transformer.h.*.attn')")
         seen = self.modules[min(self.modules)]
-        if seen.flex:
+        if seen.flex and not seen.called:   # it holds torch's flex attention and computed no attention by hand
             return (f"its attention modules ran ({seen.name}, {seen.kind}: {seen.runs} time(s)) and hold torch's flex "
                     "attention, whose calls replay cannot route; call it through replay instead, which leaves the "
                     "run bit for bit as it was: y = flex_attention(q, k, v, block_mask=..., kernel=<the flex "

@@ -25,6 +25,7 @@ import contextlib
 import fnmatch
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -91,6 +92,7 @@ class _PlanMode(TorchFunctionMode):
         self.plan, self.n_layer, self.reach = plan, n_layer, reach
         self.active: list[tuple[int, torch.nn.Module]] = []   # the attention modules running, innermost last
         self.layers: dict[tuple[int, int], LayerAttention] = {}
+        self.flex_masks: dict[str, Any] = {}   # kernels/flex.py's: the last block mask's elements
 
     def entering(self, layer: int, module: torch.nn.Module, name: str):
         flex = self.reach is not None and holds_flex(module)
@@ -138,7 +140,7 @@ class _PlanMode(TorchFunctionMode):
                 self.reach.ran(layer, range(n_head), "sdpa")
             return func(*args, **kwargs)
         if func is flex_attention:
-            q, k, v, keep, scale = routed_call(layer, bound)
+            q, k, v, keep, scale = routed_call(layer, bound, self.flex_masks)
         device = q.device.type
         if torch.is_autocast_enabled(device):   # SDPA under autocast computes in the autocast dtype
             q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
@@ -147,7 +149,8 @@ class _PlanMode(TorchFunctionMode):
 
 
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_FLEX_PARAMS = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa")
+_FLEX_PARAMS = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa", "return_lse",
+                "kernel_options")
 
 
 def _qkv(bound: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
 from replay.errors import UsageError
@@ -129,29 +129,90 @@ def test_without_a_plan_the_call_is_the_kernel_called_as_written():
     assert reach.take() == {(0, h, "sdpa"): 1 for h in range(HEADS)}
 
 
+class CallAttention(nn.Module):
+    """replay's flex attention call on given q, k, v, or (`sdpa`) SDPA with the mask written out: the reference."""
+
+    def __init__(self, sdpa: bool = False):
+        super().__init__()
+        self.sdpa = sdpa
+
+    def forward(self, q, k, v, mask=None, **kwargs):
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return flex_attention(q, k, v, **kwargs)
+
+
+def _call(plan: str, *args, sdpa: bool = False, **kwargs) -> torch.Tensor:
+    module = CallAttention(sdpa)
+    with torch.no_grad(), sdpa_dispatch(nn.Sequential(module), AttentionPlan.parse(plan)):
+        return module(*args, **kwargs)
+
+
+def _qkv(batch: int = 2, n: int = T, m: int = T, kv_heads: int = HEADS) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1)
+    return torch.randn(batch, HEADS, n, 8), torch.randn(batch, kv_heads, m, 8), torch.randn(batch, kv_heads, m, 8)
+
+
+def test_full_blocks_are_whole_and_partial_ones_masked_by_the_mask_mod_as_flex_computes_them():
+    # blocks of 8: the diagonal ones partial (the document mask within them), those below it full (every element,
+    # across documents too: flex does not call the mask_mod there); written out by hand below
+    below = torch.tensor([[i > j for j in range(4)] for i in range(4)])
+    num, full_num = torch.ones(1, 1, 4, dtype=torch.int32), below.sum(1).int().view(1, 1, 4)
+    indices = torch.arange(4).view(1, 1, 4, 1).expand(1, 1, 4, 4).contiguous().int()
+    full_indices = torch.stack([torch.cat([torch.arange(i), torch.full((4 - i,), 0)]) for i in range(4)]).view(
+        1, 1, 4, 4).int()
+    block_mask = BlockMask.from_kv_blocks(num, indices, full_num, full_indices, BLOCK_SIZE=8, mask_mod=document)
+    expected = (below.repeat_interleave(8, 0).repeat_interleave(8, 1)
+                | torch.block_diag(*[torch.ones(8, 8, dtype=torch.bool)] * 4) & dense(document))
+    q, k, v = _qkv()
+    routed = _call("baseline:dtype=fp64", q, k, v, block_mask=block_mask)
+    assert torch.equal(routed, _call("baseline:dtype=fp64", q, k, v, expected, sdpa=True))
+    assert not torch.equal(routed, _call("baseline:dtype=fp64", q, k, v, dense(document), sdpa=True))
+
+
+def test_a_mask_of_each_batch_row_and_one_that_does_not_divide_into_blocks():
+    def rows(b, h, q, k):   # row b's first document ends at 11 + 5 b
+        return (q >= k) & ((q >= 11 + 5 * b) == (k >= 11 + 5 * b))
+
+    q, k, v = _qkv()
+    per_row = torch.stack([dense(lambda _, h, i, j, b=b: rows(b, h, i, j)) for b in range(2)])[:, None]
+    block_mask = create_block_mask(rows, None, None, T, T, device="cpu", BLOCK_SIZE=8)   # B=None: evaluated per row
+    routed = _call("baseline:dtype=fp64", q, k, v, block_mask=block_mask)
+    assert torch.equal(routed, _call("baseline:dtype=fp64", q, k, v, per_row, sdpa=True))
+    assert torch.allclose(routed, torch_flex(q, k, v, block_mask=block_mask), atol=1e-5)
+    q, k, v = _qkv(n=30, m=30)   # blocks of 8 over 30 tokens: the last ones cut
+    block_mask = create_block_mask(document, None, None, 30, 30, device="cpu", BLOCK_SIZE=8)
+    routed = _call("baseline:dtype=fp64", q, k, v, block_mask=block_mask)
+    assert torch.allclose(routed, torch_flex(q, k, v, block_mask=block_mask), atol=1e-5)
+
+
 def by_head(b, h, q, k):   # head 0 sees every earlier key, the others not the first
     return (q >= k) & ((h == 0) | (k > 0) | (q == 0))
 
 
-@pytest.mark.parametrize(("kwargs", "expected"), [
-    ({"score_mod": lambda score, b, h, q, k: score * 0.5}, "with score_mod"),
-    ({"return_lse": True}, "with return_lse"),
-    ({"return_aux": AuxRequest(lse=True)}, "with return_aux=lse"),
-    ({"block_mask": None}, "without a block mask"),
-    ({"mask_mod": lambda b, h, q, k: in_document(q) == in_document(k)}, "see later keys"),
-    ({"mask_mod": by_head}, "differs between heads"),
-], ids=["score_mod", "lse", "aux-lse", "no-mask", "not-causal", "by-head"])
-def test_what_the_backends_cannot_compute_is_refused_in_one_line(kwargs, expected):
-    mask_mod = kwargs.pop("mask_mod", causal)
-    module = Attention(mask_mod=mask_mod, **kwargs)
-    if mask_mod is by_head:
-        module.block_mask = create_block_mask(by_head, None, HEADS, T, T, device="cpu", BLOCK_SIZE=8)
-    model = nn.Sequential(module)
+def _mask(mask_mod=causal, batch=None, n=T, m=T):
+    return create_block_mask(mask_mod, batch, None, n, m, device="cpu", BLOCK_SIZE=8)
+
+
+@pytest.mark.parametrize(("shapes", "kwargs", "expected"), [
+    ({}, {"score_mod": lambda score, b, h, q, k: score * 0.5}, "with score_mod"),
+    ({}, {"return_lse": True}, "with return_lse"),
+    ({}, {"return_aux": AuxRequest(lse=True)}, "with return_aux=lse"),
+    ({}, {"block_mask": None}, "without a block mask"),
+    ({}, {"block_mask": _mask(lambda b, h, q, k: in_document(q) == in_document(k))}, "see later keys"),
+    ({}, {"block_mask": _mask(by_head)}, "differs between heads"),
+    ({}, {"block_mask": _mask(lambda b, h, q, k: (q >= k) & (k > 0))}, "sees no key"),
+    ({}, {"block_mask": _mask(causal, batch=3)}, "block mask for batch 3"),
+    ({}, {"block_mask": _mask(causal, n=64, m=64)}, "for 64 queries and 64 keys, and 32 queries"),
+    ({"kv_heads": 2}, {"block_mask": _mask()}, "or enable_gqa=True"),
+], ids=["score_mod", "lse", "aux-lse", "no-mask", "not-causal", "by-head", "no-key", "batch", "length", "gqa"])
+def test_what_the_backends_cannot_compute_is_refused_in_one_line(shapes, kwargs, expected):
+    q, k, v = _qkv(**shapes)
     with pytest.raises(UsageError, match=expected) as raised:
-        _run_forward(model, torch.randn(1, T, EMBD), "baseline")
+        _call("baseline", q, k, v, **({"block_mask": _mask()} | kwargs))
     assert "\n" not in str(raised.value) and "layer 0" in str(raised.value)
     if "score_mod" in kwargs:   # on a layer left to the model's own attention the call runs as written
-        assert _run_forward(model, torch.randn(1, T, EMBD), "sdpa").shape == (1, T, EMBD)
+        assert _call("sdpa", q, k, v, **({"block_mask": _mask()} | kwargs)).shape == q.shape
 
 
 class FlexAttention(nn.Module):   # torchtitan 0.3's: a compiled flex attention as a class variable, aux asked for
@@ -190,6 +251,7 @@ def test_a_module_calling_torchs_flex_attention_is_named_with_its_one_line_chang
 def test_on_a_gpu_the_call_trains_as_torchs_compiled_flex_attention_and_routes_as_sdpa():
     kernel = torch.compile(torch_flex)
     flex, sdpa = _pair("cuda", mask_mod=document, embd=64, kernel=kernel)   # heads of 16: Triton's smallest dot
+    flex[0].block_mask = create_block_mask(document, None, None, T, T, device="cuda")   # blocks of 128: Triton's
     x = torch.randn(2, T, 64, device="cuda")
     own, own_grads = _run(flex, x, "sdpa")   # every head the model's own: torch's kernel, forward and backward
     flex.zero_grad(set_to_none=True)
@@ -205,3 +267,10 @@ def test_on_a_gpu_the_call_trains_as_torchs_compiled_flex_attention_and_routes_a
         assert torch.equal(y, y_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref, strict=True))
         assert not torch.equal(y, own)
     assert torch.allclose(_run_forward(flex, x, "baseline:dtype=fp64"), own, atol=1e-4)
+
+
+def test_a_module_holding_flex_that_computed_attention_by_hand_is_told_of_the_hand_written_change():
+    reach = AttentionReach()
+    reach.entered(0, "attn", "Attention", flex=True)
+    reach.called(0, "softmax")
+    assert "causal_attention(q, k, v" in reach.unreached_hint() and "routable" not in reach.unreached_hint()
