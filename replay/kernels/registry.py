@@ -30,7 +30,7 @@ from replay.kernels import internals
 from replay.kernels.baseline import baseline_attention, causal_mask
 from replay.kernels.dtypes import DTYPES
 from replay.kernels.flash_emu import flash_attention
-from replay.kernels.plan import PLUGINS, AttentionPlan, BackendSpec
+from replay.kernels.plan import EMULATED, PLUGINS, AttentionPlan, BackendSpec
 from replay.kernels.reach import AttentionReach
 
 
@@ -57,7 +57,7 @@ class LayerAttention:
             spec, heads = self.groups[0]
             return _run(spec, module, q, k, v, keep, scaling, (self.layer, heads), dropout)
         k, v, module = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1]), _Ungrouped(module)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])   # values may be of another width than queries and keys
         for spec, heads in self.groups:
             idx = torch.tensor(heads, device=q.device)
             out[:, idx] = _run(spec, module, q[:, idx], k[:, idx], v[:, idx], keep, scaling,
@@ -135,6 +135,9 @@ def _run(spec: BackendSpec, module, q, k, v, keep, scaling, site: tuple[int, lis
             raise UsageError(f"attention backend {spec.name!r} (a plugin) takes no attention dropout: give its "
                              "function a `dropout` argument, or set the model's attention dropout to 0")
         return fn(q, k, v, scaling, dropout=dropout)
+    if spec.name in EMULATED and v.shape[-1] != q.shape[-1]:
+        raise UsageError(f"attention backend {spec.name!r} takes values as wide as the queries and keys (head dim "
+                         f"{q.shape[-1]}); this call's values are {v.shape[-1]} wide: use 'baseline' for these heads")
     with torch.autocast(q.device.type, enabled=False):   # our backends round where they say, nowhere else
         if spec.name == "baseline":
             dtype = DTYPES[spec.dtype] if spec.dtype else q.dtype

@@ -24,6 +24,23 @@ def test_each_head_group_gets_exactly_its_backend():
     assert torch.equal(out[:, [0, 3]], rest)
 
 
+def test_values_wider_than_the_keys_reach_baseline_and_are_refused_in_one_line_by_the_emulations():
+    from replay.errors import UsageError
+    from replay.kernels.baseline import baseline_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 24, 8, generator=g), torch.randn(2, 4, 24, 8, generator=g), torch.randn(
+        2, 4, 24, 16, generator=g)   # values of 16 for heads of 8 (DeepSeek's MLA has such)
+    out = LayerAttention(AttentionPlan.parse("baseline;0.1=baseline:dtype=bf16"), layer=0, n_head=4)(
+        None, q, k, v, None, 8 ** -0.5)
+    assert out.shape == (2, 4, 24, 16)
+    assert torch.equal(out[:, [0, 2, 3]], baseline_attention(q[:, [0, 2, 3]], k[:, [0, 2, 3]], v[:, [0, 2, 3]],
+                                                             torch.float32, scale=8 ** -0.5))
+    with pytest.raises(UsageError, match="values as wide as the queries") as raised:
+        LayerAttention(AttentionPlan.parse("baseline;0.1=fa2-emu"), layer=0, n_head=4)(None, q, k, v, None, 8 ** -0.5)
+    assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_eager_through_the_dispatcher_is_bitwise_transformers_eager(autocast):
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
