@@ -313,13 +313,15 @@ def main() -> None:
         reference = record_reference(base / "reference")
         trials = []
         t0 = time.perf_counter()
+        print("  (a kill goes out once rank 0's `step N` line is read; the ranks may be a few steps further by then)")
         for i in range(args.kills):
             work = base / f"kill-{i}"
             trial = kill_trial(reference, work, rng, ("group", "rank")[i % 2], at_step=-1 if i % 6 == 2 else None)
             trials.append(trial)
             work.remove_tree()
-            print(f"  kill {i + 1:>2}: {trial.how:<5} at step {trial.at_step:>3} ({trial.landed}), resumed from "
-                  f"checkpoint {trial.resumed_from}: bit for bit the uninterrupted run", flush=True)
+            when = "as the ranks started" if trial.at_step < 0 else f"once step {trial.at_step:>2} was read"
+            print(f"  kill {i + 1:>2}: {trial.how:<5} {when} ({trial.landed}), resumed from checkpoint "
+                  f"{trial.resumed_from}: bit for bit the uninterrupted run", flush=True)
         by = Counter(t.landed for t in trials)
         print(f"kills: {len(trials)} of {args.kills} resumed to completion and equal bit for bit (loss, grad norm, "
               f"lr, sample ids, final state of both ranks); landed in start-up {by['start-up']}, training "
