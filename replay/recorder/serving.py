@@ -70,11 +70,13 @@ class Serving:
         return cls(jobs, answers)
 
     def failing(self, hook: Hook, rank: int) -> Hook:
-        """An excepthook that says replay's own error to the launcher (`Answer.failed`), then calls `hook`."""
+        """An excepthook that says replay's own error to the launcher (`Answer.failed`), which says it in its one
+        line, then calls `hook`; the rank itself says it only where the launcher could not be told."""
         def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> object:
             if isinstance(value, ReplayError):
                 with contextlib.suppress(OSError):   # the launcher gone: the rank ends with it anyway
                     os.write(self._answers, Answer(failed=f"rank {rank}: {value}").line())
+                    value.said_by_launcher = True
             return hook(kind, value, tb)
         return excepthook
 
