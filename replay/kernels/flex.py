@@ -34,6 +34,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from replay.errors import UsageError
 from replay.kernels.baseline import causal_mask
+from replay.kernels.registry import per_query_head
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -104,10 +105,7 @@ def routed_call(layer: int, bound: dict[str, Any], cache: dict[str, Any]) -> tup
         raise UsageError(f"layer {layer} calls flex attention with q {tuple(q.shape)} and k {tuple(k.shape)}: "
                          "replay takes [batch, heads, seq, head_dim] with as many key as query heads, or "
                          "enable_gqa=True")
-    if q.shape[1] % k.shape[1]:
-        raise UsageError(f"layer {layer}: {q.shape[1]} query heads cannot share {k.shape[1]} key/value heads "
-                         "evenly")
-    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    k, v = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1])
     scale = bound.get("scale") or q.shape[-1] ** -0.5
     keep = _keep(layer, bound.get("block_mask"), q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device, cache)
     return q, k, v, keep, scale
