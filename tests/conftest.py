@@ -25,9 +25,8 @@ from filelock import FileLock
 
 from replay.config import Launcher
 from replay.launch.forkserver import ForkServer, script_argv_forkable
-from replay.launch.job import RankJob, RankLauncher
+from replay.launch.job import RANKS_ENV, RankJob, RankLauncher
 from replay.launch.pool import RankPool
-from replay.launch.ranks import RANKS_ENV
 from replay.launch.ray_cluster import SYSTEM_CONFIG
 from replay.launch.script import ScriptServer, script_forks
 from replay.lifeline import child_env, guarded
@@ -281,7 +280,7 @@ def rank_pool() -> Iterator[RankPool]:
     subject), and so are the in-process runs of a module that says so with
     `pytestmark = pytest.mark.usefixtures("on_rank_pool")`. Every other run starts its ranks as the
     user's command does."""
-    pool = RankPool(2)
+    pool = RankPool(2, forks=_worker_forks)   # forked from the worker's fork server, which has imported already
     yield pool
     pool.close()
 

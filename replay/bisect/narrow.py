@@ -48,7 +48,7 @@ from replay.bisect.session import (
     Verdict,
 )
 from replay.errors import ReplayError, UsageError
-from replay.launch.ranks import fresh_ranks
+from replay.launch.job import fresh_ranks
 from replay.launch.ray_cluster import cluster_address, cluster_cpus, ray_session
 from replay.launch.ray_ranks import Placing, RayRanks
 from replay.recorder.command import check_unchanged

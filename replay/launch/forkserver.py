@@ -160,12 +160,20 @@ class ForkServer:
         assert self.script is not None, "a script fork server"
         return self._fork(argv, envs, {"fd_env": fd_env, "cwd": cwd}, rank_fds) if self.wait_ready() else None
 
+    def fork_warm(self, envs: list[dict[str, str]], fd_env: str, rank_fds: list[tuple[int, ...]], out: int
+                  ) -> list[_ForkedRank] | None:
+        """Warm ranks of the built-in trainer (launch/pool.py) forked for `envs`, each `worker --serve` on its
+        descriptors `rank_fds[i]` (named to it in `fd_env`), its output to `out`; None: the server cannot fork
+        (`refused` says why), and the caller starts fresh ones."""
+        assert self.script is None, "the built-in trainer's fork server"
+        return self._fork(["--serve"], envs, {"fd_env": fd_env}, rank_fds, out) if self.wait_ready() else None
+
     def _fork(self, argv: list[str], envs: list[dict[str, str]], extra: dict[str, Any] | None = None,
-              rank_fds: list[tuple[int, ...]] | None = None) -> list[_ForkedRank] | None:
-        """The ranks forked for `envs` (None: the server refused to fork)."""
+              rank_fds: list[tuple[int, ...]] | None = None, out: int = 2) -> list[_ForkedRank] | None:
+        """The ranks forked for `envs`, their output to `out` (None: the server refused to fork)."""
         assert self._sock is not None, "wait_ready() started the server"
         sys.stderr.flush()
-        fds, indices = [2], []
+        fds, indices = [out], []
         for own in rank_fds or []:
             indices.append(list(range(len(fds), len(fds) + len(own))))
             fds += own

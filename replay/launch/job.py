@@ -7,12 +7,13 @@ ranks of its own (warm ranks, a fork server, a placement group) passes them ther
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from replay.config import Launcher
-from replay.errors import ReplayError
+from replay.errors import ReplayError, UsageError
 from replay.launch.local import Node
 from replay.store import RunStore
 from replay.store.holder import ENV as LEASE_ENV
@@ -67,3 +68,15 @@ class RankLauncher(Protocol):
         ...
 
     def run(self, job: RankJob) -> None: ...
+
+
+RANKS_ENV = "REPLAY_RANKS"   # "fresh": ranks start as fresh processes, never forked, scripts never kept up
+
+
+def fresh_ranks() -> bool:
+    """REPLAY_RANKS=fresh: every rank starts as a new process, never forked, and a user's script is started
+    anew for each replay, never kept up between them (launch/script.py)."""
+    fresh = os.environ.get(RANKS_ENV, "")
+    if fresh not in ("", "fresh"):
+        raise UsageError(f"{RANKS_ENV}={fresh}: set it to `fresh` to start every rank as a new process, or unset it")
+    return fresh == "fresh"

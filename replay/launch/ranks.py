@@ -26,7 +26,7 @@ from replay.errors import ChecksumError, ReplayError, StoreError, UsageError
 from replay.kernels.plan import check_attention
 from replay.launch.forkserver import ForkServer
 from replay.launch.fresh import FreshRanks
-from replay.launch.job import RankJob, RankLauncher, continued_by
+from replay.launch.job import RankJob, RankLauncher, continued_by, fresh_ranks
 from replay.launch.local import collector_paused
 from replay.launch.script import ScriptRanks, ScriptServer
 from replay.recorder.host import environment_notes
@@ -282,9 +282,6 @@ def _check_device(cfg: RunConfig, local_world: int) -> None:
                          f"{have}; record with --nproc {have} or fewer")
 
 
-RANKS_ENV = "REPLAY_RANKS"   # "fresh": ranks start as fresh processes, never forked, scripts never kept up
-
-
 def choose_launcher(launcher: Launcher, world_size: int, command: CommandInfo | None = None,
                     given: RankLauncher | None = None) -> RankLauncher:
     """How the ranks of a run of `launcher` on `world_size` processes start: the one place this is decided.
@@ -314,15 +311,6 @@ def kept_up(manifest: Manifest) -> ScriptServer | ForkServer | None:
         return ScriptServer(manifest.command) if caps.serves_replays and manifest.command is not None else None
     fork = ForkServer()
     return fork if fork.takes(caps.launcher, caps.world_size) else None
-
-
-def fresh_ranks() -> bool:
-    """REPLAY_RANKS=fresh: every rank starts as a new process, never forked, and a user's script is started
-    anew for each replay, never kept up between them (launch/script.py)."""
-    fresh = os.environ.get(RANKS_ENV, "")
-    if fresh not in ("", "fresh"):
-        raise UsageError(f"{RANKS_ENV}={fresh}: set it to `fresh` to start every rank as a new process, or unset it")
-    return fresh == "fresh"
 
 
 @contextlib.contextmanager

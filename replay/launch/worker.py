@@ -1,5 +1,6 @@
 """One rank: `python -m replay.launch.worker STORE [--resume]` (a recording or replay, started by ranks.py),
-or `python -m replay.launch.worker --serve` (a warm rank of launch/pool.py: one store per input line).
+or `python -m replay.launch.worker --serve` (a warm rank of launch/pool.py: one store per line of its request
+pipe), started fresh or forked from a fork server.
 
 Errors are one line, prefixed with the rank; the launching `replay record` adds the summary line.
 REPLAY_DEBUG=1 (set by `replay --debug`) prints the traceback as well.
@@ -34,7 +35,8 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     if argv[:1] == ["--serve"]:
-        return serve(train, int(os.environ["REPLAY_REPLY_FD"]))
+        requests, replies = (int(fd) for fd in os.environ[POOL_FDS].split(","))
+        return serve(train, requests, replies)
     store, resume = Location.parse(argv[0]), "--resume" in argv[1:]
     error, code = _attempt(train, store, resume, lease=os.environ[LEASE_ENV])
     if error and not error.startswith(_SAID):
@@ -42,16 +44,19 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def serve(train, reply_fd: int) -> int:
-    """Train one store per request line until the input ends; answer each on `reply_fd`, keeping the
+POOL_FDS = "REPLAY_POOL_FDS"   # a warm rank's descriptors: "REQUESTS,REPLIES" (launch/pool.py)
+
+
+def serve(train, request_fd: int, reply_fd: int) -> int:
+    """Train one store per request line on `request_fd` until it ends; answer each on `reply_fd`, keeping the
     process group between them."""
     # lazy (see main)
     import torch.distributed as dist
 
     from replay.store.location import Location
 
-    with os.fdopen(reply_fd, "w") as replies:
-        for line in sys.stdin:
+    with os.fdopen(request_fd) as requests, os.fdopen(reply_fd, "w") as replies:
+        for line in requests:
             request = json.loads(line)
             os.environ.update(request.get("env", {}))   # the command's plugins (kernels/plan.py)
             error, code = _attempt(train, Location.parse(request["store"]), request["resume"], lease=request["lease"],

@@ -22,9 +22,8 @@ def _start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 
-def _ranks(n: int, serve: bool = False):
-    needle = "replay.launch.worker --serve" if serve else "replay.launch.worker"
-    return lambda cmdlines: sum(needle in c for c in cmdlines) >= n
+def _ranks(n: int):
+    return lambda cmdlines: sum("replay.launch.worker" in c for c in cmdlines) >= n
 
 
 def _forked(n: int):
@@ -74,7 +73,7 @@ def test_a_warm_pool_dies_with_the_ray_worker_that_holds_it(ray_local):
 
     actor = ray.remote(num_cpus=1)(ProbeWorker).remote(2)
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-    ranks = wait_for_descendants(pid, _ranks(2, serve=True))
+    ranks = wait_for_descendants(pid, _forked(2))   # its pool's fork server and the 2 ranks forked from it
     os.kill(pid, signal.SIGKILL)
     assert_gone(ranks, within=2.0)
     ray.kill(actor)
@@ -87,7 +86,7 @@ def test_a_killed_bisect_leaves_no_rank(spike_store, tmp_path):
     shutil.copytree(spike_store, store)
     proc = _start("bisect", str(store), "--fix", "lr-scale=0.5", "--by", "steps", "--workers", "1")
     try:
-        found = wait_for_descendants(proc.pid, _ranks(2, serve=True))
+        found = wait_for_descendants(proc.pid, _forked(2))
         _kill_alone(proc)
         assert_gone(found, within=2.0)
     finally:

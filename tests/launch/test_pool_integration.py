@@ -1,5 +1,6 @@
-"""Warm ranks (launch/pool.py): replays one after another in the same rank processes stay bit for bit,
-and a rank that dies fails its replay and leaves the next one a fresh pool."""
+"""Warm ranks (launch/pool.py), forked from the pool's fork server: replays one after another in the same rank
+processes stay bit for bit, and a rank that dies fails its replay and leaves the next one a fresh pool. (A Ray
+node's pool starts fresh ranks: tests/launch/test_multinode_integration.py.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from replay.errors import ReplayError
 from replay.launch.pool import RankPool
+from replay.processes import descendants
 from replay.replayer.replays import ReplayRequest, run
 from replay.store import RunStore
 from replay.store.overrides import Overrides
@@ -28,6 +30,7 @@ def test_replays_on_warm_ranks_are_bit_for_bit_one_after_another(store_copy):
             plain = run(store_copy, ReplayRequest(start, stop), ranks=pool)
             assert plain.created and plain.verification.bitwise, (start, stop, plain.verification)
         assert [p.pid for p in pool._procs] == pids   # the same processes served every replay
+        assert pool._own_forks is not None and set(pids) <= set(descendants(pool._own_forks.pid))   # forked
 
 
 def test_a_rank_that_dies_fails_the_replay_and_the_next_starts_a_fresh_pool(store_copy, monkeypatch):

@@ -12,10 +12,10 @@ from replay.config import Launcher
 from replay.errors import UsageError
 from replay.launch.forkserver import ForkServer
 from replay.launch.fresh import FreshRanks
+from replay.launch.job import RANKS_ENV
 from replay.launch.pool import RankPool
 from replay.launch.ranks import (
     RANK_VARIABLES,
-    RANKS_ENV,
     InProcess,
     choose_launcher,
     outer_launcher,
