@@ -15,7 +15,8 @@ already up (launch/forkserver.py), and warm ranks (launch/pool.py, warmed by one
 time from the request (the launcher's `run`) to rank 0's first step done (its `step` line on stderr), and the
 one-step replay's wall time (prepare, ranks, final checkpoint, verification); the median of 3 (1 with
 --quick). Then the same one-step replay as a `replay run` command: fresh ranks (REPLAY_RANKS=fresh) against
-the command's own fork server (the default).
+the command's own fork server (the default). And a warm pool's start with its first one-step replay, its ranks
+fresh against forked from the pool's own fork server, alternating: wall and CPU time.
 
 A user's script: the examples' transformers Trainer script (a Llama from a config) recorded on 2 ranks under
 torchrun, then the same 2-step `replay run` of it with the script's ranks started as fresh processes
@@ -179,6 +180,34 @@ def side_by_side(store: Path, start: int, repeats: int) -> None:
           f"a one-step replay <= 2 s (fork server: {results['fork server'][1]:.2f} s)")
 
 
+def pool_starts(store: Path, start: int, pairs: int) -> None:
+    """A warm pool of 2 ranks started and its first one-step replay, the ranks started fresh (REPLAY_RANKS=fresh)
+    and forked from the pool's own fork server (the default), alternating: wall and CPU time (every process the
+    pool started, reaped when it closes)."""
+    def children_cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    measured: dict[str, list[tuple[float, float]]] = {"fresh": [], "forked": []}
+    for i in range(pairs):
+        for kind, runs in measured.items():
+            os.environ.pop("REPLAY_RANKS", None)
+            if kind == "fresh":
+                os.environ["REPLAY_RANKS"] = "fresh"
+            try:
+                cpu, t0 = children_cpu(), time.perf_counter()
+                with RankPool(2) as pool:
+                    run(store, ReplayRequest(start, start, name=f"pool-{kind}-{i}"), ranks=pool)
+                runs.append((time.perf_counter() - t0, children_cpu() - cpu))
+            finally:
+                os.environ.pop("REPLAY_RANKS", None)
+    (fresh_wall, fresh_cpu), (forked_wall, forked_cpu) = (
+        (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)) for runs in measured.values())
+    print(f"a warm pool of 2 ranks started and its first one-step replay (median of {pairs}): fresh ranks "
+          f"{fresh_wall:.1f} s wall, {fresh_cpu:.1f} s CPU; forked from its fork server {forked_wall:.1f} s wall, "
+          f"{forked_cpu:.1f} s CPU ({fresh_cpu / forked_cpu:.2f}x less CPU)")
+
+
 def commands(store: Path, start: int) -> None:
     """The one-step replay as a `replay run` command, fresh ranks against the command's own fork server."""
     window = ("-m", "replay", "run", str(store), "--from", str(start), "--to", str(start))
@@ -214,6 +243,7 @@ def main() -> None:
         timed("-m", "replay", "record", "--store", str(tiny), "--preset", "tiny", "--nproc", "2", "--steps", "20",
               "--checkpoint-every", "10")
         side_by_side(tiny, 10, 1 if quick else 3)
+        pool_starts(tiny, 10, 1 if quick else 3)
         script_replays(work, 1 if quick else 3)
         if quick:
             return

@@ -682,7 +682,9 @@ def bisect(store, spike, by, fix, horizon, threshold, min_delta, max_probes, ray
     cfg = BisectConfig(spike=spike, by=by, fix=fix, horizon=horizon, threshold=threshold, min_delta=min_delta,
                        max_probes=max_probes, workers=workers, address=ray_address, pack=pack,
                        allow_changed=allow_changed)
-    session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True))
+    lent = _lent_ranks()   # a caller's fork server: the probes' warm ranks are forked from it
+    forks = lent if isinstance(lent, ForkServer) and lent.script is None else None
+    session = run_bisect(store, cfg, progress=lambda m: click.echo(m, err=True), forks=forks)
     if as_json:
         click.echo(json.dumps(session.to_dict(), indent=2))
         return

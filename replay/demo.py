@@ -27,6 +27,7 @@ from replay.bisect.session import Session
 from replay.config import build_config
 from replay.errors import UsageError
 from replay.launch import ranks
+from replay.launch.forkserver import ForkServer
 from replay.launch.pool import RankPool
 from replay.launch.ray_cluster import ray_session
 from replay.replayer.replays import ReplayRequest
@@ -76,14 +77,15 @@ def run_demo(store: Where, progress: Callable[[str], None]) -> DemoResult:
     stages: dict[str, float] = {}
     t = time.perf_counter()
 
-    with RankPool(NPROC) as pool:   # the recording and the dense replay run on the same warm ranks
+    # the recording and the dense replay run on the same warm ranks; they and the bisect's are forked from one server
+    with ForkServer() as forks, RankPool(NPROC, forks=forks) as pool:
         progress(f"[1/6] record: the `{PRESET}` preset on {NPROC} CPU ranks into {store}")
         _record(store, progress, pool)
         stages["record"], t = time.perf_counter() - t, time.perf_counter()
 
         with ray_session():   # one local Ray cluster for the bisect (where its probes need one) and the analysis
             progress(f"[2/6] bisect the largest spike with the counterfactual {FIX}")
-            session = bisect(store, BisectConfig(fix=FIX), progress=lambda m: progress("      " + m))
+            session = bisect(store, BisectConfig(fix=FIX), progress=lambda m: progress("      " + m), forks=forks)
             stages["bisect"], t = time.perf_counter() - t, time.perf_counter()
 
             assert session.verdict is not None, "a bisect ends with its verdict, or raises"

@@ -48,6 +48,7 @@ from replay.bisect.session import (
     Verdict,
 )
 from replay.errors import ReplayError, UsageError
+from replay.launch.forkserver import ForkServer
 from replay.launch.job import fresh_ranks
 from replay.launch.ray_cluster import cluster_address, cluster_cpus, ray_session
 from replay.launch.ray_ranks import Placing, RayRanks
@@ -136,8 +137,9 @@ def _check_options(cfg: BisectConfig) -> None:
 
 
 class Bisect:
-    def __init__(self, store_path: Location, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None):
-        self.store_path, self.cfg, self.say = store_path, cfg, progress
+    def __init__(self, store_path: Location, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None,
+                 forks: ForkServer | None = None):
+        self.store_path, self.cfg, self.say, self.forks = store_path, cfg, progress, forks
         self.record = RunStore.open(store_path)
         if self.record.kind != "run":
             raise UsageError(f"{store_path} is a replay; bisect the run it belongs to")
@@ -319,7 +321,7 @@ class Bisect:
             ranks = "of the script's rank(s), kept up between probes" if script else "warm rank(s)" if warm else \
                 "fresh rank(s)"
             self.say(f"probes run one at a time in this process, each with {world} {ranks}")
-            return LocalProbes(self.store_path, world, self.held().spec, warm, script)
+            return LocalProbes(self.store_path, world, self.held().spec, warm, script, self.forks)
         placed = self._placed()
         if placed is not None:
             group = RayRanks(*placed)
@@ -603,9 +605,11 @@ class Bisect:
             seconds=seconds, workers=self.width)
 
 
-def bisect(store_path: Where, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None) -> Session:
+def bisect(store_path: Where, cfg: BisectConfig, progress: Callable[[str], None] = lambda m: None,
+           forks: ForkServer | None = None) -> Session:
+    """`forks`: a fork server of the caller's that probes run in this process fork their warm ranks from."""
     store_path = Location.parse(store_path)
-    return Bisect(store_path, cfg, progress).run()
+    return Bisect(store_path, cfg, progress, forks).run()
 
 
 def _spans(ids: np.ndarray) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from replay.bisect.session import ProbeOutcome
 from replay.errors import ReplayError
+from replay.launch.forkserver import ForkServer
 from replay.launch.pool import RankPool, RankPoolError
 from replay.launch.ray_cluster import worker_options
 from replay.launch.ray_ranks import NodeLost, Placing, RayRanks
@@ -45,11 +46,12 @@ class ProbeWorker:
     record's manifest and a placing, on a placement group of its own."""
 
     def __init__(self, world_size: int, warm: bool = True, placed: tuple[Manifest, Placing] | None = None,
-                 script: CommandInfo | None = None):
+                 script: CommandInfo | None = None, forks: ForkServer | None = None):
         self.log = log = Path(tempfile.gettempdir()) / f"replay-probe-ranks-{os.getpid()}.log"
         self.cluster = RayRanks(*placed, log=log) if placed else None
         self.script = ScriptServer(script) if script is not None and placed is None else None
-        self.pool = RankPool(world_size, log=log) if warm and placed is None and self.script is None else None
+        self.pool = RankPool(world_size, log=log, forks=forks) if warm and placed is None and self.script is None \
+            else None
         if self.pool is not None:
             self.pool.start()   # every actor's ranks start at once, before the first probe
 
@@ -94,9 +96,10 @@ class LocalProbes:
     between probes), with no Ray cluster: on one machine where one probe at a time fits (a kept-up script's
     probes take a fraction of a second each, less than starting a second copy of the script would)."""
 
-    def __init__(self, store: Location, world_size: int, lease: str, warm: bool, script: CommandInfo | None):
+    def __init__(self, store: Location, world_size: int, lease: str, warm: bool, script: CommandInfo | None,
+                 forks: ForkServer | None = None):
         self.store, self.lease = store, lease
-        self.worker = ProbeWorker(world_size, warm=warm, script=script)
+        self.worker = ProbeWorker(world_size, warm=warm, script=script, forks=forks)
 
     def run(self, requests: list[ReplayRequest]) -> list[ProbeOutcome]:
         return [self.worker.run(self.store, req, self.lease) for req in requests]
