@@ -234,6 +234,7 @@ def _cases() -> list[Case]:
         Case("bisect STORE --spike 20 --horizon 0", "--horizon must be >= 1"),
         Case("bisect STORE --max-probes 0", "--max-probes must be >= 1"),
         Case("bisect STORE --fix bogus", "is not a counterfactual"),
+        Case("bisect STORE", "REPLAY_RANKS=warm: set it to `fresh`", env={"REPLAY_RANKS": "warm"}),
         Case("bisect STORE --threshold nan", "--threshold must be a finite number"),
         Case("bisect STORE --min-delta -1", "Invalid value for '--min-delta'"),
         Case("bisect STORE --workers 0", "--workers must be >= 1"),

@@ -149,6 +149,7 @@ class Bisect:
             assert self.record.manifest.command is not None
             check_unchanged(self.record.manifest.command, "bisecting it")
         _check_options(cfg)
+        self.fresh = fresh_ranks()   # a bad REPLAY_RANKS is refused before the session is written
         self.fix = parse_counterfactual(cfg.fix)
         self.run_cfg = self.record.manifest.config
         self.spike = self._pick_spike()
@@ -285,7 +286,7 @@ class Bisect:
         self.say(f"rule: {self.rule.describe()}")
         world = self.record.manifest.world_size
         # a script's ranks kept up between probes, unless REPLAY_RANKS=fresh; DeepSpeed's start for each probe
-        script = self.record.manifest.command if self.caps.serves_replays and not fresh_ranks() else None
+        script = self.record.manifest.command if self.caps.serves_replays and not self.fresh else None
         local = not self._on_cluster() and (script is not None or self._local_slots(world) == 1)   # no Ray
         with contextlib.nullcontext() if local else ray_session(self.cfg.address):
             self.started = True
