@@ -6,9 +6,9 @@ MASTER_ADDR/PORT, ...), forked from a fork server (launch/forkserver.py: the poo
 lends it), so that the pool's ranks import torch and transformers once between them, not once each; or
 started as fresh processes where no fork server can fork (not Linux, REPLAY_RANKS=fresh, a Ray node's ranks).
 A rank joins the process group once, then trains one store per request line on its request pipe and answers
-one JSON line on its reply pipe. Every replay restores its model,
-optimizer and RNG states from the store and sets its thread count and determinism flags, so nothing
-carries over between replays but imported code; bitwise verification checks exactly that.
+one JSON line on its reply pipe. Every replay restores its model, optimizer and RNG states from the store and
+sets its thread count and determinism flags, so nothing carries over between replays but imported code;
+bitwise verification checks exactly that.
 A failing rank (its error, or its death) takes the whole pool down: the others may be stuck in a
 collective. The next request starts a fresh pool.
 
